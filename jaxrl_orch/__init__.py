@@ -1,0 +1,1 @@
+"""jaxrl-orch: JAX-native asynchronous RL post-training."""

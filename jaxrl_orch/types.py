@@ -1,0 +1,343 @@
+"""Cross-component data contract.
+
+Everything that crosses a component boundary is defined here, and only here: the rollout a
+dispatcher emits, the samples a train sink builds, the batches the trainer and the eval sink
+consume, the shared policy-version handle, and the Protocols components are written against.
+
+Facts and their single owners (DESIGN.md section 3):
+- ``token_ids`` are the engine's sampled ids, kept as ids end to end (never re-tokenized).
+- ``logprobs`` are the behavior log-probabilities recorded by the engine at sampling time, per
+  token, at the sampling temperature.
+- ``versions`` are the params version of the decode step that produced each token. A rollout's
+  head version is the oldest version among its model tokens; staleness is bounded and reported
+  on the head.
+- ``reward`` is computed by the environment; advantages by the algorithm in the train sink.
+- ``off_policy_steps`` = ``(step - 1) - head_version``, stamped at ship time, only for rollouts
+  sampled from the live policy (``live_policy``).
+
+This module imports nothing from the rest of the package: it is the bottom layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+# Sentinel version for tokens the model did not produce (prompt, environment replies).
+NO_VERSION = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How the engine samples one completion. ``temperature == 0`` means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0  # 1.0 = disabled
+    max_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite value >= 0, got {self.temperature!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclasses.dataclass
+class Completion:
+    """One engine generation: per generated token its id, behavior log-prob and params version.
+
+    ``finish_reason`` is ``"stop"`` (a stop token was sampled; it is included in ``token_ids``),
+    ``"length"`` (max tokens or the cache ran out) or ``"cancelled"``.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+
+    def __post_init__(self) -> None:
+        if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError(
+                "Completion fields must have equal lengths, got "
+                f"token_ids={len(self.token_ids)} logprobs={len(self.logprobs)} "
+                f"versions={len(self.versions)}"
+            )
+
+
+@dataclasses.dataclass
+class Sample:
+    """One training sequence: a rollout's token trace with per-token training targets.
+
+    All arrays have the same length ``len(token_ids)``. Non-model tokens have
+    ``loss_mask == False``, ``logprobs == 0``, ``advantages == 0`` and ``versions == NO_VERSION``.
+    """
+
+    token_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # bool
+    logprobs: np.ndarray  # float32, behavior log-probs at the sampling temperature
+    advantages: np.ndarray  # float32
+    temperatures: np.ndarray  # float32, the sampling temperature fanned out to tokens
+    versions: np.ndarray  # int32
+    off_policy_steps: int | None = None
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One episode of one environment on one example, whatever its fate.
+
+    The token trace (``token_ids``) is the whole conversation as the model saw it: prompt,
+    model turns and environment replies, in order. ``loss_mask`` marks the model's tokens,
+    the only ones trained on; ``logprobs`` and ``versions`` are aligned with ``token_ids``.
+    """
+
+    env: str
+    group_id: int
+    episode_id: int
+    example: dict[str, Any]
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[bool] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    reward: float = 0.0
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    errors: list[str] = dataclasses.field(default_factory=list)
+    num_turns: int = 0
+    temperature: float = 1.0
+    trainable: bool = True
+    filtered: bool = False
+    filter_reasons: list[str] = dataclasses.field(default_factory=list)
+    is_eval: bool = False
+    # False for replayed / externally supplied rollouts: they carry no meaningful version.
+    live_policy: bool = True
+    policy_version_at_start: int = 0
+    off_policy_steps: int | None = None
+    advantage: float | None = None
+    samples: list[Sample] = dataclasses.field(default_factory=list)
+    # Timestamps on the orchestrator's clock (monotonic seconds, or virtual time in simulation).
+    admitted_at: float = 0.0
+    finished_at: float = 0.0
+    shipped_at: float = 0.0
+
+    @property
+    def has_error(self) -> bool:
+        return bool(self.errors)
+
+    def capture_error(self, exc: BaseException) -> None:
+        self.errors.append(f"{type(exc).__name__}: {exc}")
+        self.trainable = False
+
+    @property
+    def num_model_tokens(self) -> int:
+        return int(sum(self.loss_mask))
+
+    @property
+    def head_version(self) -> int:
+        """Oldest params version among the model's tokens (the one staleness is bounded on).
+
+        Falls back to the version at group start when no model token carries a version.
+        """
+        vs = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m and v >= 0]
+        return min(vs) if vs else self.policy_version_at_start
+
+    @property
+    def tail_version(self) -> int:
+        vs = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m and v >= 0]
+        return max(vs) if vs else self.policy_version_at_start
+
+    def validate_trace(self) -> None:
+        n = len(self.token_ids)
+        lens = {
+            "loss_mask": len(self.loss_mask),
+            "logprobs": len(self.logprobs),
+            "versions": len(self.versions),
+        }
+        bad = {k: v for k, v in lens.items() if v != n}
+        if bad:
+            raise ValueError(f"rollout trace misaligned: token_ids has {n} entries but {bad}")
+
+
+# An episode is what one dispatched unit of work yields: one rollout (per-rollout env) or a
+# whole group (per-group env). The main loop stamps and routes it as a unit.
+Episode = list[Rollout]
+
+
+@dataclasses.dataclass
+class TrainBatch:
+    """What the trainer consumes for one optimizer step.
+
+    ``samples`` is the training payload (clean rollouts only); ``rollouts`` is the observation
+    window since the previous batch (every rollout seen, errored and filtered too, for metrics).
+    """
+
+    step: int
+    samples: list[Sample]
+    rollouts: list[Rollout]
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.samples)
+
+
+@dataclasses.dataclass
+class EvalBatch:
+    step: int
+    env: str
+    rollouts: list[Rollout]
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class PolicyHandle:
+    """The shared, current policy version.
+
+    Components read ``version`` off this one handle; the weight watcher is the only writer.
+    ``advance`` wakes every waiter, so a version bump propagates without a message. Versions
+    never go backwards.
+    """
+
+    def __init__(self, version: int = 0) -> None:
+        self._version = int(version)
+        self._advanced = asyncio.Event()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def advance(self, version: int) -> None:
+        if version < self._version:
+            raise ValueError(
+                f"policy version must not go backwards: current {self._version}, got {version}"
+            )
+        self._version = int(version)
+        # Wake everyone waiting now, then re-arm for the next advance.
+        self._advanced.set()
+        self._advanced = asyncio.Event()
+
+    async def wait_advanced(self, timeout: float | None = None) -> bool:
+        """Wait for the next advance. Returns False on timeout."""
+        event = self._advanced
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def wait_for(self, version: int, timeout: float | None = None) -> bool:
+        """Wait until ``self.version >= version``. Returns False on timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while self._version < version:
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return False
+            if not await self.wait_advanced(remaining):
+                return self._version >= version
+        return True
+
+
+# --------------------------------------------------------------------------- Protocols
+
+
+@runtime_checkable
+class InferenceClient(Protocol):
+    """The async interface environments call to generate. Multi-turn: pass the full history."""
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion:
+        ...
+
+
+@runtime_checkable
+class InferencePool(Protocol):
+    """Several clients (engines/replicas); ``select`` picks one to pin a group to."""
+
+    def select(self) -> InferenceClient:
+        ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """Runs and scores one rollout. Raising is allowed: the dispatcher turns it into an error
+    rollout. ``run_group`` (optional) runs a whole group at once."""
+
+    name: str
+
+    async def run(
+        self,
+        client: InferenceClient,
+        example: dict[str, Any],
+        *,
+        group_id: int,
+        episode_id: int,
+        sampling: SamplingParams,
+    ) -> Rollout:
+        ...
+
+
+@runtime_checkable
+class Source(Protocol):
+    """Where prompts come from. Its state is part of the checkpoint (the data cursor)."""
+
+    def next_example(self) -> dict[str, Any]:
+        ...
+
+    def state(self) -> dict[str, Any]:
+        ...
+
+    def restore(self, state: dict[str, Any]) -> None:
+        ...
+
+
+@runtime_checkable
+class Algorithm(Protocol):
+    """Turns one group's rewards into per-rollout advantages (pure, NumPy)."""
+
+    name: str
+
+    def advantages(self, rewards: np.ndarray) -> np.ndarray:
+        ...
+
+
+@runtime_checkable
+class VersionObserver(Protocol):
+    def on_version(self, version: int) -> None:
+        ...
+
+
+@runtime_checkable
+class MetricsWriter(Protocol):
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """What the orchestrator ships batches to. ``submit`` must not block the event loop: the
+    trainer works in the background and publishes ``(version, params)`` when a step is done."""
+
+    def submit(self, batch: TrainBatch) -> None:
+        ...

@@ -1,0 +1,12 @@
+"""Test-wide setup: 8 fake CPU devices for every mesh test.
+
+XLA reads the flag once, when jax initialises its backends, so it must be set before any
+test module imports jax. conftest.py is imported by pytest before test collection.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
