@@ -212,7 +212,8 @@ def resolve_shardings(
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     _check_rules(rules)
-    leaves, treedef = jax.tree.flatten(logical_specs_tree, is_leaf=_is_logical)
+    # Every tuple is a leaf, so a malformed one is reported whole instead of being descended.
+    leaves, treedef = jax.tree.flatten(logical_specs_tree, is_leaf=lambda x: isinstance(x, tuple))
     for leaf in leaves:
         _check_logical(leaf)
     if shapes is None:
