@@ -1,0 +1,200 @@
+"""Model shapes: the ``ModelConfig`` record and the named presets.
+
+Owns the single description of a decoder's shape and numerics that every other part of the
+stack reads (the trainer to build and shard the model, the engine to size its KV cache, the HF
+importer to check a checkpoint against). A config is frozen and hashable so it can be a static
+argument of a jitted function.
+
+Presets:
+- ``tiny-byte`` / ``small-byte``: byte-level models whose vocab equals ``ByteTokenizer``'s
+  (``BYTE_VOCAB_SIZE``); ~1M / ~3M params, sized to run on 2 CPU cores.
+- ``qwen2.5-0.5b``, ``qwen3-0.6b``, ``llama-3.2-1b``: the published shapes of those checkpoints
+  (from their ``config.json``), so ``hf_import.load_hf_checkpoint`` of the real weights agrees
+  with ``get_config`` of the same name.
+
+Invariants checked on construction: positive sizes, ``n_heads`` divisible by ``n_kv_heads``
+(grouped-query attention), even ``head_dim`` (RoPE rotates pairs). This module never touches
+arrays or devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+# Must equal ByteTokenizer().vocab_size: 256 bytes + specials, padded to 512 so that new special
+# tokens (e.g. tool-call tags) can be added without changing checkpoint shapes.
+BYTE_VOCAB_SIZE = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (HF ``rope_type: "llama3"``).
+
+    Long wavelengths (> original_max_position / low_freq_factor) are slowed by ``factor``,
+    short ones (< original_max_position / high_freq_factor) are kept, and the band in between
+    is interpolated smoothly.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0 or self.original_max_position <= 0:
+            raise ValueError(f"RopeScaling needs factor > 0 and original_max_position > 0: {self}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"RopeScaling needs high_freq_factor > low_freq_factor, got {self.high_freq_factor}"
+                f" <= {self.low_freq_factor}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama / Qwen2 / Qwen3 family decoder."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    tie_embeddings: bool = True
+    max_seq_len: int = 2048
+    dtype: Any = jnp.float32  # activation / compute dtype
+    param_dtype: Any = jnp.float32
+    qkv_bias: bool = False  # Qwen2: bias on the q, k and v projections
+    rope_scaling: RopeScaling | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.d_ff <= 0 or self.max_seq_len <= 0:
+            raise ValueError(
+                f"d_ff and max_seq_len must be > 0, got {self.d_ff}, {self.max_seq_len}"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError(
+                f"rope_theta and norm_eps must be > 0: {self.rope_theta}, {self.norm_eps}"
+            )
+        # Normalise so that configs built with jnp.float32 vs "float32" compare and hash equal.
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count implied by the shape (no array is built)."""
+        d, h, kv, hd = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
+        attn = d * h * hd * 2 + d * kv * hd * 2
+        if self.qkv_bias:
+            attn += h * hd + 2 * kv * hd
+        if self.qk_norm:
+            attn += 2 * hd
+        layer = attn + 3 * d * self.d_ff + 2 * d
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.n_layers * layer + d + head
+
+
+_PRESETS: dict[str, ModelConfig] = {
+    "tiny-byte": ModelConfig(
+        vocab_size=BYTE_VOCAB_SIZE,
+        d_model=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        d_ff=512,
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+        max_seq_len=2048,
+    ),
+    "small-byte": ModelConfig(
+        vocab_size=BYTE_VOCAB_SIZE,
+        d_model=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=32,
+        d_ff=768,
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+        max_seq_len=2048,
+    ),
+    # Shapes below are the published config.json values of the Hugging Face checkpoints.
+    "qwen2.5-0.5b": ModelConfig(
+        vocab_size=151936,
+        d_model=896,
+        n_layers=24,
+        n_heads=14,
+        n_kv_heads=2,
+        head_dim=64,
+        d_ff=4864,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qkv_bias=True,
+        tie_embeddings=True,
+        max_seq_len=32768,
+    ),
+    "qwen3-0.6b": ModelConfig(
+        vocab_size=151936,
+        d_model=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=3072,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qk_norm=True,
+        tie_embeddings=True,
+        max_seq_len=40960,
+    ),
+    "llama-3.2-1b": ModelConfig(
+        vocab_size=128256,
+        d_model=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=64,
+        d_ff=8192,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+        tie_embeddings=True,
+        max_seq_len=131072,
+        rope_scaling=RopeScaling(
+            factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
+        ),
+    ),
+}
+
+CONFIG_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+
+def get_config(name: str, **overrides: Any) -> ModelConfig:
+    """The named preset, optionally with fields replaced (e.g. ``dtype=jnp.bfloat16``)."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown model config {name!r}; known names: {', '.join(CONFIG_NAMES)}")
+    config = _PRESETS[name]
+    if overrides:
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        bad = sorted(set(overrides) - fields)
+        if bad:
+            raise ValueError(f"unknown ModelConfig fields {bad}; allowed: {sorted(fields)}")
+        config = dataclasses.replace(config, **overrides)
+    return config

@@ -1,0 +1,324 @@
+"""Decoder-only transformer of the Llama / Qwen2 / Qwen3 family, in Flax NNX.
+
+Owns the model's maths: token embedding, pre-norm blocks of grouped-query attention with RoPE
+(optional Llama-3 frequency scaling, optional Qwen3 QK-norm, optional Qwen2 q/k/v bias) and a
+SwiGLU MLP, a final RMSNorm and a tied or untied LM head. Two entry points share every block:
+
+- ``Transformer.__call__(tokens, positions, segment_ids=None)``: the full causal forward used
+  by the trainer. With ``segment_ids`` a token attends only to earlier tokens of its own segment,
+  so several sequences can be packed into one row (segment 0 is padding).
+- ``Transformer.forward_cached(tokens, positions, cache)``: the engine's prefill / decode step.
+  Each token's k/v are written into the cache at index = its position (per row), and a query
+  attends to the entries whose index is <= its own position. So a refilled slot never sees the
+  previous occupant (every index it can attend was just written by its own sequence), and junk
+  written by padding tokens beyond a row's true length is overwritten before anyone attends it.
+
+Params carry logical axis names in their ``logical_axes`` metadata (the names of the binding
+interface, see ``logical_specs``); this module never resolves them to a mesh (that is
+``sharding/rules.py``'s job) and never places arrays on devices or constrains shardings.
+Numerics: params in ``param_dtype``, matmuls in ``dtype``, RMSNorm, softmax and logits in
+float32, KV cache in whatever dtype ``init_cache`` was given.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_orch.models.configs import (
+    BYTE_VOCAB_SIZE,
+    CONFIG_NAMES,
+    ModelConfig,
+    RopeScaling,
+    get_config,
+)
+
+__all__ = [
+    "ACTIVATION_AXES",
+    "BYTE_VOCAB_SIZE",
+    "CACHE_AXES",
+    "CONFIG_NAMES",
+    "LOGITS_AXES",
+    "ModelConfig",
+    "RopeScaling",
+    "Transformer",
+    "cache_logical_specs",
+    "get_config",
+    "init_cache",
+    "logical_specs",
+    "rope_inv_freq",
+]
+
+CACHE_AXES = ("layers", "cache_batch", "cache_length", "kv_heads", "head_dim")
+ACTIVATION_AXES = ("batch", "length", "embed")
+LOGITS_AXES = ("batch", "length", "vocab")
+
+_INIT = jax.nn.initializers.normal(stddev=0.02)  # HF initializer_range for these families
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype, init=_INIT):
+    return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """RoPE inverse frequencies, float32 ``[head_dim // 2]``, with optional Llama-3 scaling."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    inv = inv.astype(np.float32)
+    if scaling is None:
+        return inv
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate ``x[B,T,H,D]`` by ``positions[B,T]``; halves layout (HF ``rotate_half``)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B,T,D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """``w * x / sqrt(mean(x^2) + eps)``, statistics in float32 (HF Llama/Qwen form)."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, *, rngs: nnx.Rngs):
+        del rngs
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...].astype(jnp.float32) * normed).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention projections; the attention itself is ``_attend``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, kv, hd, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
+        self.cfg = cfg
+        self.q_proj = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pd)
+        self.k_proj = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_proj = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
+        self.o_proj = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), pd)
+        if cfg.qkv_bias:
+            zeros = jax.nn.initializers.zeros
+            self.q_bias = _param(rngs, (h, hd), ("heads", "head_dim"), pd, zeros)
+            self.k_bias = _param(rngs, (kv, hd), ("kv_heads", "head_dim"), pd, zeros)
+            self.v_bias = _param(rngs, (kv, hd), ("kv_heads", "head_dim"), pd, zeros)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, pd, rngs=rngs)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, pd, rngs=rngs)
+
+    def project(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray):
+        """``x[B,T,E]`` -> rotated ``q[B,T,H,D]``, ``k[B,T,Hkv,D]`` and ``v[B,T,Hkv,D]``."""
+        dt = self.cfg.dtype
+        q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...].astype(dt))
+        k = jnp.einsum("bte,ehd->bthd", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("bte,ehd->bthd", x, self.v_proj[...].astype(dt))
+        if self.cfg.qkv_bias:
+            q = q + self.q_bias[...].astype(dt)
+            k = k + self.k_bias[...].astype(dt)
+            v = v + self.v_bias[...].astype(dt)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq), v
+
+    def output(self, o: jax.Array) -> jax.Array:
+        return jnp.einsum("bthd,hde->bte", o, self.o_proj[...].astype(self.cfg.dtype))
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """``q[B,T,H,D]`` over ``k, v[B,S,Hkv,D]`` where ``mask[B,T,S]``; softmax in float32."""
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, h // hkv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(d)
+    # A finite floor, not -inf: a fully masked row (never produced by the callers, but cheap to
+    # guard) then yields a uniform average instead of NaNs that would poison a whole batch.
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, d)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
+        self.dtype = cfg.dtype
+        self.gate_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
+        self.up_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
+        self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), pd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        gate = jax.nn.silu(x @ self.gate_proj[...].astype(dt))
+        return (gate * (x @ self.up_proj[...].astype(dt))) @ self.down_proj[...].astype(dt)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block; split in two halves so the cached path can own the k/v step."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray):
+        return self.attn.project(self.input_norm(x), positions, inv_freq)
+
+    def finish(self, x: jax.Array, attn_out: jax.Array) -> jax.Array:
+        x = x + self.attn.output(attn_out)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class Transformer(nnx.Module):
+    """The decoder. See the module docstring for the two forward contracts."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        cfg = config
+        self.config = cfg
+        self.embed = _param(
+            rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.param_dtype
+        )
+        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(
+                rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype
+            )
+
+    @property
+    def _inv_freq(self) -> np.ndarray:
+        cfg = self.config
+        return rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embed[...], tokens, axis=0).astype(self.config.dtype)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        x = self.final_norm(x)
+        if self.config.tie_embeddings:
+            w = self.embed[...].astype(self.config.dtype)
+            logits = jnp.einsum("bte,ve->btv", x, w, preferred_element_type=jnp.float32)
+        else:
+            w = self.lm_head[...].astype(self.config.dtype)
+            logits = jnp.einsum("bte,ev->btv", x, w, preferred_element_type=jnp.float32)
+        return logits.astype(jnp.float32)
+
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        """Full causal forward: ``tokens, positions[B,T]`` -> float32 ``logits[B,T,V]``."""
+        _check_tokens(tokens, positions)
+        t = tokens.shape[1]
+        mask = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
+        if segment_ids is not None:
+            if segment_ids.shape != tokens.shape:
+                raise ValueError(
+                    f"segment_ids shape {segment_ids.shape} must equal tokens {tokens.shape}"
+                )
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        inv_freq = self._inv_freq
+        x = self._embed(tokens)
+        for layer in self.layers:
+            q, k, v = layer.qkv(x, positions, inv_freq)
+            x = layer.finish(x, _attend(q, k, v, mask))
+        return self._logits(x)
+
+    def forward_cached(
+        self, tokens: jax.Array, positions: jax.Array, cache: dict[str, jax.Array]
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Prefill or decode ``tokens[B,T]`` against ``cache``; returns ``(logits, new_cache)``.
+
+        ``cache`` comes from ``init_cache`` with the same batch. Writes land at index =
+        position; positions at or beyond the cache length are dropped (never attended).
+        """
+        _check_tokens(tokens, positions)
+        ck, cv = cache["k"], cache["v"]
+        n_layers, b, s = ck.shape[:3]
+        if n_layers != self.config.n_layers or b != tokens.shape[0]:
+            raise ValueError(
+                f"cache [layers={n_layers}, batch={b}] does not match model layers "
+                f"{self.config.n_layers} / tokens batch {tokens.shape[0]}"
+            )
+        rows = jnp.arange(b)[:, None]
+        mask = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B,T,S]
+        inv_freq = self._inv_freq
+        dt = self.config.dtype
+        x = self._embed(tokens)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x, positions, inv_freq)
+            ck = ck.at[i, rows, positions].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[i, rows, positions].set(v.astype(cv.dtype), mode="drop")
+            x = layer.finish(x, _attend(q, ck[i].astype(dt), cv[i].astype(dt), mask))
+        return self._logits(x), {"k": ck, "v": cv}
+
+
+def _check_tokens(tokens: jax.Array, positions: jax.Array) -> None:
+    if tokens.ndim != 2 or positions.shape != tokens.shape:
+        raise ValueError(
+            f"tokens and positions must both be [batch, length], got {tokens.shape} and "
+            f"{positions.shape}"
+        )
+
+
+def init_cache(
+    config: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32
+) -> dict[str, jax.Array]:
+    """Zeroed KV cache ``{"k", "v"}: [layers, batch, max_len, kv_heads, head_dim]``."""
+    if batch <= 0 or max_len <= 0:
+        raise ValueError(f"cache batch and max_len must be > 0, got {batch}, {max_len}")
+    shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def cache_logical_specs() -> dict[str, tuple[str, ...]]:
+    """Logical axis names of ``init_cache``'s pytree."""
+    return {"k": CACHE_AXES, "v": CACHE_AXES}
+
+
+def logical_specs(state: Any) -> Any:
+    """Same-structure tree of logical axis-name tuples for a model or its ``nnx.State``.
+
+    Leaves are ``tuple[str | None, ...]`` (one name per array dim) at the position of each
+    variable; consumers mapping over it should treat tuples as leaves.
+    """
+    if isinstance(state, nnx.Module):
+        state = nnx.state(state)
+
+    def spec(var: Any) -> tuple[str | None, ...]:
+        if not isinstance(var, nnx.Variable):
+            raise TypeError(
+                f"logical_specs needs nnx Variables (a Module or nnx.State), got a "
+                f"{type(var).__name__} leaf; pure-dict states carry no axis metadata"
+            )
+        axes = var.get_metadata("logical_axes", None)
+        if axes is None:
+            raise ValueError(f"variable {type(var).__name__} has no logical_axes metadata")
+        return tuple(axes)
+
+    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
