@@ -1,0 +1,60 @@
+"""Reverse-text environment: reverse a short sentence character by character.
+
+The task of seed 003's worked example. The prompt asks for the reversal inside
+``<answer>...</answer>``; the reward is partial credit, ``difflib.SequenceMatcher(None,
+extracted, truth).ratio()`` between the text inside the first complete answer-tag pair
+(surrounding whitespace stripped) and the true reversal. Missing tags score 0. On the seed's
+sentence "In 1891 the community inaugurated its own cemetery": a perfect reversal scores 1.0,
+one dropped letter ~0.99, an unreversed year 0.98, the words in reverse order but spelled
+forwards 0.40.
+
+Prompts are kept short on purpose: the bundled model is a tiny byte-level model with a small
+context, so the default instruction is ~30 bytes and corpus sentences are 20-60 characters.
+
+Example schema: ``{"text": str}`` (the sentence to reverse). Driven by the dispatcher through
+``SingleTurnEnv.run``; never raises on a malformed completion.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from jaxrl_orch.envs.base import SingleTurnEnv, Tokenizer, extract_answer
+
+DEFAULT_INSTRUCTION = "Reverse it in <answer></answer>:"
+
+
+def reverse_text_reward(answer: str | None, text: str) -> float:
+    """Similarity ratio of ``answer`` to ``text`` reversed; 0.0 when there is no answer."""
+    if answer is None:
+        return 0.0
+    return difflib.SequenceMatcher(None, answer, text[::-1]).ratio()
+
+
+class ReverseTextEnv(SingleTurnEnv):
+    name = "reverse_text"
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        instruction: str = DEFAULT_INSTRUCTION,
+        response_prefix: str = "",
+        add_bos: bool = True,
+    ) -> None:
+        super().__init__(tokenizer, response_prefix=response_prefix, add_bos=add_bos)
+        self.instruction = instruction
+
+    def build_messages(self, example: dict[str, Any]) -> list[dict[str, str]]:
+        text = example.get("text")
+        if not isinstance(text, str) or not text:
+            raise ValueError(
+                f"reverse_text example needs a non-empty str 'text' field, got {example!r}"
+            )
+        return [{"role": "user", "content": f"{self.instruction}\n{text}"}]
+
+    def score(self, text: str, example: dict[str, Any]) -> tuple[float, dict[str, float]]:
+        answer = extract_answer(text)
+        reward = reverse_text_reward(answer, example["text"])
+        return reward, {"format_ok": float(answer is not None)}
