@@ -1,0 +1,366 @@
+"""InferenceDriver: continuous batching over an engine's decode slots, in one background thread.
+
+Owns: the request queue, the slot table (which request lives in which engine slot), the
+decode state, the current ``(params, version)`` and the optional prefix cache. Nothing else
+touches the engine while the driver runs.
+
+How a request flows: ``submit(prompt_ids, sampling, n)`` queues one *group* (n samples of one
+prompt; an identical pending submission joins the existing group) and returns one
+``concurrent.futures.Future[Completion]`` per sample. The loop thread prefills a group's
+prompt once (or takes it from the prefix cache, keyed by ``(tokens, version)``) and inserts
+that prefix into each of the group's slots as slots come free (prefix sharing), then calls
+``generate`` and routes every valid token to its slot's request. A slot whose request finishes
+(stop token, max tokens, cache full) or is cancelled is refilled before the next generate.
+
+Invariants:
+- ``swap_params`` takes effect at the next ``generate`` call; every token carries the version
+  of the params of the call that produced it. KV already in the cache is kept (no re-prefill);
+  a queued prefix computed under an older version is recomputed before insertion.
+- Every future is resolved exactly once: a ``Completion``, or the exception its engine call
+  raised (an engine error never kills the thread or the process), or ``RuntimeError`` when
+  the driver stops first. A cancelled future frees its slot at the next loop turn.
+- ``stop()`` joins the thread: no thread is left behind.
+
+Finishing rules are applied here on the host (stop ids, ``max_tokens``, cache length from the
+engine's optional ``max_target_length``), so any engine with the JetStream method shape can
+be driven; engines accepting ``prefill(sampling=...)`` / ``generate(version=...)`` get those.
+This module must never import orchestration code or block the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import inspect
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from jaxrl_orch.types import Completion, SamplingParams
+
+_STOPPED = "InferenceDriver stopped before the request finished"
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    prompt: np.ndarray
+    sampling: SamplingParams
+    futures: list[concurrent.futures.Future]
+    prefix: Any = None
+    prefix_version: int | None = None
+    first: tuple[int, float] | None = None  # a token the engine sampled at prefill, if any
+
+
+@dataclasses.dataclass(eq=False)
+class _Seq:
+    future: concurrent.futures.Future
+    sampling: SamplingParams
+    prompt_len: int
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _resolve(future: concurrent.futures.Future, *, result: Any = None, error: Any = None) -> None:
+    if future.done():
+        return
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled by the caller in the meantime: nobody is waiting for it
+
+
+class InferenceDriver:
+    def __init__(
+        self,
+        engine: Any,
+        params: Any,
+        version: int = 0,
+        *,
+        prefix_cache_size: int = 16,
+        idle_wait_s: float = 0.05,
+        rate_window_s: float = 10.0,
+    ) -> None:
+        if prefix_cache_size < 0:
+            raise ValueError(f"prefix_cache_size must be >= 0, got {prefix_cache_size!r}")
+        self.engine = engine
+        self._params, self._version = params, int(version)
+        self._pending_swap: tuple[Any, int] | None = None
+        self._prefix_cache_size = prefix_cache_size
+        self._prefix_cache: collections.OrderedDict = collections.OrderedDict()
+        self._idle_wait_s = idle_wait_s
+        self._rate_window_s = rate_window_s
+        self._n_slots = int(engine.max_concurrent_decodes)
+        self._max_prefill = int(engine.max_prefill_length)
+        self._cache_len = getattr(engine, "max_target_length", None)
+        self._pass_sampling = _accepts(engine.prefill, "sampling")
+        self._pass_version = _accepts(engine.generate, "version")
+        self._cv = threading.Condition()
+        self._pending: collections.deque[_Group] = collections.deque()
+        self._slots: list[_Seq | None] = [None] * self._n_slots
+        self._decode_state: Any = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stopped = False
+        self._token_times: collections.deque[tuple[float, int]] = collections.deque()
+        self._prefill_s = 0.0
+        self._decode_s = 0.0
+        self.num_prefills = 0
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(
+        self, prompt_ids: Any, sampling: SamplingParams, n: int = 1
+    ) -> list[concurrent.futures.Future]:
+        """Queue ``n`` samples of one prompt; returns one future per sample (thread-safe)."""
+        prompt = np.asarray(list(prompt_ids), dtype=np.int32)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ValueError(f"prompt_ids must be a non-empty 1-D sequence, got {prompt_ids!r}")
+        if prompt.size > self._max_prefill:
+            raise ValueError(
+                f"prompt has {prompt.size} tokens; this engine allows at most "
+                f"max_prefill_length={self._max_prefill}"
+            )
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n!r}")
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        futures = [concurrent.futures.Future() for _ in range(n)]
+        with self._cv:
+            if self._stopped or self._stopping:
+                raise RuntimeError("InferenceDriver is stopped; submit() needs a running driver")
+            for group in self._pending:  # identical prompt + sampling: share its prefill
+                if group.sampling == sampling and np.array_equal(group.prompt, prompt):
+                    group.futures.extend(futures)
+                    break
+            else:
+                self._pending.append(_Group(prompt, sampling, list(futures)))
+            self._cv.notify_all()
+        return futures
+
+    def swap_params(self, params: Any, version: int) -> None:
+        """Use ``params`` (stamped ``version``) from the next generate step on."""
+        with self._cv:
+            latest = self._pending_swap[1] if self._pending_swap else self._version
+            if version < latest:
+                raise ValueError(f"version must not go backwards: current {latest}, got {version}")
+            self._pending_swap = (params, int(version))
+            self._cv.notify_all()
+
+    def start(self) -> None:
+        with self._cv:
+            if self._thread is not None:
+                raise RuntimeError("InferenceDriver.start() called twice")
+            self._thread = threading.Thread(target=self._run, name="inference-driver", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        with self._cv:
+            self._stopped = True
+            self._fail_everything(RuntimeError(_STOPPED))
+
+    def gauges(self) -> dict[str, float]:
+        now = time.monotonic()
+        window = [(t, k) for t, k in list(self._token_times) if now - t <= self._rate_window_s]
+        span = (now - window[0][0]) if len(window) > 1 else 0.0
+        rate = sum(k for _, k in window[1:]) / span if span > 0 else 0.0
+        return {
+            "inference/active_slots": float(sum(s is not None for s in self._slots)),
+            "inference/queue_depth": float(sum(len(g.futures) for g in list(self._pending))),
+            "inference/tokens_per_s": float(rate),
+            "inference/prefill_s": self._prefill_s,  # cumulative seconds in prefill
+            "inference/decode_s": self._decode_s,  # cumulative seconds in generate
+            "inference/version": float(self._version),
+        }
+
+    # ------------------------------------------------------------------ loop thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopping or self._pending or self._pending_swap) and not any(
+                    self._slots
+                ):
+                    self._cv.wait(self._idle_wait_s)
+                if self._stopping:
+                    return
+                if self._pending_swap is not None:
+                    (self._params, self._version), self._pending_swap = self._pending_swap, None
+            try:
+                self._reap_cancelled()
+                self._admit()
+                if any(self._slots):
+                    self._step()
+                else:
+                    with self._cv:  # everything queued was cancelled: nap instead of spinning
+                        if not self._pending_swap and not self._stopping:
+                            self._cv.wait(self._idle_wait_s)
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive any engine error
+                self._fail_active(exc)
+
+    def _reap_cancelled(self) -> None:
+        for i, seq in enumerate(self._slots):
+            if seq is not None and seq.future.cancelled():
+                self._slots[i] = None
+        with self._cv:
+            for group in list(self._pending):
+                group.futures = [f for f in group.futures if not f.cancelled()]
+                if not group.futures:
+                    self._pending.remove(group)
+
+    def _admit(self) -> None:
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        while free:
+            with self._cv:
+                if not self._pending:
+                    return
+                group = self._pending[0]
+            try:
+                self._ensure_prefix(group)
+                if self._decode_state is None:
+                    self._decode_state = self.engine.init_decode_state()
+            except Exception as exc:  # noqa: BLE001 - this group's callers get the error
+                with self._cv:
+                    self._pending.remove(group)
+                for f in group.futures:
+                    _resolve(f, error=exc)
+                continue
+            while free and group.futures:
+                with self._cv:
+                    future = group.futures.pop(0)
+                if future.cancelled():
+                    continue
+                slot = free.pop(0)
+                seq = _Seq(future, group.sampling, int(group.prompt.size))
+                self._slots[slot] = seq
+                self._decode_state = self.engine.insert(group.prefix, self._decode_state, slot)
+                if group.first is not None:
+                    self._append(slot, seq, *group.first, self._version)
+            with self._cv:
+                if not group.futures and self._pending and self._pending[0] is group:
+                    self._pending.popleft()
+
+    def _ensure_prefix(self, group: _Group) -> None:
+        if group.prefix is not None and group.prefix_version == self._version:
+            return
+        # The sampling settings are part of the key when the engine bakes them into the prefix.
+        key = (group.prompt.tobytes(), self._version, group.sampling if self._pass_sampling else None)
+        cached = self._prefix_cache.get(key)
+        if cached is not None:
+            self._prefix_cache.move_to_end(key)
+            group.prefix, group.first = cached
+        else:
+            padded = np.zeros(self._bucket(group.prompt.size), dtype=np.int32)
+            padded[: group.prompt.size] = group.prompt
+            kwargs = {"sampling": group.sampling} if self._pass_sampling else {}
+            t0 = time.perf_counter()
+            prefix, result = self.engine.prefill(
+                params=self._params,
+                existing_prefix=None,
+                padded_tokens=padded,
+                true_length=int(group.prompt.size),
+                **kwargs,
+            )
+            group.prefix, group.first = prefix, self._first_token(result)
+            self._prefill_s += time.perf_counter() - t0
+            self.num_prefills += 1
+            if self._prefix_cache_size:
+                self._prefix_cache[key] = (group.prefix, group.first)
+                while len(self._prefix_cache) > self._prefix_cache_size:
+                    self._prefix_cache.popitem(last=False)
+        group.prefix_version = self._version
+
+    def _bucket(self, length: int) -> int:
+        """Pad prompts to power-of-two lengths so prefill compiles once per bucket."""
+        bucket = 8
+        while bucket < length:
+            bucket *= 2
+        return min(bucket, self._max_prefill)
+
+    @staticmethod
+    def _first_token(result: Any) -> tuple[int, float] | None:
+        """A JetStream-style engine samples the first token at prefill; ours defers it."""
+        if result is None:
+            return None
+        data = result.get_result_at_slot(0)
+        valid = np.asarray(data.valid).reshape(-1)
+        if valid.size == 0 or not valid[0]:
+            return None
+        lp = float(np.asarray(data.logprobs).reshape(-1)[0]) if data.logprobs is not None else 0.0
+        return int(np.asarray(data.tokens).reshape(-1)[0]), lp
+
+    def _step(self) -> None:
+        kwargs = {"version": self._version} if self._pass_version else {}
+        version = self._version
+        t0 = time.perf_counter()
+        self._decode_state, result = self.engine.generate(self._params, self._decode_state, **kwargs)
+        result = result.convert_to_numpy()  # the one host round trip per call
+        self._decode_s += time.perf_counter() - t0
+        produced = 0
+        for slot, seq in enumerate(self._slots):
+            if seq is None:
+                continue
+            data = result.get_result_at_slot(slot)
+            for j in np.flatnonzero(np.asarray(data.valid).reshape(-1)):
+                lp = float(data.logprobs[j]) if data.logprobs is not None else 0.0
+                ver = int(data.versions[j]) if data.versions is not None else version
+                produced += 1
+                if self._append(slot, seq, int(data.tokens[j]), lp, ver):
+                    break
+        self._token_times.append((time.monotonic(), produced))
+        while self._token_times and time.monotonic() - self._token_times[0][0] > self._rate_window_s:
+            self._token_times.popleft()
+
+    def _append(self, slot: int, seq: _Seq, token: int, logprob: float, version: int) -> bool:
+        """Record one token; finish and free the slot when a rule says so. True if finished."""
+        seq.token_ids.append(token)
+        seq.logprobs.append(logprob)
+        seq.versions.append(version)
+        reason = None
+        if token in seq.sampling.stop_token_ids:
+            reason = "stop"
+        elif len(seq.token_ids) >= seq.sampling.max_tokens:
+            reason = "length"
+        elif self._cache_len is not None and seq.prompt_len + len(seq.token_ids) > self._cache_len:
+            reason = "length"
+        if reason is None:
+            return False
+        self._slots[slot] = None
+        _resolve(seq.future, result=Completion(seq.token_ids, seq.logprobs, seq.versions, reason))
+        return True
+
+    def _fail_active(self, exc: BaseException) -> None:
+        """An engine call failed mid-batch: its callers get the error; the state starts over."""
+        for i, seq in enumerate(self._slots):
+            if seq is not None:
+                _resolve(seq.future, error=exc)
+                self._slots[i] = None
+        self._decode_state = None
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        self._fail_active(exc)
+        while self._pending:
+            for f in self._pending.popleft().futures:
+                _resolve(f, error=exc)

@@ -1,0 +1,68 @@
+"""Per-slot token sampling on device, with the behavior log-probability of the sampled token.
+
+Owns: turning one decode step's logits ``[B, V]`` plus per-slot sampling parameters (arrays,
+so a new request never recompiles anything) into ``(token_ids[B], logprobs[B])``.
+
+Semantics (one rule per fact, DESIGN.md section 3):
+- ``temperature[b] == 0`` is greedy: the token is ``argmax(logits[b])``.
+- Otherwise the token is drawn from ``softmax(logits / T)`` restricted to the top-k tokens
+  (``top_k == 0`` disables) and then to the smallest head of the sorted distribution whose
+  mass reaches ``top_p`` (``top_p == 1`` disables). Ties at a cut-off keep every tied token.
+- The returned log-prob is ``log_softmax(logits / T)`` over the *full* vocabulary at the
+  sampled id, i.e. the quantity the trainer recomputes from its own forward at the same
+  temperature. Top-k/top-p truncation is deliberately not renormalised into it: the trainer
+  cannot see the truncation, so a renormalised value would not be comparable. For greedy
+  slots the log-prob is taken at ``T = 1`` (``log_softmax(logits)``).
+
+Everything here is a pure jnp function meant to run inside the engine's jitted decode step;
+it never touches the host and never branches in Python on array values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _truncation_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Boolean ``[B, V]``: tokens that survive top-k then top-p on tempered logits."""
+    vocab = scaled.shape[-1]
+    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]  # descending
+    k = jnp.where(top_k <= 0, vocab, jnp.minimum(top_k, vocab))
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)  # [B, 1]
+    keep_sorted = ordered >= kth
+    # Top-p over the top-k survivors, in sorted order: keep a token while the mass strictly
+    # before it is still below top_p, so the head always holds at least one token.
+    probs = jax.nn.softmax(jnp.where(keep_sorted, ordered, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = keep_sorted & (mass_before < top_p[:, None])
+    # The smallest surviving sorted value is the cut-off in unsorted space.
+    cutoff = jnp.min(jnp.where(keep_sorted, ordered, jnp.inf), axis=-1, keepdims=True)
+    return scaled >= cutoff
+
+
+def sample_tokens(
+    logits: jax.Array,
+    key: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Sample one token per row. Returns ``(tokens int32[B], logprobs float32[B])``.
+
+    ``logits`` is ``[B, V]``; ``temperature``/``top_p`` are float ``[B]``, ``top_k`` int ``[B]``;
+    ``key`` is one PRNG key (split per row inside).
+    """
+    logits = logits.astype(jnp.float32)
+    batch = logits.shape[0]
+    greedy = temperature <= 0.0
+    temp = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
+    scaled = logits / temp[:, None]
+    keep = _truncation_mask(scaled, top_k, top_p.astype(jnp.float32))
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],)))(
+        jax.random.split(key, batch)
+    )
+    sampled = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf), axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)
+    return tokens, logprobs[:, 0]

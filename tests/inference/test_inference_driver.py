@@ -1,0 +1,239 @@
+"""InferenceDriver + EngineClient against the hand-calculable ToyEngine (no model, no jit)."""
+
+import asyncio
+import random
+import threading
+
+import pytest
+from toy_engine import ToyEngine, expected_tokens, greedy_logprob
+
+from jaxrl_orch.inference.client import ClientPool, EngineClient
+from jaxrl_orch.inference.driver import InferenceDriver
+from jaxrl_orch.types import Completion, InferenceClient, InferencePool, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
+
+
+@pytest.fixture
+def make_driver():
+    drivers = []
+
+    def make(engine=None, version=0, **kw):
+        engine = engine or ToyEngine()
+        driver = InferenceDriver(engine, version, version, **kw)
+        drivers.append(driver)
+        return driver, engine
+
+    yield make
+    for d in drivers:
+        d.stop()
+
+
+def test_single_request_is_worked_out_on_paper(make_driver):
+    driver, engine = make_driver()
+    driver.start()
+    (fut,) = driver.submit([3, 4], GREEDY)
+    out = fut.result(timeout=10)
+    assert out.token_ids == [5, 6, 7, 8, 9]
+    assert out.logprobs == pytest.approx([greedy_logprob(engine.vocab)] * 5, abs=1e-6)
+    assert out.versions == [0] * 5
+    assert out.finish_reason == "length"
+
+
+def test_stop_token_is_included_and_ends_the_request(make_driver):
+    driver, _ = make_driver()
+    driver.start()
+    (fut,) = driver.submit([3], SamplingParams(temperature=0.0, max_tokens=50, stop_token_ids=(7,)))
+    out = fut.result(timeout=10)
+    assert out.token_ids == [4, 5, 6, 7]
+    assert out.finish_reason == "stop"
+
+
+def test_cache_length_ends_the_request(make_driver):
+    driver, _ = make_driver(ToyEngine(cache_len=6))
+    driver.start()
+    (fut,) = driver.submit([1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=50))
+    # prompt occupies positions 0..3; tokens are fed at 3, 4, 5: three tokens fit a 6-slot cache.
+    out = fut.result(timeout=10)
+    assert out.token_ids == [5, 6, 7]
+    assert out.finish_reason == "length"
+
+
+def test_more_requests_than_slots_each_complete_exactly_once(make_driver):
+    driver, engine = make_driver(ToyEngine(slots=3, vocab=1000))
+    rng = random.Random(0)
+    specs = [([rng.randrange(900), i], rng.randint(1, 12)) for i in range(25)]
+    futures = {}
+    driver.start()
+
+    def submit_some(chunk):
+        for idx in chunk:
+            prompt, max_tokens = specs[idx]
+            sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            (futures[idx],) = driver.submit(prompt, sp)
+
+    order = list(range(len(specs)))
+    rng.shuffle(order)
+    threads = [threading.Thread(target=submit_some, args=(order[i::3],)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    resolved = []
+    for idx, fut in futures.items():
+        fut.add_done_callback(lambda f, idx=idx: resolved.append(idx))
+    for idx, (prompt, max_tokens) in enumerate(specs):
+        out = futures[idx].result(timeout=20)
+        assert out.token_ids == expected_tokens(prompt, max_tokens, engine.vocab)
+    assert sorted(resolved) == list(range(len(specs)))
+    assert driver.gauges()["inference/active_slots"] == 0
+
+
+def test_group_is_prefilled_once_and_identical_submissions_share_it(make_driver):
+    driver, engine = make_driver(ToyEngine(slots=2))
+    futs = driver.submit([10, 11], GREEDY, n=3)  # 3 samples > 2 slots: the prefix is reused
+    futs += driver.submit([10, 11], GREEDY)  # identical pending submission joins the group
+    driver.start()
+    outs = [f.result(timeout=10) for f in futs]
+    assert [o.token_ids for o in outs] == [[12, 13, 14, 15, 16]] * 4
+    assert engine.prefill_calls == 1
+
+
+def test_prefix_cache_reuses_prefill_for_the_same_version(make_driver):
+    driver, engine = make_driver(prefix_cache_size=4)
+    driver.start()
+    driver.submit([10, 11], GREEDY)[0].result(timeout=10)
+    driver.submit([10, 11], GREEDY)[0].result(timeout=10)
+    assert engine.prefill_calls == 1
+    driver.swap_params(1, 1)
+    out = driver.submit([10, 11], GREEDY)[0].result(timeout=10)
+    assert engine.prefill_calls == 2  # a new version never reuses an old prefix
+    assert out.token_ids == expected_tokens([10, 11], 5, engine.vocab, version=1)
+
+
+def test_swap_mid_generation_stamps_later_tokens_with_the_new_version(make_driver):
+    engine = ToyEngine(slots=1, steps_per_call=2)
+    driver, _ = make_driver(engine)
+
+    def swap_after_second_call(call_index):
+        if call_index == 1:
+            driver.swap_params(3, 3)  # lands between generate calls 2 and 3
+
+    engine.on_generate = swap_after_second_call
+    driver.start()
+    out = driver.submit([0], SamplingParams(temperature=0.0, max_tokens=7))[0].result(timeout=10)
+    # Calls 1 and 2 (2 steps each) ran version 0; call 3 onwards version 3 (stride 1 + 3).
+    assert out.versions == [0, 0, 0, 0, 3, 3, 3]
+    assert out.token_ids == [1, 2, 3, 4, 8, 12, 16]
+    assert driver.version == 3
+
+
+def test_cancellation_frees_the_slot(make_driver):
+    engine = ToyEngine(slots=1, cache_len=10**9)
+    driver, _ = make_driver(engine)
+    driver.start()
+    (endless,) = driver.submit([0], SamplingParams(temperature=0.0, max_tokens=10**8))
+    (queued,) = driver.submit([5], GREEDY)
+    while engine.generate_calls < 3:
+        pass
+    assert not queued.done()
+    assert endless.cancel()
+    out = queued.result(timeout=10)
+    assert out.token_ids == [6, 7, 8, 9, 10]
+
+
+def test_engine_generate_error_reaches_the_future_and_the_driver_survives(make_driver):
+    engine = ToyEngine()
+    engine.fail_generate_at = 1
+    driver, _ = make_driver(engine)
+    driver.start()
+    (bad,) = driver.submit([1], GREEDY)
+    with pytest.raises(RuntimeError, match="toy generate failure"):
+        bad.result(timeout=10)
+    assert driver.submit([1], GREEDY)[0].result(timeout=10).token_ids == [2, 3, 4, 5, 6]
+
+
+def test_engine_prefill_error_fails_only_that_group(make_driver):
+    engine = ToyEngine()
+    engine.fail_prefill_for = 99
+    driver, _ = make_driver(engine)
+    bad = driver.submit([99, 1], GREEDY, n=2)
+    (good,) = driver.submit([1], GREEDY)
+    driver.start()
+    for f in bad:
+        with pytest.raises(ValueError, match="toy prefill failure"):
+            f.result(timeout=10)
+    assert good.result(timeout=10).token_ids == [2, 3, 4, 5, 6]
+
+
+def test_stop_leaves_no_thread_and_fails_unfinished_requests():
+    driver = InferenceDriver(ToyEngine(slots=1, cache_len=10**9), 0, 0)
+    driver.start()
+    (fut,) = driver.submit([0], SamplingParams(temperature=0.0, max_tokens=10**8))
+    (queued,) = driver.submit([3], GREEDY)
+    driver.stop()
+    assert not [t for t in threading.enumerate() if t.name == "inference-driver"]
+    for f in (fut, queued):
+        with pytest.raises(RuntimeError, match="stopped"):
+            f.result(timeout=1)
+    with pytest.raises(RuntimeError, match="stopped"):
+        driver.submit([1], GREEDY)
+
+
+def test_bad_submissions_name_the_bad_value(make_driver):
+    driver, _ = make_driver()
+    with pytest.raises(ValueError, match="max_prefill_length=16"):
+        driver.submit(list(range(17)), GREEDY)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        driver.submit([1], GREEDY, n=0)
+    with pytest.raises(ValueError, match="non-empty"):
+        driver.submit([], GREEDY)
+    with pytest.raises(ValueError, match="backwards"):
+        driver.swap_params(0, -1)
+
+
+def test_gauges_keys(make_driver):
+    driver, _ = make_driver()
+    driver.start()
+    driver.submit([1], GREEDY)[0].result(timeout=10)
+    g = driver.gauges()
+    for key in ("active_slots", "queue_depth", "tokens_per_s", "prefill_s", "decode_s"):
+        assert isinstance(g[f"inference/{key}"], float)
+    assert g["inference/decode_s"] > 0
+
+
+def test_client_multi_turn_group_cancel_and_pool(make_driver):
+    driver, engine = make_driver(ToyEngine(slots=2, cache_len=10**9))
+    driver.start()
+    client = EngineClient(driver)
+    assert isinstance(client, InferenceClient)
+
+    async def scenario():
+        first = await client.generate([1, 2], GREEDY)
+        assert isinstance(first, Completion)
+        second = await client.generate([1, 2, *first.token_ids, 40], GREEDY)
+        assert second.token_ids == [41, 42, 43, 44, 45]
+        group = await client.generate_group([7], GREEDY, n=3)
+        assert [c.token_ids for c in group] == [[8, 9, 10, 11, 12]] * 3
+        task = asyncio.create_task(
+            client.generate([0], SamplingParams(temperature=0.0, max_tokens=10**8))
+        )
+        while client.in_flight == 0:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert client.in_flight == 0
+        return (await client.generate([20], GREEDY)).token_ids
+
+    assert asyncio.run(scenario()) == [21, 22, 23, 24, 25]
+
+    other = EngineClient(driver)
+    pool = ClientPool([client, other])
+    assert isinstance(pool, InferencePool)
+    client.in_flight = 2
+    assert all(pool.select() is other for _ in range(3))
+    client.in_flight = 0
+    assert {id(pool.select()) for _ in range(4)} == {id(client), id(other)}
+    with pytest.raises(ValueError, match="at least one client"):
+        ClientPool([])
