@@ -266,7 +266,8 @@ class InferenceDriver:
         if group.prefix is not None and group.prefix_version == self._version:
             return
         # The sampling settings are part of the key when the engine bakes them into the prefix.
-        key = (group.prompt.tobytes(), self._version, group.sampling if self._pass_sampling else None)
+        baked = group.sampling if self._pass_sampling else None
+        key = (group.prompt.tobytes(), self._version, baked)
         cached = self._prefix_cache.get(key)
         if cached is not None:
             self._prefix_cache.move_to_end(key)
@@ -315,7 +316,8 @@ class InferenceDriver:
         kwargs = {"version": self._version} if self._pass_version else {}
         version = self._version
         t0 = time.perf_counter()
-        self._decode_state, result = self.engine.generate(self._params, self._decode_state, **kwargs)
+        state = self._decode_state
+        self._decode_state, result = self.engine.generate(self._params, state, **kwargs)
         result = result.convert_to_numpy()  # the one host round trip per call
         self._decode_s += time.perf_counter() - t0
         produced = 0
@@ -330,7 +332,8 @@ class InferenceDriver:
                 if self._append(slot, seq, int(data.tokens[j]), lp, ver):
                     break
         self._token_times.append((time.monotonic(), produced))
-        while self._token_times and time.monotonic() - self._token_times[0][0] > self._rate_window_s:
+        horizon = time.monotonic() - self._rate_window_s
+        while self._token_times and self._token_times[0][0] < horizon:
             self._token_times.popleft()
 
     def _append(self, slot: int, seq: _Seq, token: int, logprob: float, version: int) -> bool:
@@ -338,12 +341,12 @@ class InferenceDriver:
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(version)
+        n = len(seq.token_ids)
+        cache_full = self._cache_len is not None and seq.prompt_len + n > self._cache_len
         reason = None
         if token in seq.sampling.stop_token_ids:
             reason = "stop"
-        elif len(seq.token_ids) >= seq.sampling.max_tokens:
-            reason = "length"
-        elif self._cache_len is not None and seq.prompt_len + len(seq.token_ids) > self._cache_len:
+        elif n >= seq.sampling.max_tokens or cache_full:
             reason = "length"
         if reason is None:
             return False

@@ -55,7 +55,8 @@ class ResultTokens:
 
     def get_result_at_slot(self, slot: int) -> SlotData:
         """Rows of ``slot`` (``samples_per_slot`` of them); 1-sample engines squeeze to 1-D."""
-        rows = np.asarray(self.data)[slot * self.samples_per_slot : (slot + 1) * self.samples_per_slot]
+        per = self.samples_per_slot
+        rows = np.asarray(self.data)[slot * per : (slot + 1) * per]
 
         def cols(idx: tuple[int, int] | None) -> np.ndarray | None:
             if idx is None:

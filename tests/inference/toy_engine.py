@@ -65,7 +65,7 @@ class ToyEngine:
 
     def insert(self, prefix, decode_state, slot):
         tok, pos, sampling = prefix
-        s = {k: (v.copy() if isinstance(v, np.ndarray) else list(v)) for k, v in decode_state.items()}
+        s = {k: (v.copy() if hasattr(v, "copy") else v) for k, v in decode_state.items()}
         s["tok"][slot], s["pos"][slot], s["gen"][slot] = tok, pos, 0
         s["active"][slot], s["max"][slot] = True, sampling.max_tokens
         s["stop"][slot] = sampling.stop_token_ids
@@ -99,6 +99,11 @@ class ToyEngine:
         vers = np.full((n, k), version, np.int32)
         data = np.concatenate([toks, valid, s["gen"][:, None].astype(np.int32), lps, vers], 1)
         return s, ResultTokens(
-            data, (0, k), (k, 2 * k), (2 * k, 2 * k + 1), 1, (2 * k + 1, 3 * k + 1),
+            data,
+            (0, k),
+            (k, 2 * k),
+            (2 * k, 2 * k + 1),
+            1,
+            (2 * k + 1, 3 * k + 1),
             (3 * k + 1, 4 * k + 1),
         )
