@@ -1,0 +1,354 @@
+"""The jitted train step: packed rows in, one (or several) optimizer steps out.
+
+What it owns
+    ``OptimConfig`` / ``make_optimizer`` (optax AdamW behind global-norm clipping, constant or
+    warmup-cosine learning rate), ``StepConfig`` (RL or SFT, gradient-accumulation chunking,
+    ``ppo_epochs x minibatches``, old-log-prob recomputation, the policy-loss settings) and
+    ``build_train_step``, which returns one ``jax.jit``-compiled pure function
+
+        ``step(params, opt_state, batch, rng, ref_params) -> (params, opt_state, metrics)``
+
+    with explicit in/out shardings and ``params`` / ``opt_state`` donated.
+
+The maths, per batch of packed rows ``[R, L]`` (``algorithms.packing.PackedBatch`` arrays,
+aligned as in ``Sample``: token ``t``'s behavior log-prob, mask and advantage sit at ``t``)
+    - Targets are the row shifted left by one: logits at ``t`` score token ``t + 1``. A target
+      counts only if it is a loss token *and* belongs to the same segment as its predecessor, so
+      the first token of a packed sample is never scored against the previous sample.
+    - ``ppo_epochs`` passes, each splitting the rows (shuffled per epoch when ``minibatches >
+      1``) into ``minibatches`` minibatches; each minibatch is one optimizer update. Within a
+      minibatch the gradients of its row-chunks (``chunk_rows`` rows each) are summed by a
+      ``lax.scan``; loss weights are computed once over the whole minibatch, so the sum of the
+      chunk gradients equals the gradient of the minibatch loss (token or sequence norm).
+    - ``recompute_old_logprobs``: a gradient-free forward over every row before the first update
+      gives ``old_logp``; the ratio is then taken against it and TIS weights the engine mismatch.
+      Otherwise the ratio is taken against the engine's behavior log-probs.
+    - ``ref_params`` (only when ``loss.kl_beta > 0``) gives the reference log-probs of the k3 KL.
+
+Invariants
+    Rows must split evenly: ``R % (minibatches * chunk_rows) == 0`` (the trainer pads rows;
+    padding rows carry no loss). Shapes are static per distinct ``R``, so the trainer keeps
+    ``R`` on a small set of values to bound recompiles. The step never reads the host, never
+    allocates outside XLA and never calls back into Python.
+
+Who drives it: ``trainer/trainer.py`` (and ``benchmarks/train_step.py``). It must never touch
+orchestration, the engine or checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl_orch.algorithms import losses
+
+BATCH_FIELDS = (
+    "tokens",
+    "positions",
+    "segment_ids",
+    "loss_mask",
+    "advantages",
+    "logprobs",
+    "temperatures",
+)
+SCHEDULES = ("constant", "warmup_cosine")
+KINDS = ("rl", "sft")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with global-norm clipping. ``schedule``: ``"constant"`` (after an optional linear
+    warmup) or ``"warmup_cosine"`` (warmup, then cosine decay to ``lr * end_lr_ratio`` at
+    ``total_steps``)."""
+
+    learning_rate: float = 1e-5
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    end_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        if self.schedule == "warmup_cosine" and self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                f"total_steps ({self.total_steps}) must exceed warmup_steps "
+                f"({self.warmup_steps}) for warmup_cosine"
+            )
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}")
+
+
+def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+    if cfg.schedule == "warmup_cosine":
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0,
+            peak_value=cfg.learning_rate,
+            warmup_steps=cfg.warmup_steps,
+            decay_steps=cfg.total_steps,
+            end_value=cfg.learning_rate * cfg.end_lr_ratio,
+        )
+    if cfg.warmup_steps:
+        return optax.join_schedules(
+            [
+                optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps),
+                optax.constant_schedule(cfg.learning_rate),
+            ],
+            [cfg.warmup_steps],
+        )
+    return optax.constant_schedule(cfg.learning_rate)
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    # Decay matrices only: norms and biases are scale/offset parameters, not capacity.
+    def decay_mask(params: Any) -> Any:
+        return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.max_grad_norm),
+        optax.adamw(
+            make_schedule(cfg),
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask,
+        ),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What one step does with a batch (gin binds these keyword arguments)."""
+
+    kind: str = "rl"
+    chunk_rows: int = 1
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    recompute_old_logprobs: bool = False
+    shuffle_minibatches: bool = True
+    loss: losses.PolicyLossConfig = dataclasses.field(default_factory=losses.PolicyLossConfig)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        for name in ("chunk_rows", "ppo_epochs", "minibatches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"StepConfig.{name} must be an int >= 1, got {v!r}")
+
+    @property
+    def rows_multiple(self) -> int:
+        """The batch's row count must be a multiple of this."""
+        return self.chunk_rows * self.minibatches
+
+
+def shift_targets(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Inputs ``[R, L]`` and targets ``[R, L-1]`` (see module docstring for the mask rule)."""
+    seg = batch["segment_ids"]
+    same_seq = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+    return {
+        "tokens": batch["tokens"],
+        "positions": batch["positions"],
+        "segment_ids": seg,
+        "targets": batch["tokens"][:, 1:],
+        "target_segments": seg[:, 1:],
+        "mask": batch["loss_mask"][:, 1:].astype(bool) & same_seq,
+        "advantages": batch["advantages"][:, 1:],
+        "behavior": batch["logprobs"][:, 1:],
+        "temperatures": batch["temperatures"][:, 1:],
+    }
+
+
+def _take_rows(tree: dict[str, jax.Array], idx: jax.Array) -> dict[str, jax.Array]:
+    return {k: jnp.take(v, idx, axis=0) for k, v in tree.items()}
+
+
+def _to_chunks(tree: dict[str, jax.Array], chunk_rows: int) -> dict[str, jax.Array]:
+    return {
+        k: v.reshape(v.shape[0] // chunk_rows, chunk_rows, *v.shape[1:]) for k, v in tree.items()
+    }
+
+
+def build_train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    cfg: StepConfig,
+    *,
+    param_shardings: Any,
+    opt_shardings: Any,
+    mesh: jax.sharding.Mesh,
+    row_axis: str | None = "fsdp",
+) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
+    """Compile-ready train step (see module docstring). ``row_axis`` shards packed rows
+    (data parallel) when the chunk's row count divides over it; ``None`` replicates rows."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    row_size = mesh.shape[row_axis] if row_axis else 1
+    rows_spec = PartitionSpec(row_axis) if row_axis and cfg.chunk_rows % row_size == 0 else None
+    loss_cfg = cfg.loss
+    use_ref = cfg.kind == "rl" and loss_cfg.kl_beta > 0
+
+    def constrain_rows(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        if rows_spec is None:
+            return tree
+        return {
+            k: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, rows_spec))
+            for k, v in tree.items()
+        }
+
+    def forward(params: Any, chunk: dict[str, jax.Array]) -> jax.Array:
+        model = nnx.merge(graphdef, params)
+        logits = model(chunk["tokens"], chunk["positions"], chunk["segment_ids"])
+        return logits[:, :-1]
+
+    def logprobs_only(params: Any, chunks: dict[str, jax.Array]) -> jax.Array:
+        def body(_, chunk):
+            chunk = constrain_rows(chunk)
+            logits = forward(params, chunk)
+            return None, losses.token_logprobs(logits, chunk["targets"], chunk["temperatures"])
+
+        _, lp = jax.lax.scan(body, None, chunks)
+        return jax.lax.stop_gradient(lp)  # [n_chunks, C, L-1]
+
+    def chunk_loss(params: Any, chunk: dict[str, jax.Array]):
+        chunk = constrain_rows(chunk)
+        logits = forward(params, chunk)
+        if cfg.kind == "sft":
+            return losses.sft_loss(logits, chunk["targets"], chunk["mask"], chunk["weights"])
+        new_lp, ent = losses.logprobs_and_entropy(logits, chunk["targets"], chunk["temperatures"])
+        return losses.policy_loss(
+            new_lp,
+            chunk["behavior"],
+            chunk["advantages"],
+            chunk["mask"],
+            chunk["weights"],
+            loss_cfg,
+            old_logp=chunk.get("old_logp"),
+            ref_logp=chunk.get("ref_logp"),
+            entropy=ent,
+        )
+
+    grad_fn = jax.value_and_grad(chunk_loss, has_aux=True)
+
+    def minibatch_update(params, opt_state, mb: dict[str, jax.Array]):
+        mb = dict(mb)
+        mb["weights"] = losses.loss_weights(mb["mask"], mb["target_segments"], loss_cfg.norm)
+        chunks = _to_chunks(mb, cfg.chunk_rows)
+        first = jax.tree.map(lambda v: v[0], chunks)
+        sums_shape = jax.eval_shape(lambda p, c: chunk_loss(p, c)[1], params, first)
+
+        def body(acc, chunk):
+            grads_acc, sums_acc = acc
+            (_, sums), grads = grad_fn(params, chunk)
+            grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+            return (grads_acc, losses.merge_metric_sums(sums_acc, sums)), None
+
+        zero_sums = {
+            k: jnp.full(v.shape, -jnp.inf if k == "ratio_max" else 0.0, v.dtype)
+            for k, v in sums_shape.items()
+        }
+        zero_grads = jax.tree.map(jnp.zeros_like, params)
+        (grads, sums), _ = jax.lax.scan(body, (zero_grads, zero_sums), chunks)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = losses.finalize_metrics(sums)
+        metrics["grad_norm"] = grad_norm
+        return params, opt_state, metrics
+
+    def step(params, opt_state, batch, rng, ref_params=None):
+        data = shift_targets(batch)
+        rows = data["tokens"].shape[0]
+        if rows % cfg.rows_multiple:
+            raise ValueError(
+                f"batch has {rows} rows; it must be a multiple of chunk_rows * minibatches = "
+                f"{cfg.rows_multiple} (pad rows in the trainer)"
+            )
+        if cfg.kind == "rl" and cfg.recompute_old_logprobs:
+            data["old_logp"] = logprobs_only(params, _to_chunks(data, cfg.chunk_rows)).reshape(
+                rows, -1
+            )
+        if use_ref:
+            data["ref_logp"] = logprobs_only(ref_params, _to_chunks(data, cfg.chunk_rows)).reshape(
+                rows, -1
+            )
+        per_mb = rows // cfg.minibatches
+
+        def epoch(carry, epoch_rng):
+            params, opt_state = carry
+            if cfg.minibatches > 1 and cfg.shuffle_minibatches:
+                order = jax.random.permutation(epoch_rng, rows)
+            else:
+                order = jnp.arange(rows)
+            order = order.reshape(cfg.minibatches, per_mb)
+
+            def minibatch(carry, idx):
+                params, opt_state = carry
+                params, opt_state, metrics = minibatch_update(
+                    params, opt_state, _take_rows(data, idx)
+                )
+                return (params, opt_state), metrics
+
+            return jax.lax.scan(minibatch, (params, opt_state), order)
+
+        (params, opt_state), metrics = jax.lax.scan(
+            epoch, (params, opt_state), jax.random.split(rng, cfg.ppo_epochs)
+        )
+        # metrics leaves are [epochs, minibatches]: the first update's numbers are the on-policy
+        # check (ratio ~ 1 when old log-probs are consistent); the rest are averaged.
+        out = {k: (jnp.max(v) if k == "ratio_max" else jnp.mean(v)) for k, v in metrics.items()}
+        out["loss"] = jnp.mean(metrics["loss"])
+        out["num_tokens"] = jnp.sum(metrics["num_tokens"][0])
+        if cfg.kind == "rl":
+            out["first/ratio_mean"] = metrics["ratio_mean"][0, 0]
+            out["first/clip_low"] = metrics["clip_low"][0, 0]
+            out["first/clip_high"] = metrics["clip_high"][0, 0]
+        return params, opt_state, out
+
+    batch_sharding = {
+        k: NamedSharding(mesh, PartitionSpec(row_axis if rows_spec is not None else None, None))
+        for k in BATCH_FIELDS
+    }
+    ref_sh = param_shardings if use_ref else None
+    return jax.jit(
+        step,
+        in_shardings=(param_shardings, opt_shardings, batch_sharding, replicated, ref_sh),
+        out_shardings=(param_shardings, opt_shardings, replicated),
+        donate_argnums=(0, 1),
+    )
+
+
+def opt_state_shardings(opt_state_shape: Any, params_shape: Any, param_shardings: Any, mesh):
+    """Explicit shardings for an optax state: every sub-tree shaped like the params (Adam's
+    moments) takes the params' shardings; every other leaf (counts) is replicated."""
+    params_def = jax.tree.structure(params_shape)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def is_params_like(x: Any) -> bool:
+        try:
+            return jax.tree.structure(x) == params_def
+        except Exception:  # noqa: BLE001 - non-pytree nodes simply are not params-like
+            return False
+
+    def assign(x: Any) -> Any:
+        if is_params_like(x):
+            return param_shardings
+        return replicated
+
+    return jax.tree.map(assign, opt_state_shape, is_leaf=is_params_like)
