@@ -1,0 +1,352 @@
+"""TrainSink: finished train episodes -> tokenized, scored, filtered ``TrainBatch``es.
+
+What it owns: everything between "a rollout finished" and "a batch is ready to ship":
+
+1. Tokenize. Each rollout's trace becomes one ``Sample`` (token ids as sampled, the loss mask,
+   behavior log-probs and versions on model tokens, the temperature fanned out to every token)
+   on a worker thread (``asyncio.to_thread``), so the event loop keeps dispatching. Errored and
+   untrainable rollouts are not tokenized; a rollout whose trace is misaligned is turned into an
+   error rollout (``capture_error``), the deliberate fault tolerance DESIGN.md section 7 allows.
+2. Group. Rollouts are held until all ``group_size`` rollouts of their ``group_id`` (errored
+   ones included: the dispatcher emits every rollout it started) have arrived.
+3. Score. Errored/untrainable rollouts are dropped; the survivors' rewards go through the
+   swappable ``Algorithm``. A NaN/inf reward makes the algorithm raise ``NonFiniteRewardError``;
+   the sink catches exactly that, flags those rollouts ``non_finite_reward`` (counted, never
+   trained on) and recomputes the group's advantages without them. A model token with a
+   non-finite behavior log-prob is flagged ``non_finite_logprob`` the same way. Each
+   survivor's advantage is written to ``rollout.advantage`` and onto its loss-masked tokens.
+   The baseline is the whole surviving group, including rollouts the pre-filters then reject.
+4. Filter. With ``dynamic_sampling`` (DAPO) a group whose surviving rewards are all equal (no
+   signal) is flagged ``zero_variance`` and dropped; the batch waits for more groups, so it
+   still holds ``batch_size`` rollouts that carry signal. Then the ``pre_filters`` run on the
+   group's remaining rollouts, and clean ones join the ready list (FIFO).
+5. Batch. As soon as ``batch_size`` clean rollouts are ready, the oldest ``batch_size`` form a
+   cohort; ``post_filters`` run on it and the survivors' samples are the batch payload (a
+   post-filter can make a batch smaller than ``batch_size``). Extra ready rollouts wait for the
+   next batch, so one group may straddle two batches.
+
+Two lists are kept apart: the observation window (every rollout of every group completed since
+the previous batch, errored and filtered too: ``TrainBatch.rollouts``, for metrics) and the
+cohort (the clean rollouts trained on: their samples are ``TrainBatch.samples``; the rollouts
+themselves via ``trained_rollouts(step)``, for the rollout store). If the post-filters leave no
+samples, the returned batch is empty, the window is kept for the next batch, and the step
+counter does not advance (the loop's empty-batch guard skips it).
+
+Batch metrics (``train/...``): ``reward_mean``/``reward_std`` (window, non-errored, finite),
+``batch_reward_mean`` (cohort), ``errors``, ``untrainable``, ``filtered``, ``filtered/<reason>``,
+``rollouts_seen``, ``groups_seen``, ``groups_with_signal``, ``effective_group_rate`` (groups with
+signal / groups seen in the window; absent if the window completed no group),
+``trainable_samples``, ``tokens``, ``loss_tokens``, ``ready_carryover``.
+
+Who drives it: the orchestrator's main loop calls ``await add(episode)`` for every train
+episode. Invariants: a rollout is in at most one batch; nothing with an error, a flag or a
+non-finite reward is ever in ``samples``. It never imports another orchestrator component and
+never writes metrics itself (the logger pulls ``gauges()``). Pending work is not checkpointed:
+``state()`` holds only the step and lifetime counters; rollouts in flight are regenerated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import defaultdict, deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl_orch.algorithms.advantages import NonFiniteRewardError, get_algorithm
+from jaxrl_orch.algorithms.filters import Filter, apply_filters, flag
+from jaxrl_orch.types import NO_VERSION, Algorithm, Episode, Rollout, Sample, TrainBatch
+
+# How many recent cohorts ``trained_rollouts`` keeps for the store; the loop persists a batch
+# before it asks the sink for the next one, so a handful covers any hold it may wait out.
+_COHORT_HISTORY = 16
+
+
+def trace_to_sample(rollout: Rollout, temperature: float | None = None) -> Sample:
+    """One rollout trace -> one ``Sample`` (advantages zero until the group is scored).
+
+    Non-model tokens get log-prob 0 and version ``NO_VERSION`` whatever the trace says, as the
+    ``Sample`` contract requires. ``temperature`` overrides the rollout's recorded one.
+    """
+    rollout.validate_trace()
+    mask = np.asarray(rollout.loss_mask, dtype=bool)
+    n = mask.shape[0]
+    temp = rollout.temperature if temperature is None else temperature
+    return Sample(
+        token_ids=np.asarray(rollout.token_ids, dtype=np.int32).reshape(n),
+        loss_mask=mask,
+        logprobs=np.where(mask, np.asarray(rollout.logprobs, np.float32).reshape(n), 0.0).astype(
+            np.float32
+        ),
+        advantages=np.zeros(n, np.float32),
+        temperatures=np.full(n, temp, np.float32),
+        versions=np.where(
+            mask, np.asarray(rollout.versions, np.int64).reshape(n), NO_VERSION
+        ).astype(np.int32),
+    )
+
+
+class TrainSink:
+    def __init__(
+        self,
+        group_size: int | Mapping[str, int],
+        batch_size: int,
+        algorithm: Algorithm | str = "grpo",
+        *,
+        pre_filters: Sequence[Filter] = (),
+        post_filters: Sequence[Filter] = (),
+        temperature: float | None = None,
+        dynamic_sampling: bool = True,
+        zero_variance_atol: float = 1e-6,
+        first_step: int = 1,
+    ) -> None:
+        sizes = group_size.values() if isinstance(group_size, Mapping) else [group_size]
+        if not sizes or any(int(g) < 1 for g in sizes):
+            raise ValueError(
+                f"group_size must be >= 1 (or a mapping env -> >= 1), got {group_size!r}"
+            )
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 rollouts, got {batch_size!r}")
+        if temperature is not None and not (temperature >= 0 and math.isfinite(temperature)):
+            raise ValueError(
+                f"temperature must be None or a finite value >= 0, got {temperature!r}"
+            )
+        self.group_size = group_size
+        self.batch_size = int(batch_size)
+        self.algorithm: Algorithm = (
+            get_algorithm(algorithm) if isinstance(algorithm, str) else algorithm
+        )
+        self.pre_filters = tuple(pre_filters)
+        self.post_filters = tuple(post_filters)
+        self.temperature = temperature
+        self.dynamic_sampling = dynamic_sampling
+        self.zero_variance_atol = zero_variance_atol
+
+        self._pending: dict[int, list[Rollout]] = {}
+        self._ready: deque[Rollout] = deque()
+        self._window: list[Rollout] = []
+        self._window_counts: dict[str, int] = defaultdict(int)
+        self._window_groups = 0
+        self._window_signal = 0
+        self._cohorts: dict[int, list[Rollout]] = {}
+        self._step = int(first_step)
+        self._running = False
+        self._totals: dict[str, float] = defaultdict(float)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """No background work: ``add`` does everything. Kept for the component contract."""
+        self._running = True
+
+    def stop(self) -> None:
+        self._running = False
+
+    @property
+    def step(self) -> int:
+        """Step number the next non-empty batch will carry."""
+        return self._step
+
+    def group_size_for(self, env: str) -> int:
+        if not isinstance(self.group_size, Mapping):
+            return int(self.group_size)
+        try:
+            return int(self.group_size[env])
+        except KeyError:
+            raise ValueError(
+                f"no group size configured for env {env!r}; known envs: {sorted(self.group_size)}"
+            ) from None
+
+    # ------------------------------------------------------------------ intake
+
+    async def add(self, episode: Episode) -> TrainBatch | None:
+        """Take one finished train episode; return a batch when ``batch_size`` are ready."""
+        if not episode:
+            raise ValueError("episode must hold at least one rollout, got an empty list")
+        for r in episode:
+            if r.is_eval:
+                raise ValueError(
+                    f"eval rollout (env={r.env!r}, group_id={r.group_id}) sent to the train "
+                    "sink; route is_eval episodes to the eval sink"
+                )
+        await asyncio.to_thread(self._tokenize, episode)
+        touched: list[int] = []
+        for r in episode:
+            group = self._pending.setdefault(r.group_id, [])
+            group.append(r)
+            if r.group_id not in touched:
+                touched.append(r.group_id)
+        for gid in touched:
+            group = self._pending[gid]
+            size = self.group_size_for(group[0].env)
+            if len(group) > size:
+                raise ValueError(
+                    f"group {gid} (env {group[0].env!r}) received {len(group)} rollouts but its "
+                    f"group_size is {size}"
+                )
+            if len(group) == size:
+                self._process_group(self._pending.pop(gid))
+        return self.take_batch()
+
+    def _tokenize(self, episode: Episode) -> None:
+        # Runs on a worker thread: touches only the episode's own rollouts.
+        for r in episode:
+            if r.has_error or not r.trainable:
+                continue
+            try:
+                r.samples = [trace_to_sample(r, self.temperature)]
+            except ValueError as exc:
+                r.capture_error(exc)
+
+    def _flag(self, r: Rollout, reason: str) -> None:
+        flag(r, reason)
+        self._window_counts[reason] += 1
+
+    def _process_group(self, group: list[Rollout]) -> None:
+        self._window.extend(group)
+        self._window_groups += 1
+        self._totals["groups_seen"] += 1
+        self._totals["rollouts_seen"] += len(group)
+        self._totals["errors"] += sum(r.has_error for r in group)
+        survivors = [r for r in group if not (r.has_error or not r.trainable or r.filtered)]
+        for r in survivors:
+            lp = r.samples[0].logprobs[r.samples[0].loss_mask]
+            if not np.isfinite(lp).all():
+                self._flag(r, "non_finite_logprob")
+        survivors = [r for r in survivors if not r.filtered]
+
+        rewards = np.array([r.reward for r in survivors], np.float64)
+        try:
+            adv = self.algorithm.advantages(rewards)
+        except NonFiniteRewardError as exc:
+            bad = set(exc.indices)
+            for i in sorted(bad):
+                self._flag(survivors[i], "non_finite_reward")
+            survivors = [r for i, r in enumerate(survivors) if i not in bad]
+            rewards = np.array([r.reward for r in survivors], np.float64)
+            adv = self.algorithm.advantages(rewards)
+        adv = np.asarray(adv, np.float32)
+        if adv.shape != rewards.shape:
+            raise ValueError(
+                f"algorithm {self.algorithm.name!r} returned advantages of shape {adv.shape} "
+                f"for {rewards.shape[0]} rewards"
+            )
+        for r, a in zip(survivors, adv, strict=True):
+            r.advantage = float(a)
+            s = r.samples[0]
+            s.advantages[s.loss_mask] = a
+
+        signal = len(survivors) >= 2 and float(np.ptp(rewards)) > self.zero_variance_atol
+        if signal:
+            self._window_signal += 1
+            self._totals["groups_with_signal"] += 1
+        elif self.dynamic_sampling:
+            for r in survivors:
+                self._flag(r, "zero_variance")
+        candidates = [r for r in survivors if not r.filtered]
+        for reason, n in apply_filters(self.pre_filters, candidates).items():
+            self._window_counts[reason] += n
+        self._ready.extend(r for r in candidates if not r.filtered)
+        self._totals["filtered"] += sum(r.filtered for r in group)
+
+    # ------------------------------------------------------------------ batching
+
+    def take_batch(self) -> TrainBatch | None:
+        """The next batch if ``batch_size`` clean rollouts are ready, else None.
+
+        ``add`` calls this itself; call it again only when a group is larger than a batch
+        (one episode can then complete more than one batch).
+        """
+        if len(self._ready) < self.batch_size:
+            return None
+        cohort = [self._ready.popleft() for _ in range(self.batch_size)]
+        for reason, n in apply_filters(self.post_filters, cohort).items():
+            self._window_counts[reason] += n
+        trained = [r for r in cohort if not r.filtered]
+        self._totals["filtered"] += len(cohort) - len(trained)
+        samples = [s for r in trained for s in r.samples]
+        batch = TrainBatch(
+            step=self._step,
+            samples=samples,
+            rollouts=list(self._window),
+            metrics=self._metrics(trained, samples),
+        )
+        if samples:
+            self._cohorts[self._step] = trained
+            for old in [k for k in self._cohorts if k <= self._step - _COHORT_HISTORY]:
+                del self._cohorts[old]
+            self._step += 1
+            self._totals["batches"] += 1
+            self._totals["samples"] += len(samples)
+            self._window = []
+            self._window_counts = defaultdict(int)
+            self._window_groups = self._window_signal = 0
+        return batch
+
+    def trained_rollouts(self, step: int) -> list[Rollout]:
+        """The rollouts whose samples made up batch ``step`` (recent steps only)."""
+        try:
+            return list(self._cohorts[step])
+        except KeyError:
+            raise ValueError(
+                f"no trained cohort kept for step {step}; kept steps: {sorted(self._cohorts)}"
+            ) from None
+
+    def _metrics(self, trained: list[Rollout], samples: list[Sample]) -> dict[str, float]:
+        window = self._window
+        errors = sum(r.has_error for r in window)
+        rewards = np.array(
+            [r.reward for r in window if not r.has_error and math.isfinite(r.reward)], np.float64
+        )
+        groups, with_signal = self._window_groups, self._window_signal
+        m: dict[str, float] = {
+            "train/rollouts_seen": float(len(window)),
+            "train/errors": float(errors),
+            "train/untrainable": float(sum(not r.trainable and not r.has_error for r in window)),
+            "train/filtered": float(sum(r.filtered for r in window)),
+            "train/groups_seen": float(groups),
+            "train/groups_with_signal": float(with_signal),
+            "train/trainable_samples": float(len(samples)),
+            "train/tokens": float(sum(len(s) for s in samples)),
+            "train/loss_tokens": float(sum(s.num_loss_tokens for s in samples)),
+            "train/ready_carryover": float(len(self._ready)),
+        }
+        if rewards.size:
+            m["train/reward_mean"] = float(rewards.mean())
+            m["train/reward_std"] = float(rewards.std())
+        if trained:
+            m["train/batch_reward_mean"] = float(np.mean([r.reward for r in trained]))
+        if groups:
+            m["train/effective_group_rate"] = with_signal / groups
+        for reason, n in sorted(self._window_counts.items()):
+            m[f"train/filtered/{reason}"] = float(n)
+        return m
+
+    # ------------------------------------------------------------------ observability
+
+    def gauges(self) -> dict[str, float]:
+        seen = self._totals["groups_seen"]
+        g = {
+            "train_sink/pending_groups": float(len(self._pending)),
+            "train_sink/pending_group_rollouts": float(sum(map(len, self._pending.values()))),
+            "train_sink/ready_rollouts": float(len(self._ready)),
+            "train_sink/window_rollouts": float(len(self._window)),
+            "train_sink/step": float(self._step),
+            "train_sink/running": float(self._running),
+        }
+        for k in ("batches", "samples", "rollouts_seen", "errors", "filtered", "groups_seen"):
+            g[f"train_sink/{k}_total"] = float(self._totals[k])
+        if seen:
+            g["train_sink/effective_group_rate"] = self._totals["groups_with_signal"] / seen
+        return g
+
+    def state(self) -> dict[str, Any]:
+        return {"step": self._step, "totals": dict(self._totals)}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        if "step" not in state:
+            raise ValueError(f"TrainSink state needs a 'step' entry, got keys {sorted(state)}")
+        self._step = int(state["step"])
+        self._totals = defaultdict(float, state.get("totals", {}))

@@ -1,0 +1,291 @@
+"""TrainSink with fake rollouts: grouping, scoring, filtering, batching, window vs batch."""
+
+import asyncio
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from jaxrl_orch.algorithms.filters import NoModelTokensFilter, RepetitionFilter
+from jaxrl_orch.orchestrator import train_sink as ts
+from jaxrl_orch.orchestrator.train_sink import TrainSink, trace_to_sample
+from jaxrl_orch.types import NO_VERSION, Rollout
+
+_EPISODE = iter(range(10**9))
+
+
+def make(gid, reward, *, completion=(40, 41, 42), error=None, temp=1.0, env="t", version=3):
+    prompt = [1, 2]
+    toks = prompt + list(completion)
+    n_c = len(completion)
+    r = Rollout(
+        env=env,
+        group_id=gid,
+        episode_id=next(_EPISODE),
+        example={},
+        token_ids=toks,
+        loss_mask=[False] * 2 + [True] * n_c,
+        logprobs=[0.0] * 2 + [-0.5] * n_c,
+        versions=[NO_VERSION] * 2 + [version] * n_c,
+        reward=reward,
+        temperature=temp,
+        num_turns=1,
+    )
+    if error:
+        r.capture_error(RuntimeError(error))
+    return r
+
+
+def group(gid, rewards, **kw):
+    return [make(gid, x, **kw) for x in rewards]
+
+
+def feed(sink, rollouts, per_rollout=True):
+    """Add rollouts one per episode (or all as one episode); return the non-None batches."""
+
+    async def go():
+        eps = [[r] for r in rollouts] if per_rollout else [rollouts]
+        out = []
+        for ep in eps:
+            b = await sink.add(ep)
+            if b is not None:
+                out.append(b)
+        return out
+
+    return asyncio.run(go())
+
+
+def test_trace_to_sample_multi_turn_values():
+    # prompt | model turn | env reply | model turn
+    r = Rollout(
+        env="t", group_id=0, episode_id=0, example={},
+        token_ids=[1, 2, 10, 11, 5, 6, 12],
+        loss_mask=[False, False, True, True, False, False, True],
+        logprobs=[9.0, 9.0, -0.1, -0.2, 9.0, 9.0, -0.3],
+        versions=[7, 7, 4, 5, 7, 7, 6],
+        temperature=0.7,
+    )  # fmt: skip
+    s = trace_to_sample(r)
+    np.testing.assert_array_equal(s.token_ids, r.token_ids)
+    assert s.token_ids.dtype == np.int32 and s.loss_mask.dtype == bool
+    np.testing.assert_allclose(s.logprobs, [0, 0, -0.1, -0.2, 0, 0, -0.3], rtol=1e-6)
+    np.testing.assert_array_equal(s.versions, [NO_VERSION] * 2 + [4, 5] + [NO_VERSION] * 2 + [6])
+    np.testing.assert_allclose(s.temperatures, np.full(7, 0.7, np.float32))
+    np.testing.assert_array_equal(s.advantages, np.zeros(7))
+    assert trace_to_sample(r, temperature=1.0).temperatures[0] == 1.0
+
+
+def test_groups_held_until_complete_then_scored_and_batched():
+    sink = TrainSink(group_size=4, batch_size=8, algorithm="grpo")
+    g0, g1 = group(0, [1.0, 0.0, 0.5, 0.5]), group(1, [0.2, 0.4, 0.6, 0.8])
+    assert feed(sink, g0[:3] + g1[:3]) == []
+    assert sink.gauges()["train_sink/pending_groups"] == 2
+    assert sink.gauges()["train_sink/pending_group_rollouts"] == 6
+    assert all(r.advantage is None for r in g0[:3])
+    assert feed(sink, [g0[3]]) == []  # group 0 complete, only 4 ready of 8
+    [batch] = feed(sink, [g1[3]])
+    assert batch.step == 1 and len(batch.samples) == 8 and len(batch.rollouts) == 8
+    for g in (g0, g1):
+        ref = np.array([r.reward for r in g]) - np.mean([r.reward for r in g])
+        np.testing.assert_allclose([r.advantage for r in g], ref, atol=1e-6)
+        for r in g:
+            s = r.samples[0]
+            np.testing.assert_allclose(s.advantages[s.loss_mask], r.advantage)
+            assert (s.advantages[~s.loss_mask] == 0).all()
+    assert batch.samples[0] is g0[0].samples[0]
+    assert batch.metrics["train/effective_group_rate"] == 1.0
+    assert batch.metrics["train/tokens"] == 8 * 5 and batch.metrics["train/loss_tokens"] == 24
+    assert sink.trained_rollouts(1) == g0 + g1
+    assert sink.step == 2
+
+
+def test_errored_rollouts_dropped_but_in_window():
+    sink = TrainSink(group_size=4, batch_size=3)
+    g = group(0, [1.0, 0.0, 0.5]) + [make(0, 0.0, error="env crashed")]
+    [batch] = feed(sink, g)
+    assert len(batch.samples) == 3 and len(batch.rollouts) == 4
+    assert g[3].samples == [] and g[3].advantage is None
+    # Baseline is the mean of the three survivors only.
+    np.testing.assert_allclose([r.advantage for r in g[:3]], [0.5, -0.5, 0.0], atol=1e-6)
+    assert batch.metrics["train/errors"] == 1
+    assert batch.metrics["train/reward_mean"] == pytest.approx(0.5)
+
+
+def test_zero_variance_groups_dropped_and_replaced():
+    sink = TrainSink(group_size=4, batch_size=8)
+    signal_a = group(0, [1, 0, 0, 1])
+    flat = group(1, [1, 1, 1, 1])
+    signal_b = group(2, [0, 0, 0, 1])
+    assert feed(sink, signal_a + flat) == []  # 4 clean, flat group does not count
+    [batch] = feed(sink, signal_b)
+    assert len(batch.samples) == 8
+    trained = sink.trained_rollouts(batch.step)
+    assert {r.group_id for r in trained} == {0, 2}
+    assert all(r.filter_reasons == ["zero_variance"] for r in flat)
+    assert len(batch.rollouts) == 12  # window keeps the flat group for metrics
+    assert batch.metrics["train/filtered/zero_variance"] == 4
+    assert batch.metrics["train/groups_seen"] == 3
+    assert batch.metrics["train/effective_group_rate"] == pytest.approx(2 / 3)
+    assert all(abs(r.advantage) > 0 for r in trained)
+
+
+def test_without_dynamic_sampling_flat_groups_are_trained_with_zero_advantage():
+    sink = TrainSink(group_size=2, batch_size=4, dynamic_sampling=False)
+    [batch] = feed(sink, group(0, [1, 1]) + group(1, [0, 1]))
+    assert len(batch.samples) == 4
+    assert batch.metrics["train/effective_group_rate"] == 0.5
+    assert not batch.samples[0].advantages.any()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_reward_counted_filtered_never_trained(bad):
+    sink = TrainSink(group_size=4, batch_size=3)
+    g = group(0, [bad, 1.0, 0.0, 0.5])
+    [batch] = feed(sink, g)
+    assert g[0].filtered and g[0].filter_reasons == ["non_finite_reward"]
+    assert g[0].advantage is None
+    assert all(s is not g[0].samples[0] for s in batch.samples)
+    np.testing.assert_allclose([r.advantage for r in g[1:]], [0.5, -0.5, 0.0], atol=1e-6)
+    assert batch.metrics["train/filtered/non_finite_reward"] == 1
+    assert all(np.isfinite(s.advantages).all() for s in batch.samples)
+    assert batch.metrics["train/reward_mean"] == pytest.approx(0.5)
+
+
+def test_non_finite_logprob_is_filtered():
+    sink = TrainSink(group_size=3, batch_size=2)
+    g = group(0, [1.0, 0.0, 0.5])
+    g[2].logprobs[3] = math.nan
+    [batch] = feed(sink, g)
+    assert g[2].filter_reasons == ["non_finite_logprob"]
+    assert len(batch.samples) == 2
+
+
+def test_misaligned_trace_becomes_error_rollout():
+    sink = TrainSink(group_size=3, batch_size=2)
+    g = group(0, [1.0, 0.0, 0.5])
+    g[1].logprobs.pop()
+    [batch] = feed(sink, g)
+    assert g[1].has_error and "misaligned" in g[1].errors[0]
+    assert batch.metrics["train/errors"] == 1
+
+
+def test_batch_takes_exactly_batch_size_and_carries_the_rest():
+    sink = TrainSink(group_size=4, batch_size=6)
+    g0, g1, g2 = group(0, [0, 1, 0, 1]), group(1, [0, 1, 1, 1]), group(2, [1, 0, 0, 0])
+    [b1] = feed(sink, g0 + g1)
+    assert len(b1.samples) == 6 and b1.metrics["train/ready_carryover"] == 2
+    assert len(b1.rollouts) == 8
+    [b2] = feed(sink, g2)
+    assert b2.step == 2 and len(b2.samples) == 6
+    assert sink.trained_rollouts(2) == g1[2:] + g2
+    assert b2.rollouts == g2  # the window restarts after each batch
+    assert set(map(id, sink.trained_rollouts(1))).isdisjoint(map(id, sink.trained_rollouts(2)))
+
+
+def test_whole_group_episode_and_group_size_per_env():
+    sink = TrainSink(group_size={"a": 2, "b": 3}, batch_size=5)
+    assert feed(sink, group(0, [0, 1], env="a"), per_rollout=False) == []
+    [batch] = feed(sink, group(1, [0, 1, 2], env="b"), per_rollout=False)
+    assert len(batch.samples) == 5
+    with pytest.raises(ValueError, match="no group size configured for env 'c'"):
+        feed(sink, [make(9, 0.0, env="c")])
+
+
+def test_pre_and_post_filters_counted_by_reason():
+    rep = (7, 8) * 20
+    sink = TrainSink(
+        group_size=4,
+        batch_size=3,
+        pre_filters=[RepetitionFilter(n=2, max_ratio=0.5, min_ngrams=4)],
+        post_filters=[NoModelTokensFilter()],
+    )
+    g = [
+        make(0, 1.0, completion=rep),
+        make(0, 0.0),
+        make(0, 0.5),
+        make(0, 0.2, completion=()),
+    ]
+    [batch] = feed(sink, g)
+    assert g[0].filter_reasons == ["repetition"]
+    assert g[3].filter_reasons == ["no_model_tokens"]
+    assert len(batch.samples) == 2  # post-filter shrank the cohort of 3
+    assert batch.metrics["train/filtered/repetition"] == 1
+    assert batch.metrics["train/filtered/no_model_tokens"] == 1
+    # The baseline included the repetitive rollout (filters run after scoring).
+    assert g[1].advantage == pytest.approx(0.0 - np.mean([1.0, 0.0, 0.5, 0.2]))
+
+
+def test_all_post_filtered_gives_empty_batch_and_keeps_window():
+    sink = TrainSink(group_size=2, batch_size=2, post_filters=[NoModelTokensFilter()])
+    empty = [make(0, 0.0, completion=()), make(0, 1.0, completion=())]
+    [b] = feed(sink, empty)
+    assert b.samples == [] and b.step == 1 and sink.step == 1
+    [b2] = feed(sink, group(1, [0.0, 1.0]))
+    assert b2.step == 1 and len(b2.samples) == 2
+    assert len(b2.rollouts) == 4  # the window from the empty batch carried over
+
+
+def test_swappable_algorithm_and_temperature_fanout():
+    sink = TrainSink(group_size=3, batch_size=3, algorithm="rloo")
+    g = group(0, [1.0, 0.0, 0.0], temp=0.6)
+    [batch] = feed(sink, g)
+    np.testing.assert_allclose([r.advantage for r in g], [1.0, -0.5, -0.5])
+    np.testing.assert_allclose(batch.samples[0].temperatures, 0.6)
+    sink2 = TrainSink(group_size=3, batch_size=3, temperature=1.0)
+    [b2] = feed(sink2, group(1, [1.0, 0.0, 0.0], temp=0.6))
+    np.testing.assert_allclose(b2.samples[0].temperatures, 1.0)
+
+
+def test_tokenization_runs_off_the_event_loop(monkeypatch):
+    threads = []
+    real = ts.trace_to_sample
+
+    def spy(r, t=None):
+        threads.append(threading.get_ident())
+        return real(r, t)
+
+    monkeypatch.setattr(ts, "trace_to_sample", spy)
+    sink = TrainSink(group_size=2, batch_size=2)
+    main = threading.get_ident()
+    feed(sink, group(0, [0.0, 1.0]))
+    assert threads and main not in threads
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainSink(group_size=2, batch_size=0)
+    with pytest.raises(ValueError, match="group_size"):
+        TrainSink(group_size=0, batch_size=2)
+    with pytest.raises(ValueError, match="unknown advantage algorithm"):
+        TrainSink(group_size=2, batch_size=2, algorithm="nope")
+    sink = TrainSink(group_size=2, batch_size=8)
+    ev = make(0, 1.0)
+    ev.is_eval = True
+    with pytest.raises(ValueError, match="eval sink"):
+        feed(sink, [ev])
+    with pytest.raises(ValueError, match="empty"):
+        feed(sink, [], per_rollout=False)
+    with pytest.raises(ValueError, match="received 3 rollouts but its group_size is 2"):
+        feed(sink, group(5, [0, 1, 2]), per_rollout=False)
+
+
+def test_gauges_state_restore():
+    sink = TrainSink(group_size=2, batch_size=2)
+    sink.start()
+    feed(sink, group(0, [0.0, 1.0]) + group(1, [1.0, 1.0]) + [make(2, 0.0)])
+    g = sink.gauges()
+    assert all(k.startswith("train_sink/") for k in g)
+    assert g["train_sink/batches_total"] == 1 and g["train_sink/groups_seen_total"] == 2
+    assert g["train_sink/effective_group_rate"] == 0.5
+    assert g["train_sink/pending_group_rollouts"] == 1 and g["train_sink/running"] == 1.0
+    st = sink.state()
+    other = TrainSink(group_size=2, batch_size=2)
+    other.restore(st)
+    assert other.step == 2
+    sink.stop()
+    assert sink.gauges()["train_sink/running"] == 0.0
+    with pytest.raises(ValueError, match="'step'"):
+        other.restore({})
+    with pytest.raises(ValueError, match="kept steps"):
+        sink.trained_rollouts(99)
