@@ -289,3 +289,33 @@ def test_gauges_state_restore():
         other.restore({})
     with pytest.raises(ValueError, match="kept steps"):
         sink.trained_rollouts(99)
+
+
+def test_seed_003_worked_example_end_to_end():
+    """8 tasks x 16 rollouts, one flat task replaced, 128 samples of 150 tokens -> 10 rows."""
+    from jaxrl_orch.algorithms.packing import pack_samples
+
+    rng = np.random.default_rng(0)
+    sink = TrainSink(group_size=16, batch_size=128)
+    batches = []
+    for gid in range(9):
+        rewards = [1.0] * 16 if gid == 3 else rng.uniform(0.3, 1.0, 16).tolist()
+        g = group(gid, rewards, completion=tuple(rng.integers(3, 500, 148)))
+        batches += feed(sink, g, per_rollout=False)
+    [batch] = batches
+    assert len(batch.samples) == 128 and batch.metrics["train/groups_seen"] == 9
+    assert batch.metrics["train/effective_group_rate"] == pytest.approx(8 / 9)
+    assert 3 not in {r.group_id for r in sink.trained_rollouts(batch.step)}
+    packed = pack_samples(batch.samples, 2048)
+    assert packed.num_tokens == batch.num_tokens == 128 * 150
+    assert packed.num_rows == 10 and packed.samples_per_row().max() == 13
+    assert packed.num_loss_tokens == 128 * 148
+
+
+def test_fully_errored_group_is_seen_without_signal():
+    sink = TrainSink(group_size=2, batch_size=2)
+    dead = [make(0, 0.0, error="a"), make(0, 0.0, error="b")]
+    [batch] = feed(sink, dead + group(1, [0.0, 1.0]))
+    assert batch.metrics["train/errors"] == 2 and batch.metrics["train/groups_seen"] == 2
+    assert batch.metrics["train/effective_group_rate"] == 0.5
+    assert all(r.samples == [] for r in dead)
