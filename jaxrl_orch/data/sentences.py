@@ -3,8 +3,8 @@
 The corpus is synthetic on purpose: it is ours to ship, it is reproducible bit for bit from
 ``(count, seed)``, and its sentences have the shape of seed 003's example ("In 1891 the
 community inaugurated its own cemetery"): a short clause of subject, verb, object, with an
-optional year or place, 20 to 60 characters long so prompts fit a tiny byte-level model's
-context.
+optional year or place, 20 to 47 characters long, so that with the default reverse-text
+instruction and the ChatML byte tokenizer every prompt is at most 96 tokens (mean ~89).
 
 Grammar: one of five templates (year-first, year-last, adjective subject, place, pluperfect
 "By YEAR ...") filled from small hand-written word lists with ``random.Random(seed)``;
@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-MIN_CHARS, MAX_CHARS = 20, 60
+MIN_CHARS, MAX_CHARS = 20, 47
 DEFAULT_COUNT, DEFAULT_SEED = 4000, 1891
 CORPUS_PATH = Path(__file__).parent / "corpus" / "sentences.txt"
 

@@ -51,7 +51,7 @@ class ArithmeticEnv(SingleTurnEnv):
         *,
         instruction: str = DEFAULT_INSTRUCTION,
         response_prefix: str = "",
-        add_bos: bool = True,
+        add_bos: bool = False,
     ) -> None:
         super().__init__(tokenizer, response_prefix=response_prefix, add_bos=add_bos)
         self.instruction = instruction

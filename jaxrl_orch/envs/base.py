@@ -17,7 +17,8 @@ Invariants
 - ``rollout.token_ids == prompt ids + model turn ids (+ env reply ids + model turn ids ...)``,
   and ``loss_mask``/``logprobs``/``versions`` stay aligned with it (``Rollout.validate_trace``).
 - A malformed completion scores 0; it never raises. Only broken machinery raises.
-- The eos id is always added to the stop ids so a turn ends where the model ends it.
+- The tokenizer's stop ids (eos, plus ``stop_ids`` when it has them) are always added to the
+  sampling stop ids, so a turn ends where the model ends it.
 
 Who drives it: the orchestrator's dispatcher calls ``env.run(client, example, ...)`` once per
 rollout. Environments talk to the model only through ``types.InferenceClient.generate``.
@@ -43,7 +44,7 @@ ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 class Tokenizer(Protocol):
     """The slice of a tokenizer an environment needs (structural; see models/tokenizer.py)."""
 
-    bos_id: int
+    bos_id: int | None
     eos_id: int
 
     def encode(self, text: str) -> list[int]: ...
@@ -53,6 +54,16 @@ class Tokenizer(Protocol):
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str: ...
+
+
+def check_tokenizer(tokenizer: Any) -> Tokenizer:
+    for attr in ("encode", "decode", "apply_chat_template", "eos_id", "bos_id"):
+        if not hasattr(tokenizer, attr):
+            raise TypeError(
+                f"tokenizer {type(tokenizer).__name__} lacks {attr!r}; an env tokenizer "
+                "needs encode, decode, apply_chat_template, eos_id and bos_id"
+            )
+    return tokenizer
 
 
 def extract_answer(text: str) -> str | None:
@@ -72,6 +83,18 @@ def check_reward(reward: Any, *, env: str) -> float:
             f"env {env!r} produced a non-finite reward {value!r}; rewards must be finite floats"
         )
     return value
+
+
+def stop_ids_of(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Every id that ends a model turn: ``eos_id`` plus the tokenizer's ``stop_ids`` if any
+    (e.g. ByteTokenizer's ``<|endoftext|>`` next to its ``<|im_end|>`` eos)."""
+    return tuple(dict.fromkeys((tokenizer.eos_id, *getattr(tokenizer, "stop_ids", ()))))
+
+
+def model_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """Decode a model turn for scoring only (stop tokens dropped); never fed back as ids."""
+    stops = set(stop_ids_of(tokenizer))
+    return tokenizer.decode([t for t in ids if t not in stops])
 
 
 def with_stop_ids(sampling: SamplingParams, *stop_ids: int) -> SamplingParams:
@@ -133,6 +156,8 @@ def render_prompt_ids(
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True) + response_prefix
     ids = list(tokenizer.encode(text))
     if add_bos and (not ids or ids[0] != tokenizer.bos_id):
+        if tokenizer.bos_id is None:
+            raise ValueError("add_bos=True but the tokenizer has no bos_id")
         ids = [tokenizer.bos_id, *ids]
     return ids
 
@@ -143,21 +168,17 @@ class SingleTurnEnv:
 
     ``response_prefix`` is appended after the generation prompt (e.g. ``"<answer>"`` to
     pre-open the answer tag for a tiny model); it is part of the prompt ids, and ``score``
-    sees ``response_prefix + decoded completion``.
+    sees ``response_prefix + decoded completion``. ``add_bos`` (default off) prepends
+    ``bos_id`` unless the rendered prompt already starts with it; by default the chat template
+    alone decides the control tokens (ChatML has no BOS; the Llama 3 template writes its own).
     """
 
     name: str = "single_turn"
 
     def __init__(
-        self, tokenizer: Tokenizer, *, response_prefix: str = "", add_bos: bool = True
+        self, tokenizer: Tokenizer, *, response_prefix: str = "", add_bos: bool = False
     ) -> None:
-        for attr in ("encode", "decode", "apply_chat_template", "eos_id", "bos_id"):
-            if not hasattr(tokenizer, attr):
-                raise TypeError(
-                    f"tokenizer {type(tokenizer).__name__} lacks {attr!r}; an env tokenizer "
-                    "needs encode, decode, apply_chat_template, eos_id and bos_id"
-                )
-        self.tokenizer = tokenizer
+        self.tokenizer = check_tokenizer(tokenizer)
         self.response_prefix = response_prefix
         self.add_bos = add_bos
 
@@ -184,12 +205,10 @@ class SingleTurnEnv:
         trace = Trace()
         trace.add_context(self.prompt_ids(example))
         completion = await client.generate(
-            list(trace.token_ids), with_stop_ids(sampling, self.tokenizer.eos_id)
+            list(trace.token_ids), with_stop_ids(sampling, *stop_ids_of(self.tokenizer))
         )
         trace.add_model(completion)
-        text = self.response_prefix + self.tokenizer.decode(
-            [t for t in completion.token_ids if t != self.tokenizer.eos_id]
-        )
+        text = self.response_prefix + model_text(self.tokenizer, completion.token_ids)
         reward, metrics = self.score(text, example)
         rollout = Rollout(
             env=self.name,

@@ -35,8 +35,11 @@ from jaxrl_orch.envs.base import (
     Tokenizer,
     Trace,
     check_reward,
+    check_tokenizer,
     extract_answer,
+    model_text,
     render_prompt_ids,
+    stop_ids_of,
     turn_metrics,
     with_stop_ids,
 )
@@ -80,13 +83,13 @@ class CalculatorEnv:
         instruction: str = DEFAULT_INSTRUCTION,
         max_turns: int = 4,
         max_context_tokens: int | None = None,
-        add_bos: bool = True,
+        add_bos: bool = False,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns!r}")
         if max_context_tokens is not None and max_context_tokens < 2:
             raise ValueError(f"max_context_tokens must be >= 2 or None, got {max_context_tokens}")
-        self.tokenizer = tokenizer
+        self.tokenizer = check_tokenizer(tokenizer)
         self.instruction = instruction
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
@@ -103,8 +106,7 @@ class CalculatorEnv:
         return render_prompt_ids(self.tokenizer, messages, "", self.add_bos)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        eos = self.tokenizer.eos_id
-        return self.tokenizer.decode([t for t in ids if t != eos])
+        return model_text(self.tokenizer, ids)
 
     def _cut_after(self, ids: Sequence[int], offset: int) -> int:
         """Fewest leading tokens whose decoded text reaches ``offset`` characters.
@@ -129,7 +131,7 @@ class CalculatorEnv:
         episode_id: int,
         sampling: SamplingParams,
     ) -> Rollout:
-        sampling = with_stop_ids(sampling, self.tokenizer.eos_id)
+        sampling = with_stop_ids(sampling, *stop_ids_of(self.tokenizer))
         trace = Trace()
         trace.add_context(self.prompt_ids(example))
         completions: list[Completion] = []

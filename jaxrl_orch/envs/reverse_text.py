@@ -9,7 +9,8 @@ one dropped letter ~0.99, an unreversed year 0.98, the words in reverse order bu
 forwards 0.40.
 
 Prompts are kept short on purpose: the bundled model is a tiny byte-level model with a small
-context, so the default instruction is ~30 bytes and corpus sentences are 20-60 characters.
+context: the default instruction is 29 bytes and corpus sentences are 20-47 characters, so
+with ChatML byte tokens every bundled prompt is at most 96 tokens.
 
 Example schema: ``{"text": str}`` (the sentence to reverse). Driven by the dispatcher through
 ``SingleTurnEnv.run``; never raises on a malformed completion.
@@ -22,7 +23,7 @@ from typing import Any
 
 from jaxrl_orch.envs.base import SingleTurnEnv, Tokenizer, extract_answer
 
-DEFAULT_INSTRUCTION = "Reverse it in <answer></answer>:"
+DEFAULT_INSTRUCTION = "Reverse in <answer></answer>:"
 
 
 def reverse_text_reward(answer: str | None, text: str) -> float:
@@ -41,7 +42,7 @@ class ReverseTextEnv(SingleTurnEnv):
         *,
         instruction: str = DEFAULT_INSTRUCTION,
         response_prefix: str = "",
-        add_bos: bool = True,
+        add_bos: bool = False,
     ) -> None:
         super().__init__(tokenizer, response_prefix=response_prefix, add_bos=add_bos)
         self.instruction = instruction

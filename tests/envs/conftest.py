@@ -61,9 +61,11 @@ def tok():
 
 @pytest.fixture
 def scripted(tok):
-    def make(*turns):
+    """``scripted(*turns, tokenizer=tok)``: a turn is a text or (text, version, finish, eos)."""
+
+    def make(*turns, tokenizer=tok):
         return ScriptedClient(
-            tok, [t if isinstance(t, tuple) else (t, 0, "stop", True) for t in turns]
+            tokenizer, [t if isinstance(t, tuple) else (t, 0, "stop", True) for t in turns]
         )
 
     return make

@@ -51,7 +51,7 @@ def test_reverse_text_trace_and_reward(tok, scripted):
     example = {"text": SEED_SENTENCE}
     r = run(env, client, example)
     prompt = client.prompts[0]
-    assert prompt[0] == tok.bos_id
+    assert prompt == tok.encode(tok.apply_chat_template(env.build_messages(example)))
     assert tok.decode(prompt).endswith(f"{SEED_SENTENCE}\n<assistant>")
     completion = tok.encode(f"<answer>{TRUTH}</answer>") + [tok.eos_id]
     assert r.token_ids == prompt + completion
@@ -87,6 +87,15 @@ def test_response_prefix_is_prompt_and_scored(tok, scripted):
     assert tok.decode(client.prompts[0]).endswith("<assistant><answer>")
     assert r.reward == 1.0
     assert sum(r.loss_mask) == len(tok.encode(f"{TRUTH}</answer>")) + 1
+
+
+def test_add_bos(tok, scripted):
+    env = ReverseTextEnv(tok, add_bos=True)
+    ids = env.prompt_ids({"text": "ab"})
+    assert ids[0] == tok.bos_id and ids[1:] == ReverseTextEnv(tok).prompt_ids({"text": "ab"})
+    tok.bos_id = None
+    with pytest.raises(ValueError, match="add_bos=True but the tokenizer has no bos_id"):
+        env.prompt_ids({"text": "ab"})
 
 
 def test_default_reverse_prompt_is_short(tok):
