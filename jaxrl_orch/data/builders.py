@@ -196,3 +196,21 @@ def load_split(
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; available: {list(SPLITS)}")
     return prepare(name, data_dir, config).as_data_source(split=split)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m jaxrl_orch.data.builders NAME [--config C] [--data_dir D]``: build once."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Prepare a bundled jaxrl-orch dataset.")
+    parser.add_argument("name", choices=sorted(BUILDERS))
+    parser.add_argument("--config", default=None, help="builder config name (default: first)")
+    parser.add_argument("--data_dir", default=str(DEFAULT_DATA_DIR))
+    args = parser.parse_args(argv)
+    builder = prepare(args.name, args.data_dir, args.config)
+    sizes = {split: info.num_examples for split, info in builder.info.splits.items()}
+    print(f"{builder.name}/{builder.builder_config.name}: {sizes} in {builder.data_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,8 @@ What this module owns
 - ``DatasetSource``: a cursor over any random-access data source (``len`` + ``__getitem__``,
   e.g. tfds' ``ArrayRecordDataSource``), turning each record into a plain ``dict`` example
   (bytes -> str, NumPy scalars -> Python numbers) with an optional field mapping
-  ``{example_key: record_key}``.
+  ``{example_key: record_key}`` and optional constant ``extra`` keys (e.g. ``{"env":
+  "arithmetic"}`` so one shared source can route examples to several envs).
 - ``make_source(name, ...)``: a bundled dataset (``reverse_text``, ``arithmetic``; built on
   first use by ``builders.prepare``) or any prepared tfds dataset by name + ``data_dir``.
 - ``TextFileSource(path)``: one example per non-empty line of a user text file.
@@ -113,10 +114,12 @@ class DatasetSource:
         fields: Mapping[str, str] | None = None,
         seed: int = 0,
         shuffle: bool = True,
+        extra: Mapping[str, Any] | None = None,
         name: str = "dataset",
     ) -> None:
         self.data = data
         self.name = name
+        self.extra = dict(extra or {})
         self.cursor = EpochCursor(len(data), seed=seed, shuffle=shuffle)
         self.fields = dict(fields) if fields is not None else None
         if self.fields is not None:
@@ -134,8 +137,10 @@ class DatasetSource:
     def example_at(self, i: int) -> dict[str, Any]:
         record = self.data[i]
         if self.fields is None:
-            return {k: _plain(v) for k, v in record.items()}
-        return {dst: _plain(record[src]) for dst, src in self.fields.items()}
+            example = {k: _plain(v) for k, v in record.items()}
+        else:
+            example = {dst: _plain(record[src]) for dst, src in self.fields.items()}
+        return {**example, **self.extra}
 
     def next_example(self) -> dict[str, Any]:
         return self.example_at(self.cursor.next_index())
@@ -156,6 +161,7 @@ def make_source(
     fields: Mapping[str, str] | None = None,
     seed: int = 0,
     shuffle: bool = True,
+    extra: Mapping[str, Any] | None = None,
 ) -> DatasetSource:
     """A source over bundled dataset ``name`` (built on first use) or a prepared tfds dataset.
 
@@ -182,14 +188,22 @@ def make_source(
                 f"{str(data_dir)!r} ({type(exc).__name__}: {exc}); bundled datasets: "
                 f"{sorted(BUILDERS)}"
             ) from exc
-    return DatasetSource(data, fields=fields, seed=seed, shuffle=shuffle, name=f"{name}:{split}")
+    return DatasetSource(
+        data, fields=fields, seed=seed, shuffle=shuffle, extra=extra, name=f"{name}:{split}"
+    )
 
 
 class TextFileSource(DatasetSource):
     """One example ``{field: line}`` per non-empty line (stripped) of a UTF-8 text file."""
 
     def __init__(
-        self, path: str | Path, *, field: str = "text", seed: int = 0, shuffle: bool = True
+        self,
+        path: str | Path,
+        *,
+        field: str = "text",
+        seed: int = 0,
+        shuffle: bool = True,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         path = Path(path)
         if not path.is_file():
@@ -198,4 +212,4 @@ class TextFileSource(DatasetSource):
         records = [{field: s} for s in lines if s]
         if not records:
             raise ValueError(f"text file source {str(path)!r} has no non-empty lines")
-        super().__init__(records, seed=seed, shuffle=shuffle, name=str(path))
+        super().__init__(records, seed=seed, shuffle=shuffle, extra=extra, name=str(path))

@@ -92,6 +92,8 @@ def test_text_file_source(tmp_path):
         {"text": "third"},
         {"text": "first line"},
     ]
+    tagged = TextFileSource(path, shuffle=False, extra={"env": "reverse_text"})
+    assert tagged.next_example() == {"text": "first line", "env": "reverse_text"}
     shuffled = TextFileSource(path, field="question", seed=2)
     shuffled.next_example()
     resumed = TextFileSource(path, field="question", seed=2)
