@@ -265,7 +265,7 @@ def build_train_step(
         }
         zero_grads = jax.tree.map(jnp.zeros_like, params)
         (grads, sums), _ = jax.lax.scan(body, (zero_grads, zero_sums), chunks)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         metrics = losses.finalize_metrics(sums)

@@ -286,12 +286,13 @@ class Trainer:
     def abstract_state(self) -> dict[str, Any]:
         """``jax.ShapeDtypeStruct`` targets (with this trainer's shardings) for a restore."""
 
-        def sds(x: Any, s: Any) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        def sds(x: jax.Array) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
+        # The live arrays already carry this trainer's shardings, leaf for leaf.
         return {
-            "params": jax.tree.map(sds, self.params, self.param_shardings),
-            "opt_state": jax.tree.map(sds, self.opt_state, self.opt_shardings),
+            "params": jax.tree.map(sds, self.params),
+            "opt_state": jax.tree.map(sds, self.opt_state),
         }
 
     def state(self) -> dict[str, Any]:

@@ -1,0 +1,217 @@
+"""Checkpoints of the whole run state, saved together and atomically with orbax-checkpoint.
+
+What it owns
+    ``Checkpointer``: one ``orbax.checkpoint.CheckpointManager`` whose every step directory is a
+    Composite of three items written in one atomic save (orbax writes into a temporary
+    directory and renames it when every item is complete, so a crash never leaves a half
+    checkpoint that ``latest_step`` would pick):
+
+    - ``state`` (``StandardSave``): params, optimizer state and the step RNG key, as one flat
+      dict of arrays keyed by their dotted pytree path (``params.layers.0.attn.q_proj.value``);
+      flattening keeps orbax independent of NNX / optax container classes, and restoring into
+      the caller's tree structure is exact.
+    - ``meta`` (``JsonSave``): step, policy version, optimizer steps done, format version.
+    - ``orchestrator`` (``JsonSave``): the orchestrator's arbitrary JSON-serialisable state
+      (progress step, data cursor, gate counters, per-env sampler state).
+
+Restoring onto another mesh: the caller passes abstract targets (``jax.ShapeDtypeStruct`` with
+``sharding=``, e.g. ``Trainer.abstract_state()``), and orbax reads every array straight into
+those shardings; the mesh at save time does not matter.
+
+Saves are asynchronous by default: ``save`` returns once arrays are copied off the device
+(so the next train step may donate them); ``wait()`` blocks until the write is committed.
+``max_to_keep`` prunes old steps.
+
+Errors: a missing directory, an empty one, an unknown step, or a checkpoint whose files are
+unreadable / do not match the target structure raise ``CheckpointError`` (a
+``FileNotFoundError`` for the missing cases) naming the path.
+
+Driven by the orchestrator's loop (through ``save_trainer`` / ``restore_trainer``); never
+touches the engine and never decides *when* to checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint exists but cannot be restored (corrupt, truncated or mismatched)."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint where one was asked for."""
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def flatten(tree: Any) -> tuple[dict[str, Any], Any]:
+    """``{dotted.path: leaf}`` and the treedef to rebuild ``tree``."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    flat = {".".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
+    if len(flat) != len(leaves):
+        raise ValueError("pytree paths collide after flattening; cannot checkpoint this tree")
+    return flat, treedef
+
+
+def unflatten(flat: dict[str, Any], like: Any) -> Any:
+    names, treedef = flatten(like)
+    missing = [n for n in names if n not in flat]
+    if missing:
+        raise KeyError(f"restored state lacks {len(missing)} entries, e.g. {missing[:3]}")
+    return jax.tree_util.tree_unflatten(treedef, [flat[n] for n in names])
+
+
+class Checkpointer:
+    """See the module docstring."""
+
+    def __init__(
+        self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, async_save: bool = True
+    ) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None (keep all), got {max_to_keep!r}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
+            ),
+            item_names=("state", "meta", "orchestrator"),
+        )
+
+    # ------------------------------------------------------------------ queries
+
+    def all_steps(self) -> list[int]:
+        self._manager.reload()
+        return sorted(int(s) for s in self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------ save / restore
+
+    def save(
+        self,
+        step: int,
+        *,
+        params: Any,
+        opt_state: Any,
+        rng: Any,
+        meta: dict[str, Any],
+        orchestrator_state: dict[str, Any],
+        force: bool = True,
+    ) -> bool:
+        """Queue an atomic save of everything under ``step``; returns whether one started."""
+        try:
+            json.dumps(orchestrator_state)
+        except TypeError as e:
+            raise TypeError(f"orchestrator_state must be JSON-serialisable: {e}") from e
+        flat_state, _ = flatten({"params": params, "opt_state": opt_state})
+        flat_state["rng"] = np.asarray(jax.device_get(rng))
+        meta = {**meta, "step": int(step), "format": FORMAT_VERSION}
+        return self._manager.save(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(flat_state),
+                meta=ocp.args.JsonSave(meta),
+                orchestrator=ocp.args.JsonSave(orchestrator_state),
+            ),
+            force=force,
+        )
+
+    def wait(self) -> None:
+        """Block until every queued save is committed to disk."""
+        self._manager.wait_until_finished()
+
+    def restore(self, abstract: dict[str, Any], step: int | None = None) -> dict[str, Any]:
+        """Restore ``step`` (default: latest) into ``abstract = {"params", "opt_state"}`` trees of
+        ``jax.ShapeDtypeStruct`` with shardings. Returns ``{"params", "opt_state", "rng",
+        "meta", "orchestrator"}``."""
+        if not os.path.isdir(self.directory):
+            raise CheckpointNotFoundError(f"no checkpoint directory at {self.directory}")
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointNotFoundError(f"no checkpoints found in {self.directory}")
+        if step is None:
+            step = steps[-1]
+        if step not in steps:
+            raise CheckpointNotFoundError(
+                f"no checkpoint for step {step} in {self.directory}; available steps: {steps}"
+            )
+        flat_target, _ = flatten({"params": abstract["params"], "opt_state": abstract["opt_state"]})
+        flat_target["rng"] = jax.ShapeDtypeStruct((2,), np.uint32)
+        path = os.path.join(self.directory, str(step))
+        try:
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(flat_target),
+                    meta=ocp.args.JsonRestore(),
+                    orchestrator=ocp.args.JsonRestore(),
+                ),
+            )
+            tree = unflatten(
+                {k: v for k, v in out["state"].items() if k != "rng"},
+                {"params": abstract["params"], "opt_state": abstract["opt_state"]},
+            )
+        except Exception as e:  # noqa: BLE001 - any failure here means an unusable checkpoint
+            raise CheckpointError(
+                f"checkpoint step {step} at {path} could not be restored ({type(e).__name__}: {e})"
+            ) from e
+        if out["meta"] is None or out["orchestrator"] is None:
+            raise CheckpointError(f"checkpoint step {step} at {path} lacks meta/orchestrator")
+        return {
+            "params": tree["params"],
+            "opt_state": tree["opt_state"],
+            "rng": np.asarray(out["state"]["rng"]),
+            "meta": dict(out["meta"]),
+            "orchestrator": dict(out["orchestrator"]),
+        }
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+def save_trainer(
+    ckpt: Checkpointer, trainer: Any, step: int, orchestrator_state: dict[str, Any]
+) -> bool:
+    """Save a ``Trainer``'s state with the orchestrator's dict under ``step`` (trainer idle)."""
+    st = trainer.state()
+    return ckpt.save(
+        step,
+        params=st["params"],
+        opt_state=st["opt_state"],
+        rng=st["rng"],
+        meta={"version": st["version"], "steps_done": st["steps_done"]},
+        orchestrator_state=orchestrator_state,
+    )
+
+
+def restore_trainer(ckpt: Checkpointer, trainer: Any, step: int | None = None) -> dict[str, Any]:
+    """Restore onto ``trainer``'s own mesh/shardings; returns the orchestrator's dict."""
+    out = ckpt.restore(trainer.abstract_state(), step)
+    trainer.load_state(
+        {
+            "params": out["params"],
+            "opt_state": out["opt_state"],
+            "rng": out["rng"],
+            "version": out["meta"]["version"],
+            "steps_done": out["meta"]["steps_done"],
+        }
+    )
+    return out["orchestrator"]
