@@ -1,0 +1,289 @@
+"""Tokenizers: the embedded byte-level default and real ``tokenizer.json`` files.
+
+Owns text <-> id conversion for prompts and the chat template that wraps conversation turns.
+Both classes share one interface (``Tokenizer``): ``encode``, ``decode``, ``vocab_size``,
+``bos_id``, ``eos_id``, ``pad_id``, ``stop_ids`` and ``apply_chat_template``.
+
+- ``ByteTokenizer``: ids 0..255 are the UTF-8 bytes; special tokens follow (``SPECIAL_TOKENS``)
+  and the vocab is padded with reserved ids to ``BYTE_VOCAB_SIZE`` (= the byte model presets'
+  vocab), so adding a special later does not change checkpoint shapes.
+- ``HFTokenizer``: a Hugging Face ``tokenizer.json`` through the ``tokenizers`` library; the
+  bos/eos/pad tokens come from an adjacent ``tokenizer_config.json`` when present, else from
+  well-known special-token names found in the vocab, else from explicit arguments.
+
+Invariants: ``encode`` never adds BOS/EOS on its own (the chat template and the caller decide);
+special-token strings inside text encode to their single special id, so
+``encode(apply_chat_template(...))`` yields the real control ids; ``decode(encode(s)) == s``
+for any string. Token ids are the engine's currency end to end (DESIGN.md section 3): nothing
+downstream re-tokenizes decoded text, so this module is only used at the edges (prompt in,
+text out for scoring and logs). It never touches the model or devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from jaxrl_orch.models.configs import BYTE_VOCAB_SIZE
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+# Byte tokenizer specials, in id order starting at 256. "<|im_end|>" closes a chat turn, so it
+# is the EOS a chat model learns to emit (Qwen instruct convention); "<|endoftext|>" ends a
+# plain document. Both are stop ids.
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|pad|>",
+    "<|bos|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int
+    pad_id: int
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+def _check_messages(messages: list[dict[str, str]]) -> None:
+    if not isinstance(messages, list):
+        raise TypeError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+        if m["role"] not in _ROLES:
+            raise ValueError(f"message {i} has role {m['role']!r}; allowed roles: {_ROLES}")
+        if not isinstance(m["content"], str):
+            raise TypeError(f"message {i} content must be str, got {type(m['content']).__name__}")
+
+
+def chatml(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """``<|im_start|>role\\ncontent<|im_end|>\\n`` per turn (the Qwen / ChatML layout)."""
+    _check_messages(messages)
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def llama3_chat(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """The Llama 3 header layout (``<|start_header_id|>role<|end_header_id|>\\n\\n...``)."""
+    _check_messages(messages)
+    text = "<|begin_of_text|>" + "".join(
+        f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content']}<|eot_id|>"
+        for m in messages
+    )
+    if add_generation_prompt:
+        text += "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    return text
+
+
+class ByteTokenizer:
+    """UTF-8 bytes plus a handful of control tokens; the embedded default."""
+
+    def __init__(self) -> None:
+        self.vocab_size = BYTE_VOCAB_SIZE
+        self._special_to_id = {tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)}
+        self._id_to_special = {i: tok for tok, i in self._special_to_id.items()}
+        # Longest first so a special that prefixes another can never shadow it.
+        alternatives = sorted(SPECIAL_TOKENS, key=len, reverse=True)
+        self._special_re = re.compile("|".join(re.escape(t) for t in alternatives))
+        self.pad_id = self._special_to_id["<|pad|>"]
+        self.bos_id = self._special_to_id["<|bos|>"]
+        self.eos_id = self._special_to_id["<|im_end|>"]
+        self.endoftext_id = self._special_to_id["<|endoftext|>"]
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eos_id, self.endoftext_id)
+
+    def token_to_id(self, token: str) -> int:
+        if token not in self._special_to_id:
+            raise KeyError(f"{token!r} is not a special token; known: {SPECIAL_TOKENS}")
+        return self._special_to_id[token]
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        ids: list[int] = []
+        start = 0
+        for match in self._special_re.finditer(text):
+            ids.extend(text[start : match.start()].encode("utf-8"))
+            ids.append(self._special_to_id[match.group()])
+            start = match.end()
+        ids.extend(text[start:].encode("utf-8"))
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        # Bytes are buffered so a multi-byte character split across ids decodes whole; a
+        # sampled invalid byte sequence becomes U+FFFD rather than an exception.
+        out: list[str] = []
+        buf = bytearray()
+        for raw in ids:
+            i = int(raw)
+            if 0 <= i < 256:
+                buf.append(i)
+                continue
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} outside the byte vocab [0, {self.vocab_size})")
+            out.append(buf.decode("utf-8", errors="replace"))
+            buf.clear()
+            if not skip_special_tokens:
+                out.append(self._id_to_special.get(i, f"<|reserved_{i}|>"))
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        return chatml(messages, add_generation_prompt)
+
+
+_EOS_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+_BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>")
+_PAD_CANDIDATES = ("<|pad|>", "<pad>", "<|finetune_right_pad_id|>", "<|endoftext|>")
+_STOP_CANDIDATES = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+
+
+def _token_str(value: object) -> str | None:
+    # tokenizer_config.json stores specials either as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` behind the ``Tokenizer`` interface."""
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        eos_token: str | None = None,
+        bos_token: str | None = None,
+        pad_token: str | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._resolve("eos", eos_token, _EOS_CANDIDATES)
+        bos = self._resolve("bos", bos_token, _BOS_CANDIDATES, required=False)
+        self.bos_id = bos
+        pad = self._resolve("pad", pad_token, _PAD_CANDIDATES, required=False)
+        self.pad_id = self.eos_id if pad is None else pad
+        if tokenizer.token_to_id("<|im_start|>") is None and (
+            tokenizer.token_to_id("<|start_header_id|>") is not None
+        ):
+            self._template = llama3_chat
+        else:
+            self._template = chatml
+
+    @classmethod
+    def from_file(
+        cls,
+        path: str | os.PathLike,
+        *,
+        eos_token: str | None = None,
+        bos_token: str | None = None,
+        pad_token: str | None = None,
+    ) -> HFTokenizer:
+        """Load ``tokenizer.json``; specials default to an adjacent ``tokenizer_config.json``."""
+        from tokenizers import Tokenizer as _RustTokenizer
+
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer file not found: {path!r}")
+        config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+        if os.path.isfile(config_path):
+            with open(config_path) as f:
+                cfg = json.load(f)
+            eos_token = eos_token or _token_str(cfg.get("eos_token"))
+            bos_token = bos_token or _token_str(cfg.get("bos_token"))
+            pad_token = pad_token or _token_str(cfg.get("pad_token"))
+        return cls(
+            _RustTokenizer.from_file(path),
+            eos_token=eos_token,
+            bos_token=bos_token,
+            pad_token=pad_token,
+        )
+
+    def _resolve(
+        self, what: str, explicit: str | None, candidates: tuple[str, ...], required: bool = True
+    ) -> int | None:
+        if explicit is not None:
+            i = self._tok.token_to_id(explicit)
+            if i is None:
+                raise ValueError(f"{what} token {explicit!r} is not in the tokenizer vocab")
+            return i
+        for tok in candidates:
+            i = self._tok.token_to_id(tok)
+            if i is not None:
+                return i
+        if required:
+            raise ValueError(
+                f"cannot find a {what} token: none of {candidates} is in the vocab; pass "
+                f"{what}_token= explicitly"
+            )
+        return None
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        ids = [self.eos_id]
+        for tok in _STOP_CANDIDATES:
+            i = self._tok.token_to_id(tok)
+            if i is not None and i not in ids:
+                ids.append(i)
+        return tuple(ids)
+
+    def token_to_id(self, token: str) -> int:
+        i = self._tok.token_to_id(token)
+        if i is None:
+            raise KeyError(f"{token!r} is not in the tokenizer vocab")
+        return i
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        return self._template(messages, add_generation_prompt)
+
+
+def load_tokenizer(spec: str | os.PathLike | None = "byte") -> ByteTokenizer | HFTokenizer:
+    """``"byte"``/``None`` -> ``ByteTokenizer``; a ``tokenizer.json`` path or a directory
+    holding one (e.g. an HF checkpoint directory) -> ``HFTokenizer``."""
+    if spec is None or spec == "byte":
+        return ByteTokenizer()
+    path = os.fspath(spec)
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"tokenizer spec {os.fspath(spec)!r} is neither 'byte' nor a tokenizer.json file "
+            "nor a directory containing one"
+        )
+    return HFTokenizer.from_file(path)
