@@ -4,6 +4,7 @@ import asyncio
 from fractions import Fraction
 
 import pytest
+from env_fakes import FakeByteTokenizer, ScriptedClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -194,3 +195,40 @@ def test_bad_config_and_example(tok):
         CalculatorEnv(tok, max_context_tokens=1)
     with pytest.raises(ValueError, match="'question'"):
         CalculatorEnv(tok).prompt_ids({"answer": 1})
+
+
+_turn = st.one_of(
+    st.tuples(
+        st.just("call"), st.sampled_from(["1+2", "3*(4-5)", "7/0", "x"]), st.text(max_size=8)
+    ),
+    st.tuples(st.just("text"), st.text(max_size=12), st.just("")),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_turn, min_size=1, max_size=5), st.integers(1, 4))
+def test_trace_invariants_for_any_turn_script(turns, max_turns):
+    scripts = [
+        (f"<calc>{arg}</calc>{tail}" if kind == "call" else arg, 10 + k, "stop", False)
+        for k, (kind, arg, tail) in enumerate(turns)
+    ] + [("<answer>1</answer>", 99, "stop", True)] * 5
+    tok = FakeByteTokenizer()
+    client = ScriptedClient(tok, scripts)
+    r = run(CalculatorEnv(tok, max_turns=max_turns), client)
+    r.validate_trace()
+    assert r.num_turns == len(client.prompts) <= max_turns
+    # Each generate call saw exactly the trace so far, so the trace is prompt-consistent.
+    for p in client.prompts:
+        assert r.token_ids[: len(p)] == p
+    # Model tokens carry their turn's version and log-probs; everything else is context.
+    bounds = [len(p) for p in client.prompts] + [len(r.token_ids)]
+    for k in range(r.num_turns):
+        span = range(bounds[k], bounds[k + 1])
+        model = [i for i in span if r.loss_mask[i]]
+        assert model == list(range(bounds[k], bounds[k] + len(model)))  # model first, then reply
+        assert all(r.versions[i] == scripts[k][1] for i in model)
+        assert [r.logprobs[i] for i in model] == [-(k + 1) - j / 1000 for j in range(len(model))]
+        assert all(
+            r.versions[i] == NO_VERSION and r.logprobs[i] == 0.0 for i in span if not r.loss_mask[i]
+        )
+    assert not any(r.loss_mask[: len(client.prompts[0])])
