@@ -226,7 +226,9 @@ class SingleTurnEnv:
 
 
 def turn_metrics(completions: Sequence[Completion]) -> dict[str, float]:
-    """Per-rollout metrics shared by every env: model tokens, truncation, cancellation."""
+    """Per-rollout metrics shared by every env: tokens the engine generated (including any an
+    env-side stop string cut off; the trained ones are ``Rollout.num_model_tokens``),
+    whether the last turn hit the length limit, whether any turn was cancelled."""
     last = completions[-1].finish_reason if completions else "stop"
     return {
         "completion_tokens": float(sum(len(c.token_ids) for c in completions)),

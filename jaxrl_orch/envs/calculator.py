@@ -133,7 +133,13 @@ class CalculatorEnv:
     ) -> Rollout:
         sampling = with_stop_ids(sampling, *stop_ids_of(self.tokenizer))
         trace = Trace()
-        trace.add_context(self.prompt_ids(example))
+        prompt = self.prompt_ids(example)
+        if self.max_context_tokens is not None and len(prompt) >= self.max_context_tokens:
+            raise ValueError(
+                f"calculator prompt has {len(prompt)} tokens, not below max_context_tokens="
+                f"{self.max_context_tokens}; shorten the question or raise the limit"
+            )
+        trace.add_context(prompt)
         completions: list[Completion] = []
         final_text = ""
         tool_calls = tool_errors = 0

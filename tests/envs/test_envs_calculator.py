@@ -193,6 +193,8 @@ def test_bad_config_and_example(tok):
         CalculatorEnv(tok, max_turns=0)
     with pytest.raises(ValueError, match="max_context_tokens"):
         CalculatorEnv(tok, max_context_tokens=1)
+    with pytest.raises(ValueError, match="prompt has \\d+ tokens, not below max_context_tokens=5"):
+        run(CalculatorEnv(tok, max_context_tokens=5), None)
     with pytest.raises(ValueError, match="'question'"):
         CalculatorEnv(tok).prompt_ids({"answer": 1})
 
