@@ -1,0 +1,357 @@
+"""DecodeEngine: the Transformer behind JetStream's Engine methods, with RL extras.
+
+Owns the device side of decoding: params placement on the decode mesh, the fixed-shape decode
+state (KV cache + per-slot token, position, counters and sampling parameters) and three jitted
+programs: ``prefill`` (one prompt -> a prefix KV), ``insert`` (prefix -> slot) and ``generate``
+(``steps_per_call`` decode steps for every slot in one ``lax.scan``, one host round trip).
+
+Contract details (see ``engine_api`` for the result layout):
+- ``prefill`` computes the prompt's KV but samples nothing: the slot's first generate step
+  re-feeds the last prompt token (re-writing identical KV at its index) and samples the first
+  completion token there. So one prefix inserted into G slots (prefix sharing) still gives G
+  independent first tokens, and every generated token carries the version of the generate
+  call that sampled it. The returned ``ResultTokens`` of prefill therefore has valid = 0.
+- Sampling parameters (temperature, top-k, top-p, stop ids, max tokens) ride in the prefix
+  and live per slot as arrays in the decode state: a new request never recompiles anything.
+  Log-probs follow ``sampling.sample_tokens``: ``log_softmax(logits / T)`` over the full
+  vocabulary at the sampled id; greedy (T = 0) slots report ``log_softmax(logits)``.
+- A slot finishes on a stop id (included), on ``max_tokens``, or when the next position would
+  not fit the cache (``max_target_length``); afterwards it reports no valid tokens until a new
+  prefix is inserted. Inactive slots still run through the fixed-shape step; their writes land
+  at indices the next occupant overwrites before attending (transformer.forward_cached).
+- ``generate(params, state, version=v)`` stamps v on every token of the call; params may be
+  swapped between any two calls (same tree structure -> no recompile).
+
+Sharding: params, cache and prefix are placed with ``sharding.rules.resolve_shardings`` under
+``DECODE_RULES`` on the engine's ``("tp",)`` mesh (1 device by default); per-slot vectors are
+replicated. Hot paths use ``nnx.split`` + ``jax.jit`` with explicit out shardings and donate the
+decode state. Drivers call this engine from one thread; it holds no locks and never blocks on
+anything but the device.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl_orch.inference.engine_api import ResultTokens
+from jaxrl_orch.inference.sampling import sample_tokens
+from jaxrl_orch.models.tokenizer import ByteTokenizer
+from jaxrl_orch.models.transformer import (
+    ModelConfig,
+    Transformer,
+    cache_logical_specs,
+    init_cache,
+    logical_specs,
+)
+from jaxrl_orch.types import SamplingParams
+from sharding.rules import DECODE_RULES, resolve_shardings
+
+_SLOT_FIELDS = ("token", "pos", "max_tokens", "temperature", "top_k", "top_p", "stop")
+
+
+class DecodeEngine:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        mesh: Mesh | None = None,
+        max_concurrent_decodes: int = 8,
+        max_target_length: int = 256,
+        max_prefill_length: int | None = None,
+        steps_per_call: int = 4,
+        max_stop_tokens: int = 4,
+        cache_dtype: Any = None,
+        tokenizer: Any = None,
+        seed: int = 0,
+    ) -> None:
+        max_prefill_length = max_prefill_length or max_target_length // 2
+        for name, value in (
+            ("max_concurrent_decodes", max_concurrent_decodes),
+            ("max_target_length", max_target_length),
+            ("max_prefill_length", max_prefill_length),
+            ("steps_per_call", steps_per_call),
+            ("max_stop_tokens", max_stop_tokens),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if max_prefill_length > max_target_length:
+            raise ValueError(
+                f"max_prefill_length={max_prefill_length} must be <= "
+                f"max_target_length={max_target_length} (the prompt has to fit the cache)"
+            )
+        if mesh is None:
+            mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+        if "tp" not in mesh.axis_names:
+            raise ValueError(f"decode mesh needs a 'tp' axis, got axes {mesh.axis_names}")
+        self.config = config
+        self._mesh = mesh
+        self._slots = max_concurrent_decodes
+        self.max_target_length = max_target_length
+        self._max_prefill = max_prefill_length
+        self.steps_per_call = steps_per_call
+        self.max_stop_tokens = max_stop_tokens
+        self.cache_dtype = jnp.dtype(cache_dtype or config.dtype)
+        self._tokenizer = tokenizer
+        self._seed = seed
+
+        abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+        self._graphdef, abstract_state = nnx.split(abstract)
+        self.param_shardings = resolve_shardings(
+            logical_specs(abstract_state), mesh, DECODE_RULES, shapes=_shapes(abstract_state)
+        )
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._cache_shardings = self._cache_sharding(max_target_length, max_concurrent_decodes)
+        self._state_shardings = {
+            "cache": self._cache_shardings,
+            **{k: self._replicated for k in ("tokens", "pos", "active", "generated", "rng")},
+            **{k: self._replicated for k in ("max_tokens", "temperature", "top_k", "top_p")},
+            "stop": self._replicated,
+        }
+        self._init_fn: Any = None
+        self._prefill_fns: dict[int, Any] = {}
+        self._insert_fns: dict[int, Any] = {}
+        self._generate_fn = jax.jit(
+            self._generate_impl,
+            donate_argnums=(1,),
+            out_shardings=(self._state_shardings, self._replicated),
+        )
+
+    # ------------------------------------------------------------------ JetStream properties
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self._slots
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    @property
+    def colocated_cpus(self) -> None:
+        return None
+
+    def get_tokenizer(self) -> Any:
+        if self._tokenizer is None and self.config.vocab_size == ByteTokenizer().vocab_size:
+            self._tokenizer = ByteTokenizer()
+        if self._tokenizer is None:
+            raise ValueError(
+                f"no tokenizer was given and vocab_size={self.config.vocab_size} is not the "
+                "byte tokenizer's; pass tokenizer= to DecodeEngine"
+            )
+        return self._tokenizer
+
+    def get_prefix_destination_sharding(self) -> Any:
+        return {"cache": self._cache_sharding(None, 1)}
+
+    # ------------------------------------------------------------------ params and state
+
+    def load_params(self, state: Any = None, *, seed: int | None = None) -> Any:
+        """Place ``state`` (an ``nnx.State`` from ``nnx.split``) on the decode mesh, or build
+        fresh random params from ``seed`` when no state is given."""
+        if state is None:
+            if self._init_fn is None:
+                build = lambda s: nnx.split(
+                    Transformer(self.config, rngs=nnx.Rngs(jax.random.key(s)))
+                )[1]
+                self._init_fn = jax.jit(build, out_shardings=self.param_shardings)
+            with jax.set_mesh(self._mesh):
+                return self._init_fn(np.uint32(self._seed if seed is None else seed))
+        return jax.device_put(state, self.param_shardings)
+
+    def init_decode_state(self) -> dict[str, Any]:
+        b = self._slots
+
+        def build() -> dict[str, Any]:
+            zeros = lambda dt: jnp.zeros((b,), dt)
+            return {
+                "cache": init_cache(self.config, b, self.max_target_length, self.cache_dtype),
+                "tokens": zeros(jnp.int32),
+                "pos": zeros(jnp.int32),
+                "active": zeros(bool),
+                "generated": zeros(jnp.int32),
+                "max_tokens": zeros(jnp.int32),
+                "temperature": zeros(jnp.float32),
+                "top_k": zeros(jnp.int32),
+                "top_p": jnp.ones((b,), jnp.float32),
+                "stop": jnp.full((b, self.max_stop_tokens), -1, jnp.int32),
+                "rng": jax.random.PRNGKey(self._seed),
+            }
+
+        return jax.jit(build, out_shardings=self._state_shardings)()
+
+    # ------------------------------------------------------------------ prefill / insert
+
+    def prefill(
+        self,
+        *,
+        params: Any,
+        existing_prefix: Any = None,
+        padded_tokens: Any,
+        true_length: int,
+        sampling: SamplingParams | None = None,
+    ) -> tuple[dict[str, Any], ResultTokens]:
+        if existing_prefix is not None:
+            raise NotImplementedError("DecodeEngine.prefill does not extend an existing_prefix")
+        tokens = np.asarray(padded_tokens, dtype=np.int32).reshape(-1)
+        length = tokens.shape[0]
+        if length > self._max_prefill:
+            raise ValueError(
+                f"padded_tokens has {length} tokens; max_prefill_length={self._max_prefill}"
+            )
+        if not 1 <= true_length <= length:
+            raise ValueError(f"true_length must be in [1, {length}], got {true_length}")
+        sampling = sampling or SamplingParams()
+        stop = list(sampling.stop_token_ids)
+        if len(stop) > self.max_stop_tokens:
+            raise ValueError(
+                f"{len(stop)} stop_token_ids {tuple(stop)}; this engine holds at most "
+                f"max_stop_tokens={self.max_stop_tokens}"
+            )
+        fn = self._prefill_fns.get(length)
+        if fn is None:
+            out = {"cache": self._cache_sharding(length, 1)}
+            fn = self._prefill_fns[length] = jax.jit(self._prefill_impl, out_shardings=out)
+        prefix = fn(params, tokens[None])
+        prefix["slot"] = {
+            "token": np.int32(tokens[true_length - 1]),
+            "pos": np.int32(true_length - 1),
+            "max_tokens": np.int32(sampling.max_tokens),
+            "temperature": np.float32(sampling.temperature),
+            "top_k": np.int32(sampling.top_k),
+            "top_p": np.float32(sampling.top_p),
+            "stop": np.array(stop + [-1] * (self.max_stop_tokens - len(stop)), np.int32),
+        }
+        nothing = np.zeros((1, 3), np.int32)  # the first token is sampled by generate
+        return prefix, ResultTokens(nothing, (0, 1), (1, 2), (2, 3))
+
+    def _prefill_impl(self, params: Any, tokens: jax.Array) -> dict[str, Any]:
+        model = nnx.merge(self._graphdef, params)
+        cache = init_cache(self.config, 1, tokens.shape[1], self.cache_dtype)
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        _, cache = model.forward_cached(tokens, positions, cache)
+        return {"cache": cache}
+
+    def insert(self, prefix: dict[str, Any], decode_state: dict[str, Any], slot: int) -> Any:
+        if not 0 <= slot < self._slots:
+            raise ValueError(f"slot must be in [0, {self._slots}), got {slot}")
+        length = prefix["cache"]["k"].shape[2]
+        fn = self._insert_fns.get(length)
+        if fn is None:
+            fn = self._insert_fns[length] = jax.jit(
+                self._insert_impl, donate_argnums=(0,), out_shardings=self._state_shardings
+            )
+        return fn(decode_state, prefix["cache"], prefix["slot"], np.int32(slot))
+
+    @staticmethod
+    def _insert_impl(state: dict[str, Any], cache: Any, fields: dict[str, Any], slot: jax.Array):
+        state = dict(state)
+        state["cache"] = jax.tree.map(
+            lambda dst, src: jax.lax.dynamic_update_slice(
+                dst, src.astype(dst.dtype), (0, slot, 0, 0, 0)
+            ),
+            state["cache"],
+            cache,
+        )
+        for name in _SLOT_FIELDS:
+            key = {"token": "tokens"}.get(name, name)
+            state[key] = state[key].at[slot].set(fields[name])
+        state["active"] = state["active"].at[slot].set(True)
+        state["generated"] = state["generated"].at[slot].set(0)
+        return state
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(
+        self, params: Any, decode_state: dict[str, Any], *, version: int = 0
+    ) -> tuple[dict[str, Any], ResultTokens]:
+        state, data = self._generate_fn(params, decode_state, np.int32(version))
+        k = self.steps_per_call
+        return state, ResultTokens(
+            data,
+            tokens_idx=(0, k),
+            valid_idx=(k, 2 * k),
+            length_idx=(2 * k, 2 * k + 1),
+            samples_per_slot=1,
+            logprob_idx=(2 * k + 1, 3 * k + 1),
+            version_idx=(3 * k + 1, 4 * k + 1),
+        )
+
+    def _generate_impl(self, params: Any, state: dict[str, Any], version: jax.Array):
+        model = nnx.merge(self._graphdef, params)
+        length = self.max_target_length
+
+        def step(s: dict[str, Any], _: Any):
+            logits, cache = model.forward_cached(
+                s["tokens"][:, None], s["pos"][:, None], s["cache"]
+            )
+            rng, key = jax.random.split(s["rng"])
+            tok, logprob = sample_tokens(
+                logits[:, 0], key, s["temperature"], s["top_k"], s["top_p"]
+            )
+            valid = s["active"]
+            generated = s["generated"] + valid.astype(jnp.int32)
+            done = (
+                jnp.any(tok[:, None] == s["stop"], axis=-1)
+                | (generated >= s["max_tokens"])
+                | (s["pos"] + 1 >= length)
+            )
+            s = {
+                **s,
+                "cache": cache,
+                "rng": rng,
+                "generated": generated,
+                "active": valid & ~done,
+                "tokens": jnp.where(valid, tok, s["tokens"]),
+                "pos": jnp.where(valid, s["pos"] + 1, s["pos"]),
+            }
+            return s, (tok, valid.astype(jnp.int32), logprob)
+
+        state, (tok, valid, logprob) = jax.lax.scan(step, state, length=self.steps_per_call)
+        k = self.steps_per_call
+        b = self._slots
+        data = jnp.concatenate(
+            [
+                tok.T,
+                valid.T,
+                state["generated"][:, None],
+                jax.lax.bitcast_convert_type(logprob.T.astype(jnp.float32), jnp.int32),
+                jnp.broadcast_to(version.astype(jnp.int32), (b, k)),
+            ],
+            axis=1,
+        )
+        return state, data
+
+    # ------------------------------------------------------------------ helpers
+
+    # One entry per (length, batch); the cache lives as long as the engine, which is intended.
+    @functools.cache  # noqa: B019
+    def _cache_sharding(self, length: int | None, batch: int) -> dict[str, NamedSharding]:
+        shape = None
+        if length is not None:
+            c = self.config
+            shape = (c.n_layers, batch, length, c.n_kv_heads, c.head_dim)
+        specs = cache_logical_specs()
+        shapes = None if shape is None else {name: shape for name in specs}
+        return resolve_shardings(specs, self._mesh, DECODE_RULES, shapes=shapes)
+
+
+def _shapes(abstract_state: Any) -> Any:
+    """Shape tuples at each variable of an abstract ``nnx.State`` (for divisibility checks)."""
+    return jax.tree.map(
+        lambda v: tuple(v.shape), abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
