@@ -195,6 +195,9 @@ class TrainBatch:
     samples: list[Sample]
     rollouts: list[Rollout]
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The clean rollouts whose samples are in ``samples`` (surplus rollouts carry over between
+    # batches, so the window does not say which ones a batch trains on).
+    trained: list[Rollout] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
