@@ -1,0 +1,361 @@
+"""Hugging Face checkpoints <-> the NNX ``Transformer``.
+
+Owns the translation between a Hugging Face causal-LM directory of the Llama / Qwen2 / Qwen3
+families (``config.json`` plus ``model.safetensors`` or a sharded set indexed by
+``model.safetensors.index.json``) and this package's ``ModelConfig`` + ``Transformer`` params:
+
+- ``config_from_hf(dict) -> ModelConfig`` and ``config_to_hf(ModelConfig) -> dict``;
+- ``hf_to_params`` / ``params_to_hf``: pure name/layout maps between HF tensors (``nn.Linear``
+  weights are ``[out, in]``) and our pure-dict params (kernels ``[in, ...out]``, heads split
+  out as their own axis);
+- ``load_hf_checkpoint(path, dtype=...) -> (config, model)`` and
+  ``save_hf_checkpoint(model, config, path, max_shard_size=...)``.
+
+Invariants: export then import gives bit-identical params (only transposes and reshapes, no
+arithmetic); every tensor the model needs must be present and of the exact shape, and a
+checkpoint feature this model does not implement (o-proj or MLP bias, sliding window, a RoPE
+type other than default / llama3, a non-SiLU activation) is refused with an error naming it,
+never silently dropped. RoPE layout needs no permutation: HF checkpoints of these families
+already use the rotate-half pairing that ``transformer._apply_rope`` implements.
+
+Driven by entry points and the trainer at start-up (import) and by checkpoint export; it reads
+and writes files only, and places arrays on the default device (callers reshard).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxrl_orch.models.configs import ModelConfig, RopeScaling
+from jaxrl_orch.models.transformer import Transformer
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+def _unsupported(what: str, value: Any) -> ValueError:
+    return ValueError(f"unsupported checkpoint feature: {what}={value!r}")
+
+
+def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+    """``ModelConfig`` from a parsed HF ``config.json`` (old or transformers-5 rope keys)."""
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    family = SUPPORTED_ARCHITECTURES.get(arch) if arch else None
+    if family is None:
+        family = {v: v for v in SUPPORTED_ARCHITECTURES.values()}.get(hf.get("model_type"))
+    if family is None:
+        raise ValueError(
+            f"unsupported architecture {arch or hf.get('model_type')!r}; supported: "
+            f"{sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _unsupported("hidden_act", hf["hidden_act"])
+    if hf.get("mlp_bias"):
+        raise _unsupported("mlp_bias", True)
+    if family == "llama" and hf.get("attention_bias"):
+        raise _unsupported("attention_bias (Llama biases o_proj too)", True)
+    if hf.get("use_sliding_window"):
+        raise _unsupported("use_sliding_window", True)
+
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None
+    if rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position=int(rope["original_max_position_embeddings"]),
+        )
+    elif rope_type != "default":
+        raise _unsupported("rope_type", rope_type)
+
+    n_heads = int(hf["num_attention_heads"])
+    fields = dict(
+        vocab_size=int(hf["vocab_size"]),
+        d_model=int(hf["hidden_size"]),
+        n_layers=int(hf["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // n_heads),
+        d_ff=int(hf["intermediate_size"]),
+        rope_theta=float(theta),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        qk_norm=family == "qwen3",
+        # Qwen2 hard-codes q/k/v bias; Qwen3 exposes it as attention_bias (off in releases).
+        qkv_bias=family == "qwen2" or (family == "qwen3" and bool(hf.get("attention_bias"))),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        rope_scaling=scaling,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def _family(config: ModelConfig) -> str:
+    if config.qk_norm:
+        if config.rope_scaling is not None:
+            raise ValueError("no HF architecture has both qk_norm and llama3 rope scaling")
+        return "qwen3"
+    if config.qkv_bias:
+        if config.rope_scaling is not None:
+            raise ValueError("no HF architecture has both qkv_bias and llama3 rope scaling")
+        return "qwen2"
+    return "llama"
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """HF ``config.json`` dict (Qwen3 if qk_norm, Qwen2 if qkv_bias, else Llama)."""
+    family = _family(config)
+    arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[family]
+    out: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": family,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.d_ff,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": config.tie_embeddings,
+        "max_position_embeddings": config.max_seq_len,
+        "torch_dtype": str(jnp.dtype(config.param_dtype)),
+    }
+    if family != "qwen2":
+        out["attention_bias"] = False
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        out["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position,
+        }
+    return out
+
+
+def _layer_map(config: ModelConfig) -> list[tuple[str, tuple[str, ...], str]]:
+    """(HF suffix under model.layers.{i}., our path under layers[i], layout kind)."""
+    m = [
+        ("input_layernorm.weight", ("input_norm", "weight"), "copy"),
+        ("post_attention_layernorm.weight", ("post_attn_norm", "weight"), "copy"),
+        ("self_attn.q_proj.weight", ("attn", "q_proj"), "in_heads"),
+        ("self_attn.k_proj.weight", ("attn", "k_proj"), "in_heads"),
+        ("self_attn.v_proj.weight", ("attn", "v_proj"), "in_heads"),
+        ("self_attn.o_proj.weight", ("attn", "o_proj"), "heads_out"),
+        ("mlp.gate_proj.weight", ("mlp", "gate_proj"), "transpose"),
+        ("mlp.up_proj.weight", ("mlp", "up_proj"), "transpose"),
+        ("mlp.down_proj.weight", ("mlp", "down_proj"), "transpose"),
+    ]
+    if config.qkv_bias:
+        m += [(f"self_attn.{x}_proj.bias", ("attn", f"{x}_bias"), "heads") for x in "qkv"]
+    if config.qk_norm:
+        m += [(f"self_attn.{x}_norm.weight", ("attn", f"{x}_norm", "weight"), "copy") for x in "qk"]
+    return m
+
+
+def _to_ours(w: np.ndarray, kind: str, hd: int) -> np.ndarray:
+    if kind == "copy":
+        return w
+    if kind == "transpose":
+        return w.T
+    if kind == "in_heads":  # [H*D, E] -> [E, H, D]
+        return w.T.reshape(w.shape[1], -1, hd)
+    if kind == "heads_out":  # [E, H*D] -> [H, D, E]
+        return w.T.reshape(-1, hd, w.shape[0])
+    if kind == "heads":  # [H*D] -> [H, D]
+        return w.reshape(-1, hd)
+    raise AssertionError(kind)
+
+
+def _to_hf(w: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "copy":
+        return w
+    if kind == "transpose":
+        return w.T
+    if kind == "in_heads":  # [E, H, D] -> [H*D, E]
+        return w.reshape(w.shape[0], -1).T
+    if kind == "heads_out":  # [H, D, E] -> [E, H*D]
+        return w.reshape(-1, w.shape[-1]).T
+    if kind == "heads":
+        return w.reshape(-1)
+    raise AssertionError(kind)
+
+
+def hf_to_params(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, Any]:
+    """Pure-dict params (``nnx.to_pure_dict`` layout) from HF-named tensors."""
+
+    def take(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise KeyError(f"checkpoint is missing tensor {name!r}")
+        return np.asarray(tensors[name])
+
+    layers = {}
+    for i in range(config.n_layers):
+        layer: dict[str, Any] = {}
+        for hf_name, path, kind in _layer_map(config):
+            node = layer
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = _to_ours(take(f"model.layers.{i}.{hf_name}"), kind, config.head_dim)
+        layers[i] = layer
+    params: dict[str, Any] = {
+        "embed": take("model.embed_tokens.weight"),
+        "layers": layers,
+        "final_norm": {"weight": take("model.norm.weight")},
+    }
+    if not config.tie_embeddings:
+        params["lm_head"] = take("lm_head.weight").T
+    return params
+
+
+def params_to_hf(params: dict[str, Any], config: ModelConfig) -> dict[str, np.ndarray]:
+    """HF-named ``[out, in]`` tensors from pure-dict params (inverse of ``hf_to_params``)."""
+    out = {
+        "model.embed_tokens.weight": params["embed"],
+        "model.norm.weight": params["final_norm"]["weight"],
+    }
+    for i in range(config.n_layers):
+        layer = params["layers"][i]
+        for hf_name, path, kind in _layer_map(config):
+            node = layer
+            for key in path:
+                node = node[key]
+            out[f"model.layers.{i}.{hf_name}"] = _to_hf(np.asarray(node), kind)
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = np.asarray(params["lm_head"]).T
+    return {k: np.ascontiguousarray(np.asarray(v)) for k, v in out.items()}
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint file not found: {path!r}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint directory (single file or sharded index), as NumPy."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, _INDEX)):
+        weight_map = _read_json(os.path.join(path, _INDEX))["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif os.path.isfile(os.path.join(path, _SINGLE)):
+        files = [_SINGLE]
+    else:
+        raise FileNotFoundError(f"no {_SINGLE} or {_INDEX} in checkpoint directory {path!r}")
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"shard {name!r} listed in {_INDEX} is missing from {path!r}")
+        with safe_open(file, framework="np") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike, dtype: Any = jnp.float32, **config_overrides: Any
+) -> tuple[ModelConfig, Transformer]:
+    """Load an HF checkpoint directory; params and compute in ``dtype`` unless overridden."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory not found: {path!r}")
+    overrides = {"dtype": dtype, "param_dtype": dtype, **config_overrides}
+    config = config_from_hf(_read_json(os.path.join(path, "config.json")), **overrides)
+    params = hf_to_params(read_safetensors(path), config)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    expected = nnx.to_pure_dict(abstract)
+
+    def place(key_path, want, got):
+        name = ".".join(str(getattr(k, "key", k)) for k in key_path)
+        if tuple(got.shape) != tuple(want.shape):
+            raise ValueError(
+                f"param {name}: checkpoint shape {tuple(got.shape)} != model shape "
+                f"{tuple(want.shape)} for this config.json"
+            )
+        return jnp.asarray(got, dtype=want.dtype)
+
+    loaded = jax.tree_util.tree_map_with_path(place, expected, params)
+    nnx.replace_by_pure_dict(abstract, loaded)
+    return config, nnx.merge(graphdef, abstract)
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be > 0 bytes, got {size}")
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size {size!r} must be bytes (int) or like '500MB', '2GB'")
+    unit = m.group(2).upper()
+    base = 1024 if "I" in unit else 1000
+    power = {"B": 0, "K": 1, "M": 2, "G": 3}[unit[0]]
+    return int(float(m.group(1)) * base**power)
+
+
+def save_hf_checkpoint(
+    model: Transformer,
+    config: ModelConfig,
+    path: str | os.PathLike,
+    max_shard_size: int | str = "5GB",
+) -> list[str]:
+    """Write ``config.json`` and safetensors (sharded with an index past ``max_shard_size``).
+
+    Returns the written file names. Tensors keep the params' dtype.
+    """
+    path = os.fspath(path)
+    limit = _parse_size(max_shard_size)
+    os.makedirs(path, exist_ok=True)
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    tensors = params_to_hf(params, config)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_to_hf(config), f, indent=2)
+    meta = {"format": "pt"}  # transformers refuses safetensors files without it
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, _SINGLE), metadata=meta)
+        return ["config.json", _SINGLE]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, os.path.join(path, name), metadata=meta)
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}}
+    index["weight_map"] = weight_map
+    with open(os.path.join(path, _INDEX), "w") as f:
+        json.dump(index, f, indent=2)
+    return ["config.json", *names, _INDEX]
