@@ -50,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import defaultdict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,6 +62,7 @@ from jaxrl_orch.types import NO_VERSION, Algorithm, Episode, Rollout, Sample, Tr
 # How many recent cohorts ``trained_rollouts`` keeps for the store; the loop persists a batch
 # before it asks the sink for the next one, so a handful covers any hold it may wait out.
 _COHORT_HISTORY = 16
+_BATCH_ORDERS = ("arrival", "oldest")
 
 
 def trace_to_sample(rollout: Rollout, temperature: float | None = None) -> Sample:
@@ -101,6 +102,9 @@ class TrainSink:
         dynamic_sampling: bool = True,
         zero_variance_atol: float = 1e-6,
         first_step: int = 1,
+        auto_batch: bool = True,
+        batch_order: str = "arrival",
+        on_discard: Callable[[int], None] | None = None,
     ) -> None:
         sizes = group_size.values() if isinstance(group_size, Mapping) else [group_size]
         if not sizes or any(int(g) < 1 for g in sizes):
@@ -113,6 +117,14 @@ class TrainSink:
             raise ValueError(
                 f"temperature must be None or a finite value >= 0, got {temperature!r}"
             )
+        if batch_order not in _BATCH_ORDERS:
+            raise ValueError(f"batch_order must be one of {_BATCH_ORDERS}, got {batch_order!r}")
+        self.auto_batch = auto_batch
+        self.batch_order = batch_order
+        self._on_discard = on_discard
+        # Rollouts that arrived without an error: if the sink later drops one, the admission
+        # gate must hear about it (it counted it as accepted), or replacements never get admitted.
+        self._arrived_clean: set[int] = set()
         self.group_size = group_size
         self.batch_size = int(batch_size)
         self.algorithm: Algorithm = (
@@ -171,6 +183,7 @@ class TrainSink:
                     f"eval rollout (env={r.env!r}, group_id={r.group_id}) sent to the train "
                     "sink; route is_eval episodes to the eval sink"
                 )
+        self._arrived_clean.update(id(r) for r in episode if not r.has_error and r.trainable)
         await asyncio.to_thread(self._tokenize, episode)
         touched: list[int] = []
         for r in episode:
@@ -188,7 +201,16 @@ class TrainSink:
                 )
             if len(group) == size:
                 self._process_group(self._pending.pop(gid))
-        return self.take_batch()
+        return self.take_batch() if self.auto_batch else None
+
+    @property
+    def ready_count(self) -> int:
+        """Clean, scored rollouts waiting for a batch."""
+        return len(self._ready)
+
+    def _report_discards(self, n: int) -> None:
+        if n and self._on_discard is not None:
+            self._on_discard(n)
 
     def _tokenize(self, episode: Episode) -> None:
         # Runs on a worker thread: touches only the episode's own rollouts.
@@ -248,7 +270,11 @@ class TrainSink:
         candidates = [r for r in survivors if not r.filtered]
         for reason, n in apply_filters(self.pre_filters, candidates).items():
             self._window_counts[reason] += n
-        self._ready.extend(r for r in candidates if not r.filtered)
+        ready = [r for r in candidates if not r.filtered]
+        self._ready.extend(ready)
+        arrived_clean = sum(id(r) in self._arrived_clean for r in group)
+        self._arrived_clean.difference_update(id(r) for r in group)
+        self._report_discards(arrived_clean - len(ready))
         self._totals["filtered"] += sum(r.filtered for r in group)
 
     # ------------------------------------------------------------------ batching
@@ -261,10 +287,14 @@ class TrainSink:
         """
         if len(self._ready) < self.batch_size:
             return None
+        if self.batch_order == "oldest":
+            # Stable: equal head versions keep arrival order.
+            self._ready = deque(sorted(self._ready, key=lambda r: r.head_version))
         cohort = [self._ready.popleft() for _ in range(self.batch_size)]
         for reason, n in apply_filters(self.post_filters, cohort).items():
             self._window_counts[reason] += n
         trained = [r for r in cohort if not r.filtered]
+        self._report_discards(len(cohort) - len(trained))
         self._totals["filtered"] += len(cohort) - len(trained)
         samples = [s for r in trained for s in r.samples]
         batch = TrainBatch(
@@ -272,6 +302,7 @@ class TrainSink:
             samples=samples,
             rollouts=list(self._window),
             metrics=self._metrics(trained, samples),
+            trained=trained,
         )
         if samples:
             self._cohorts[self._step] = trained

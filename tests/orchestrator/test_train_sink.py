@@ -319,3 +319,30 @@ def test_fully_errored_group_is_seen_without_signal():
     assert batch.metrics["train/errors"] == 2 and batch.metrics["train/groups_seen"] == 2
     assert batch.metrics["train/effective_group_rate"] == 0.5
     assert all(r.samples == [] for r in dead)
+
+
+def test_discards_of_clean_arrivals_are_reported_for_the_gate():
+    """Rollouts that finished cleanly but never reach a batch (flat groups, non-finite rewards)
+    are reported, so the admission gate can admit replacements; dispatcher errors are not (the
+    dispatcher already told the gate they were not accepted)."""
+    discarded = []
+    sink = TrainSink(group_size=4, batch_size=8, on_discard=discarded.append)
+    feed(sink, group(0, [0.5] * 4))  # zero variance: 4 dropped
+    feed(sink, group(1, [0.0, 1.0, 0.0, 0.0]) + [make(2, 1.0, error="boom")] + group(2, [0, 1, 1]))
+    feed(sink, group(3, [float("nan"), 1.0, 0.0, 0.0]))
+    assert discarded == [4, 1]
+
+
+def test_loop_controlled_batching_takes_oldest_heads_first():
+    sink = TrainSink(group_size=2, batch_size=2, auto_batch=False, batch_order="oldest")
+    assert feed(sink, group(0, [0.0, 1.0], version=5) + group(1, [1.0, 0.0], version=2)) == []
+    assert sink.ready_count == 4
+    batch = sink.take_batch()
+    assert [r.group_id for r in batch.trained] == [1, 1]
+    assert {int(v) for s in batch.samples for v in s.versions if v >= 0} == {2}
+    assert sink.ready_count == 2
+
+
+def test_bad_batch_order_is_named():
+    with pytest.raises(ValueError, match="batch_order.*'newest'"):
+        TrainSink(group_size=2, batch_size=2, batch_order="newest")
