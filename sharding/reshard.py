@@ -39,6 +39,7 @@ What it must never do
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -60,20 +61,37 @@ def _check_dtype(dtype: Any) -> np.dtype | None:
     return dt
 
 
-def _flat_shardings(dst_shardings: Any, treedef: Any, n: int) -> list[Sharding]:
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    sharding: Sharding
+    num_leaves: int
+
+
+def _flat_shardings(dst_shardings: Any, tree: Any, n: int) -> list[Sharding]:
+    """One sharding per leaf of ``tree``; ``dst_shardings`` may be any prefix of the tree.
+
+    A prefix is what ``resolve_shardings(logical_specs(state), ...)`` returns for an
+    ``nnx.State``: a sharding where the state has a Variable wrapping the array.
+    """
     if isinstance(dst_shardings, Sharding):
         return [dst_shardings] * n
-    try:
-        flat = treedef.flatten_up_to(dst_shardings)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"dst_shardings must be one Sharding or a pytree with the structure of the tree "
-            f"{treedef}: {e}"
-        ) from e
-    for s in flat:
+
+    def count(s: Any, sub: Any) -> _Group:
         if not isinstance(s, Sharding):
             raise TypeError(f"dst_shardings leaves must be jax Shardings, got {s!r}")
-    return flat
+        return _Group(s, jax.tree.structure(sub).num_leaves)
+
+    try:
+        groups = jax.tree.map(count, dst_shardings, tree)
+    except (ValueError, KeyError) as e:
+        detail = str(e)
+        detail = detail if len(detail) < 600 else detail[:600] + " ..."
+        raise ValueError(
+            "dst_shardings must be one Sharding or a pytree whose structure is a prefix of the "
+            f"tree being resharded: {detail}"
+        ) from e
+    # _Group is not a registered pytree, so it stays a leaf whatever containers the tree uses.
+    return [g.sharding for g in jax.tree.leaves(groups) for _ in range(g.num_leaves)]
 
 
 def _casts(leaves: Sequence[Any], dt: np.dtype | None) -> list[bool]:
@@ -136,7 +154,7 @@ def reshard(tree: Any, dst_shardings: Any, *, donate: bool = False, dtype: Any =
     """
     dt = _check_dtype(dtype)
     leaves, treedef = jax.tree.flatten(tree)
-    dst = _flat_shardings(dst_shardings, treedef, len(leaves))
+    dst = _flat_shardings(dst_shardings, tree, len(leaves))
     staged = _cast_on_source(leaves, dt)
     out = jax.device_put(staged, dst) if leaves else []
     if donate:
@@ -200,7 +218,7 @@ def reshard_cross_process(
         )
     dt = _check_dtype(dtype)
     leaves, treedef = jax.tree.flatten(tree)
-    dst = _flat_shardings(dst_shardings, treedef, len(leaves))
+    dst = _flat_shardings(dst_shardings, tree, len(leaves))
     cache: dict = {}
     staged: list[Any] = []
     local: list[int] = []  # leaves this process sends

@@ -135,11 +135,17 @@ def test_single_sharding_and_nnx_state(meshes):
             self.w = nnx.Param(jnp.arange(32, dtype=jnp.float32).reshape(8, 4))
 
     _, state = nnx.split(Tiny())
-    logical = jax.tree.map(lambda _: ("embed", "mlp"), state)
-    dst = resolve_shardings(logical, decode, DECODE_RULES, shapes=state)
-    out = reshard(state, dst)
-    assert isinstance(out, nnx.State)
-    assert out["w"][...].sharding.spec == P(None, "tp")
+    # Both shapes of logical tree a model may hand over: tuples inside the Variables, or tuples
+    # in place of the Variables (then the shardings are a prefix of the state's structure).
+    inside = jax.tree.map(lambda _: ("embed", "mlp"), state)
+    in_place = jax.tree.map(
+        lambda _: ("embed", "mlp"), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    for logical in (inside, in_place):
+        dst = resolve_shardings(logical, decode, DECODE_RULES, shapes=state)
+        out = reshard(state, dst)
+        assert isinstance(out, nnx.State)
+        assert out["w"][...].sharding.spec == P(None, "tp")
     rep = NamedSharding(decode, P())
     out2 = reshard(state, rep)
     assert out2["w"][...].sharding == rep
@@ -150,7 +156,7 @@ def test_bad_inputs(setup):
     _, src, dst_sh, _, _ = setup
     with pytest.raises(ValueError, match="floating-point dtype.*int32"):
         reshard(src, dst_sh, dtype=jnp.int32)
-    with pytest.raises(ValueError, match="structure of the tree"):
+    with pytest.raises(ValueError, match="prefix of the"):
         reshard(src, {"embedding": dst_sh["embedding"]})
     with pytest.raises(TypeError, match="must be jax Shardings"):
         reshard({"a": src["norm"]}, {"a": P()})
