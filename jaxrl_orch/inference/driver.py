@@ -5,7 +5,8 @@ decode state, the current ``(params, version)`` and the optional prefix cache. N
 touches the engine while the driver runs.
 
 How a request flows: ``submit(prompt_ids, sampling, n)`` queues one *group* (n samples of one
-prompt; an identical pending submission joins the existing group) and returns one
+prompt, each with its own ``SamplingParams`` if a list is given; a pending submission of an
+identical prompt joins the existing group whatever its sampling) and returns one
 ``concurrent.futures.Future[Completion]`` per sample. The loop thread prefills a group's
 prompt once (or takes it from the prefix cache, keyed by ``(tokens, version)``) and inserts
 that prefix into each of the group's slots as slots come free (prefix sharing), then calls
@@ -23,7 +24,8 @@ Invariants:
 
 Finishing rules are applied here on the host (stop ids, ``max_tokens``, cache length from the
 engine's optional ``max_target_length``), so any engine with the JetStream method shape can
-be driven; engines accepting ``prefill(sampling=...)`` / ``generate(version=...)`` get those.
+be driven; engines accepting ``insert(..., sampling=...)`` / ``generate(..., version=...)`` get
+those (per-slot sampling parameters and per-token version stamps from the device).
 This module must never import orchestration code or block the caller's event loop.
 """
 
@@ -35,6 +37,7 @@ import dataclasses
 import inspect
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -47,8 +50,7 @@ _STOPPED = "InferenceDriver stopped before the request finished"
 @dataclasses.dataclass(eq=False)
 class _Group:
     prompt: np.ndarray
-    sampling: SamplingParams
-    futures: list[concurrent.futures.Future]
+    members: list[tuple[concurrent.futures.Future, SamplingParams]]
     prefix: Any = None
     prefix_version: int | None = None
     first: tuple[int, float] | None = None  # a token the engine sampled at prefill, if any
@@ -106,7 +108,8 @@ class InferenceDriver:
         self._n_slots = int(engine.max_concurrent_decodes)
         self._max_prefill = int(engine.max_prefill_length)
         self._cache_len = getattr(engine, "max_target_length", None)
-        self._pass_sampling = _accepts(engine.prefill, "sampling")
+        self._pass_sampling = _accepts(engine.insert, "sampling")
+        self._max_stop = getattr(engine, "max_stop_tokens", None)
         self._pass_version = _accepts(engine.generate, "version")
         self._cv = threading.Condition()
         self._pending: collections.deque[_Group] = collections.deque()
@@ -127,9 +130,16 @@ class InferenceDriver:
         return self._version
 
     def submit(
-        self, prompt_ids: Any, sampling: SamplingParams, n: int = 1
+        self,
+        prompt_ids: Any,
+        sampling: SamplingParams | Sequence[SamplingParams],
+        n: int | None = None,
     ) -> list[concurrent.futures.Future]:
-        """Queue ``n`` samples of one prompt; returns one future per sample (thread-safe)."""
+        """Queue samples of one prompt; returns one future per sample (thread-safe).
+
+        ``sampling`` is one ``SamplingParams`` for all ``n`` samples (default 1), or a sequence
+        with one per sample (then ``n`` defaults to, and must equal, its length).
+        """
         prompt = np.asarray(list(prompt_ids), dtype=np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
             raise ValueError(f"prompt_ids must be a non-empty 1-D sequence, got {prompt_ids!r}")
@@ -138,20 +148,30 @@ class InferenceDriver:
                 f"prompt has {prompt.size} tokens; this engine allows at most "
                 f"max_prefill_length={self._max_prefill}"
             )
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n!r}")
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        futures = [concurrent.futures.Future() for _ in range(n)]
+        samplings = (
+            [sampling] * (n or 1) if isinstance(sampling, SamplingParams) else list(sampling)
+        )
+        if n is not None and n != len(samplings) or not samplings:
+            raise ValueError(f"n must be >= 1 and match the sampling list, got n={n!r}")
+        for sp in samplings:
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling must be SamplingParams, got {type(sp).__name__}")
+            if self._max_stop is not None and len(sp.stop_token_ids) > self._max_stop:
+                raise ValueError(
+                    f"{len(sp.stop_token_ids)} stop_token_ids {sp.stop_token_ids}; this engine "
+                    f"holds at most max_stop_tokens={self._max_stop}"
+                )
+        futures = [concurrent.futures.Future() for _ in samplings]
+        members = list(zip(futures, samplings, strict=True))
         with self._cv:
             if self._stopped or self._stopping:
                 raise RuntimeError("InferenceDriver is stopped; submit() needs a running driver")
-            for group in self._pending:  # identical prompt + sampling: share its prefill
-                if group.sampling == sampling and np.array_equal(group.prompt, prompt):
-                    group.futures.extend(futures)
+            for group in self._pending:  # identical prompt: share its prefill
+                if np.array_equal(group.prompt, prompt):
+                    group.members.extend(members)
                     break
             else:
-                self._pending.append(_Group(prompt, sampling, list(futures)))
+                self._pending.append(_Group(prompt, members))
             self._cv.notify_all()
         return futures
 
@@ -188,7 +208,7 @@ class InferenceDriver:
         rate = sum(k for _, k in window[1:]) / span if span > 0 else 0.0
         return {
             "inference/active_slots": float(sum(s is not None for s in self._slots)),
-            "inference/queue_depth": float(sum(len(g.futures) for g in list(self._pending))),
+            "inference/queue_depth": float(sum(len(g.members) for g in list(self._pending))),
             "inference/tokens_per_s": float(rate),
             "inference/prefill_s": self._prefill_s,  # cumulative seconds in prefill
             "inference/decode_s": self._decode_s,  # cumulative seconds in generate
@@ -226,8 +246,8 @@ class InferenceDriver:
                 self._slots[i] = None
         with self._cv:
             for group in list(self._pending):
-                group.futures = [f for f in group.futures if not f.cancelled()]
-                if not group.futures:
+                group.members = [m for m in group.members if not m[0].cancelled()]
+                if not group.members:
                     self._pending.remove(group)
 
     def _admit(self) -> None:
@@ -244,30 +264,30 @@ class InferenceDriver:
             except Exception as exc:  # noqa: BLE001 - this group's callers get the error
                 with self._cv:
                     self._pending.remove(group)
-                for f in group.futures:
+                for f, _ in group.members:
                     _resolve(f, error=exc)
                 continue
-            while free and group.futures:
+            while free and group.members:
                 with self._cv:
-                    future = group.futures.pop(0)
+                    future, sampling = group.members.pop(0)
                 if future.cancelled():
                     continue
                 slot = free.pop(0)
-                seq = _Seq(future, group.sampling, int(group.prompt.size))
+                seq = _Seq(future, sampling, int(group.prompt.size))
                 self._slots[slot] = seq
-                self._decode_state = self.engine.insert(group.prefix, self._decode_state, slot)
+                kwargs = {"sampling": sampling} if self._pass_sampling else {}
+                state = self._decode_state
+                self._decode_state = self.engine.insert(group.prefix, state, slot, **kwargs)
                 if group.first is not None:
                     self._append(slot, seq, *group.first, self._version)
             with self._cv:
-                if not group.futures and self._pending and self._pending[0] is group:
+                if not group.members and self._pending and self._pending[0] is group:
                     self._pending.popleft()
 
     def _ensure_prefix(self, group: _Group) -> None:
         if group.prefix is not None and group.prefix_version == self._version:
             return
-        # The sampling settings are part of the key when the engine bakes them into the prefix.
-        baked = group.sampling if self._pass_sampling else None
-        key = (group.prompt.tobytes(), self._version, baked)
+        key = (group.prompt.tobytes(), self._version)
         cached = self._prefix_cache.get(key)
         if cached is not None:
             self._prefix_cache.move_to_end(key)
@@ -275,14 +295,12 @@ class InferenceDriver:
         else:
             padded = np.zeros(self._bucket(group.prompt.size), dtype=np.int32)
             padded[: group.prompt.size] = group.prompt
-            kwargs = {"sampling": group.sampling} if self._pass_sampling else {}
             t0 = time.perf_counter()
             prefix, result = self.engine.prefill(
                 params=self._params,
                 existing_prefix=None,
                 padded_tokens=padded,
                 true_length=int(group.prompt.size),
-                **kwargs,
             )
             group.prefix, group.first = prefix, self._first_token(result)
             self._prefill_s += time.perf_counter() - t0
@@ -365,5 +383,5 @@ class InferenceDriver:
     def _fail_everything(self, exc: BaseException) -> None:
         self._fail_active(exc)
         while self._pending:
-            for f in self._pending.popleft().futures:
+            for f, _ in self._pending.popleft().members:
                 _resolve(f, error=exc)

@@ -11,8 +11,9 @@ Contract details (see ``engine_api`` for the result layout):
   completion token there. So one prefix inserted into G slots (prefix sharing) still gives G
   independent first tokens, and every generated token carries the version of the generate
   call that sampled it. The returned ``ResultTokens`` of prefill therefore has valid = 0.
-- Sampling parameters (temperature, top-k, top-p, stop ids, max tokens) ride in the prefix
-  and live per slot as arrays in the decode state: a new request never recompiles anything.
+- Sampling parameters (temperature, top-k, top-p, stop ids, max tokens) are given per slot at
+  ``insert(prefix, state, slot, sampling=...)`` (one shared prefix, G different settings) and
+  live as arrays in the decode state: a new request never recompiles anything.
   Log-probs follow ``sampling.sample_tokens``: ``log_softmax(logits / T)`` over the full
   vocabulary at the sampled id; greedy (T = 0) slots report ``log_softmax(logits)``.
 - A slot finishes on a stop id (included), on ``max_tokens``, or when the next position would
@@ -203,7 +204,6 @@ class DecodeEngine:
         existing_prefix: Any = None,
         padded_tokens: Any,
         true_length: int,
-        sampling: SamplingParams | None = None,
     ) -> tuple[dict[str, Any], ResultTokens]:
         if existing_prefix is not None:
             raise NotImplementedError("DecodeEngine.prefill does not extend an existing_prefix")
@@ -215,27 +215,13 @@ class DecodeEngine:
             )
         if not 1 <= true_length <= length:
             raise ValueError(f"true_length must be in [1, {length}], got {true_length}")
-        sampling = sampling or SamplingParams()
-        stop = list(sampling.stop_token_ids)
-        if len(stop) > self.max_stop_tokens:
-            raise ValueError(
-                f"{len(stop)} stop_token_ids {tuple(stop)}; this engine holds at most "
-                f"max_stop_tokens={self.max_stop_tokens}"
-            )
         fn = self._prefill_fns.get(length)
         if fn is None:
             out = {"cache": self._cache_sharding(length, 1)}
             fn = self._prefill_fns[length] = jax.jit(self._prefill_impl, out_shardings=out)
         prefix = fn(params, tokens[None])
-        prefix["slot"] = {
-            "token": np.int32(tokens[true_length - 1]),
-            "pos": np.int32(true_length - 1),
-            "max_tokens": np.int32(sampling.max_tokens),
-            "temperature": np.float32(sampling.temperature),
-            "top_k": np.int32(sampling.top_k),
-            "top_p": np.float32(sampling.top_p),
-            "stop": np.array(stop + [-1] * (self.max_stop_tokens - len(stop)), np.int32),
-        }
+        prefix["token"] = np.int32(tokens[true_length - 1])
+        prefix["pos"] = np.int32(true_length - 1)
         nothing = np.zeros((1, 3), np.int32)  # the first token is sampled by generate
         return prefix, ResultTokens(nothing, (0, 1), (1, 2), (2, 3))
 
@@ -246,16 +232,40 @@ class DecodeEngine:
         _, cache = model.forward_cached(tokens, positions, cache)
         return {"cache": cache}
 
-    def insert(self, prefix: dict[str, Any], decode_state: dict[str, Any], slot: int) -> Any:
+    def insert(
+        self,
+        prefix: dict[str, Any],
+        decode_state: dict[str, Any],
+        slot: int,
+        *,
+        sampling: SamplingParams | None = None,
+    ) -> dict[str, Any]:
+        """Put ``prefix`` into ``slot`` with its own ``sampling`` (default: SamplingParams())."""
         if not 0 <= slot < self._slots:
             raise ValueError(f"slot must be in [0, {self._slots}), got {slot}")
+        sampling = sampling or SamplingParams()
+        stop = list(sampling.stop_token_ids)
+        if len(stop) > self.max_stop_tokens:
+            raise ValueError(
+                f"{len(stop)} stop_token_ids {tuple(stop)}; this engine holds at most "
+                f"max_stop_tokens={self.max_stop_tokens}"
+            )
+        fields = {
+            "token": prefix["token"],
+            "pos": prefix["pos"],
+            "max_tokens": np.int32(sampling.max_tokens),
+            "temperature": np.float32(sampling.temperature),
+            "top_k": np.int32(sampling.top_k),
+            "top_p": np.float32(sampling.top_p),
+            "stop": np.array(stop + [-1] * (self.max_stop_tokens - len(stop)), np.int32),
+        }
         length = prefix["cache"]["k"].shape[2]
         fn = self._insert_fns.get(length)
         if fn is None:
             fn = self._insert_fns[length] = jax.jit(
                 self._insert_impl, donate_argnums=(0,), out_shardings=self._state_shardings
             )
-        return fn(decode_state, prefix["cache"], prefix["slot"], np.int32(slot))
+        return fn(decode_state, prefix["cache"], fields, np.int32(slot))
 
     @staticmethod
     def _insert_impl(state: dict[str, Any], cache: Any, fields: dict[str, Any], slot: jax.Array):

@@ -93,9 +93,10 @@ def test_group_is_prefilled_once_and_identical_submissions_share_it(make_driver)
     driver, engine = make_driver(ToyEngine(slots=2))
     futs = driver.submit([10, 11], GREEDY, n=3)  # 3 samples > 2 slots: the prefix is reused
     futs += driver.submit([10, 11], GREEDY)  # identical pending submission joins the group
+    futs += driver.submit([10, 11], [SamplingParams(temperature=0.0, max_tokens=2)])
     driver.start()
     outs = [f.result(timeout=10) for f in futs]
-    assert [o.token_ids for o in outs] == [[12, 13, 14, 15, 16]] * 4
+    assert [o.token_ids for o in outs] == [[12, 13, 14, 15, 16]] * 4 + [[12, 13]]
     assert engine.prefill_calls == 1
 
 
@@ -186,6 +187,8 @@ def test_bad_submissions_name_the_bad_value(make_driver):
         driver.submit(list(range(17)), GREEDY)
     with pytest.raises(ValueError, match="n must be >= 1"):
         driver.submit([1], GREEDY, n=0)
+    with pytest.raises(ValueError, match="match the sampling list"):
+        driver.submit([1], [GREEDY, GREEDY], n=3)
     with pytest.raises(ValueError, match="non-empty"):
         driver.submit([], GREEDY)
     with pytest.raises(ValueError, match="backwards"):

@@ -107,9 +107,12 @@ def test_prefix_shared_group_equals_separately_prefilled(engine, params, driver)
     sp = SamplingParams(temperature=0.0, max_tokens=10)
     before = driver.num_prefills
     group = [f.result(timeout=120) for f in driver.submit(PROMPTS[3], sp, n=3)]
-    assert driver.num_prefills == before + 1
+    short = SamplingParams(temperature=0.0, max_tokens=4)
+    mixed = [f.result(timeout=120) for f in driver.submit(PROMPTS[3], [short, sp])]
+    assert driver.num_prefills == before + 2
+    assert mixed[0].token_ids == group[0].token_ids[:4] and mixed[1].token_ids == group[0].token_ids
     alone = [driver.submit(PROMPTS[3], sp)[0].result(timeout=120) for _ in range(2)]
-    assert driver.num_prefills == before + 3  # prefix cache off: each one prefilled again
+    assert driver.num_prefills == before + 4  # prefix cache off: each one prefilled again
     for out in group[1:] + alone:
         assert out.token_ids == group[0].token_ids
         np.testing.assert_allclose(out.logprobs, group[0].logprobs, atol=1e-6)
@@ -176,15 +179,11 @@ def test_swap_mid_generation_versions_and_logprobs(engine, params):
 def test_engine_validates_its_inputs(engine, params):
     with pytest.raises(ValueError, match="max_prefill_length=16"):
         engine.prefill(params=params, padded_tokens=np.zeros(32, np.int32), true_length=3)
+    prefix, _ = engine.prefill(params=params, padded_tokens=np.ones(8, np.int32), true_length=2)
     with pytest.raises(ValueError, match="max_stop_tokens=4"):
-        engine.prefill(
-            params=params,
-            padded_tokens=np.zeros(8, np.int32),
-            true_length=3,
-            sampling=SamplingParams(stop_token_ids=(1, 2, 3, 4, 5)),
-        )
+        sp = SamplingParams(stop_token_ids=(1, 2, 3, 4, 5))
+        engine.insert(prefix, engine.init_decode_state(), 0, sampling=sp)
     with pytest.raises(ValueError, match="slot must be in"):
-        prefix, _ = engine.prefill(params=params, padded_tokens=np.ones(8, np.int32), true_length=2)
         engine.insert(prefix, engine.init_decode_state(), 2)
     with pytest.raises(ValueError, match="max_prefill_length=64 must be <="):
         DecodeEngine(CFG, max_target_length=32, max_prefill_length=64)

@@ -54,17 +54,17 @@ class ToyEngine:
             "stop": [()] * n,
         }
 
-    def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length, sampling):
-        assert isinstance(sampling, SamplingParams)
+    def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length):
         self.prefill_calls += 1
         if self.fail_prefill_for is not None and padded_tokens[0] == self.fail_prefill_for:
             raise ValueError("toy prefill failure")
-        prefix = (int(padded_tokens[true_length - 1]), true_length - 1, sampling)
+        prefix = (int(padded_tokens[true_length - 1]), true_length - 1)
         empty = np.zeros((1, 3), np.int32)
         return prefix, ResultTokens(empty, (0, 1), (1, 2), (2, 3))
 
-    def insert(self, prefix, decode_state, slot):
-        tok, pos, sampling = prefix
+    def insert(self, prefix, decode_state, slot, sampling):
+        assert isinstance(sampling, SamplingParams)
+        tok, pos = prefix
         s = {k: (v.copy() if hasattr(v, "copy") else v) for k, v in decode_state.items()}
         s["tok"][slot], s["pos"][slot], s["gen"][slot] = tok, pos, 0
         s["active"][slot], s["max"][slot] = True, sampling.max_tokens
