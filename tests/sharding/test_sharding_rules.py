@@ -1,9 +1,13 @@
 """Logical-axis rules: table resolution, replication fallback, unknown names, error messages."""
 
+import math
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -26,9 +30,12 @@ MODEL_SPECS = {
 }
 
 
+_MESHES = make_meshes({"tp": 4}, {"fsdp": 2, "tp": 2})
+
+
 @pytest.fixture(scope="module")
 def meshes():
-    return make_meshes({"tp": 4}, {"fsdp": 2, "tp": 2})
+    return _MESHES
 
 
 def test_trainer_rules_fsdp_plus_tp():
@@ -137,3 +144,34 @@ def test_bad_inputs_raise_clear_errors(meshes):
         resolve_shardings({"w": ("embed",)}, trainer, TRAINER_RULES, shapes={"v": (4,)})
     with pytest.raises(TypeError, match="jax.sharding.Mesh"):
         resolve_shardings({"w": ("embed",)}, "mesh", TRAINER_RULES)
+
+
+_NAMES = ["batch", "embed", "vocab", "heads", "mlp", "head_dim", "unknown", None]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dims=st.lists(
+        st.tuples(st.sampled_from(_NAMES), st.integers(min_value=1, max_value=12)),
+        max_size=5,
+    ),
+    trainer=st.booleans(),
+)
+def test_resolved_specs_are_always_valid(dims, trainer):
+    """Any logical tuple + shape: no mesh axis twice, every sharded dim divisible."""
+    decode, train_mesh = _MESHES
+    mesh, rules = (train_mesh, TRAINER_RULES) if trainer else (decode, DECODE_RULES)
+    logical = tuple(name for name, _ in dims)
+    shape = tuple(size for _, size in dims)
+    spec = logical_to_mesh_spec(logical, rules, mesh=mesh, shape=shape)
+    assert len(spec) == len(shape)
+    used = []
+    for entry, size, name in zip(spec, shape, logical, strict=True):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        used.extend(axes)
+        assert size % math.prod(mesh.shape[a] for a in axes) == 0
+        if axes:
+            assert any(rule_name == name for rule_name, _ in rules)
+    assert len(used) == len(set(used))
+    # The resolved sharding is accepted by jax for an array of that shape.
+    NamedSharding(mesh, spec).shard_shape(shape)
