@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -164,47 +165,47 @@ def test_bad_inputs(setup):
         reshard_cross_process(src, dst_sh)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n):
+    # Hold all sockets open together so the OS cannot hand out the same port twice.
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @pytest.mark.multiprocess
 def test_two_process_transfer(tmp_path):
     worker = Path(__file__).with_name("xproc_worker.py")
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=str(root))
-    coord = _free_port()
-    ports = [_free_port(), _free_port()]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(worker),
-                str(i),
-                str(coord),
-                str(ports[i]),
-                str(tmp_path / f"{i}.json"),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    logs = []
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    coord, *sock_ports = _free_ports(3)
+    logs = [tmp_path / f"{i}.log" for i in range(2)]
+    procs = []
+    for i in range(2):
+        with open(logs[i], "w") as log:
+            cmd = [sys.executable, str(worker), str(i), str(coord), str(sock_ports[i])]
+            cmd.append(str(tmp_path / f"{i}.json"))
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
-        for p in procs:
-            logs.append(p.communicate(timeout=120)[0])
+        deadline = time.monotonic() + 120
+        # If one side dies the other blocks in the transfer or the shutdown barrier: stop early.
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
+            p.wait()
     for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-3000:] if i < len(logs) else ''}"
+        tail = logs[i].read_text()[-3000:]
+        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{tail}"
     results = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2)]
     # Receiver checked placement + bit-equality (fp32) and bf16 casting for every leaf.
     assert len(results[1]["checks"]) == 10
