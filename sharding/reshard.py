@@ -13,9 +13,14 @@ Invariants
       halves the bytes moved. Only floating-point leaves are cast; integer leaves (step
       counters, token tables) move unchanged.
     - Every output leaf carries exactly the requested sharding.
-    - ``donate=True`` frees every source buffer that is not itself an output, once the outputs
-      are ready (``jax.device_put(donate=True)`` is only a hint on CPU, so this module deletes
-      the sources explicitly; waiting first keeps a deletion from racing an in-flight copy).
+    - ``donate=True`` deletes every source array that shares no buffer with an output, once the
+      outputs are ready (``jax.device_put(donate=True)`` is only a hint on CPU, so this module
+      deletes explicitly; waiting first keeps a deletion from racing an in-flight copy). A
+      relayout between meshes over the same devices may return the source's own buffers; such
+      sources are kept, since deleting them would delete the output. On the sending side of a
+      cross-process move, arrays still being sent are likewise left to garbage collection.
+    - ``dst_shardings`` is one Sharding or a pytree that is a prefix of the tree (a sharding
+      where an ``nnx.State`` holds a Variable is applied to the array inside it).
     - Transfers go through ``jax.device_put`` in one batched call: a jit whose outputs sit on
       another mesh fails, and one batched call lets the runtime overlap the per-leaf copies.
 
