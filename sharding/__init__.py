@@ -1,1 +1,4 @@
-"""Device meshes, logical-axis rules and device-to-device resharding. Knows nothing of models or RL."""
+"""Device meshes, logical-axis rules and device-to-device resharding.
+
+Knows nothing of models or RL.
+"""

@@ -75,6 +75,14 @@ class StalenessGate:
         if accepted:
             self.accepted += n
 
+    def on_discard(self, n: int = 1) -> None:
+        """Rollouts accepted at finish but dropped later (a flat group under dynamic sampling,
+        a filter, a non-finite reward) stop counting as accepted, so replacements may start.
+        Without this a dropped group would hold its slots until the next version forever."""
+        if not 0 <= n <= self.accepted:
+            raise ValueError(f"on_discard({n}) but only {self.accepted} rollouts are accepted")
+        self.accepted -= n
+
     def on_version(self, version: int) -> None:
         if version < self.version:
             raise ValueError(f"version must not go backwards: {self.version} -> {version}")

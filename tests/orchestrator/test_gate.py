@@ -167,3 +167,16 @@ def test_gate_never_admits_past_its_formula(s, b, c, ops):
         assert gate.capacity() == min(
             c - gate.running, (s + gate.version + 1) * b - gate.accepted - gate.running
         )
+
+
+def test_discarded_rollouts_reopen_their_slots():
+    """Dynamic sampling drops flat groups after they were accepted; the gate must let their
+    replacements in, or a dropped group would close the gate until a version that never comes."""
+    gate = StalenessGate(0, 8, 100)
+    gate.on_admit(8)
+    gate.on_finish(8, accepted=True)
+    assert gate.capacity() == 0
+    gate.on_discard(4)
+    assert gate.capacity() == 4
+    with pytest.raises(ValueError, match="only 4 rollouts are accepted"):
+        gate.on_discard(5)
