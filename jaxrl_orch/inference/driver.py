@@ -101,6 +101,7 @@ class InferenceDriver:
         self.engine = engine
         self._params, self._version = params, int(version)
         self._pending_swap: tuple[Any, int] | None = None
+        self._swap_waiters: list[concurrent.futures.Future] = []
         self._prefix_cache_size = prefix_cache_size
         self._prefix_cache: collections.OrderedDict = collections.OrderedDict()
         self._idle_wait_s = idle_wait_s
@@ -175,14 +176,22 @@ class InferenceDriver:
             self._cv.notify_all()
         return futures
 
-    def swap_params(self, params: Any, version: int) -> None:
-        """Use ``params`` (stamped ``version``) from the next generate step on."""
+    def swap_params(self, params: Any, version: int) -> concurrent.futures.Future:
+        """Use ``params`` (stamped ``version``) from the next generate step on.
+
+        Returns a future resolved with the version once the driver has switched (before any
+        token is generated with it); a swap superseded by a newer one before it landed resolves
+        with the newer version.
+        """
+        done: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
             latest = self._pending_swap[1] if self._pending_swap else self._version
             if version < latest:
                 raise ValueError(f"version must not go backwards: current {latest}, got {version}")
             self._pending_swap = (params, int(version))
+            self._swap_waiters.append(done)
             self._cv.notify_all()
+        return done
 
     def start(self) -> None:
         with self._cv:
@@ -200,6 +209,9 @@ class InferenceDriver:
         with self._cv:
             self._stopped = True
             self._fail_everything(RuntimeError(_STOPPED))
+            for waiter in self._swap_waiters:
+                _resolve(waiter, error=RuntimeError(_STOPPED))
+            self._swap_waiters.clear()
 
     def gauges(self) -> dict[str, float]:
         now = time.monotonic()
@@ -228,6 +240,9 @@ class InferenceDriver:
                     return
                 if self._pending_swap is not None:
                     (self._params, self._version), self._pending_swap = self._pending_swap, None
+                    for waiter in self._swap_waiters:
+                        _resolve(waiter, result=self._version)
+                    self._swap_waiters.clear()
             try:
                 self._reap_cancelled()
                 self._admit()

@@ -129,6 +129,17 @@ def test_swap_mid_generation_stamps_later_tokens_with_the_new_version(make_drive
     assert driver.version == 3
 
 
+def test_swap_future_resolves_when_the_swap_lands(make_driver):
+    driver, _ = make_driver()
+    superseded = driver.swap_params(4, 4)
+    latest = driver.swap_params(5, 5)
+    assert not latest.done()  # not started: nothing has switched yet
+    driver.start()
+    assert superseded.result(timeout=10) == 5 and latest.result(timeout=10) == 5
+    assert driver.version == 5
+    assert driver.submit([0], GREEDY)[0].result(timeout=10).versions == [5] * 5
+
+
 def test_cancellation_frees_the_slot(make_driver):
     engine = ToyEngine(slots=1, cache_len=10**9)
     driver, _ = make_driver(engine)
