@@ -320,19 +320,22 @@ def _parse_size(size: int | str) -> int:
 
 
 def save_hf_checkpoint(
-    model: Transformer,
+    model: Transformer | nnx.State,
     config: ModelConfig,
     path: str | os.PathLike,
     max_shard_size: int | str = "5GB",
 ) -> list[str]:
     """Write ``config.json`` and safetensors (sharded with an index past ``max_shard_size``).
 
-    Returns the written file names. Tensors keep the params' dtype.
+    ``model`` is a ``Transformer`` or its params ``nnx.State`` (e.g. what the trainer
+    publishes; sharded arrays are gathered to the host). Returns the written file names.
+    Tensors keep the params' dtype.
     """
     path = os.fspath(path)
     limit = _parse_size(max_shard_size)
+    state = nnx.state(model, nnx.Param) if isinstance(model, nnx.Module) else model
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
     os.makedirs(path, exist_ok=True)
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     tensors = params_to_hf(params, config)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
