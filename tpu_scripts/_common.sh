@@ -1,0 +1,169 @@
+# Shared by create.sh, setup.sh, launch.sh and teardown.sh; sourced, never run.
+#
+# Owns: reading settings from flags or environment variables (flags win), validating the
+# required ones (project, zone, TPU name) with a message naming the flag and the variable,
+# and `run`, which either executes a command or, under --dry-run, prints it as one
+# copy-pastable shell line. Dry runs never execute or even look for gcloud.
+#
+# Each script sets ALLOWED_FLAGS (space-separated, without values) and USAGE before calling
+# `parse_args "$@"`; a flag outside ALLOWED_FLAGS is an error, so a typo never silently
+# falls back to a default.
+
+DRY_RUN=0
+EXTRA_ARGS=()
+
+PROJECT="${TPU_PROJECT:-${CLOUDSDK_CORE_PROJECT:-}}"
+ZONE="${TPU_ZONE:-${CLOUDSDK_COMPUTE_ZONE:-}}"
+NAME="${TPU_NAME:-}"
+ACCELERATOR_TYPE="${TPU_ACCELERATOR_TYPE:-v5litepod-8}"
+RUNTIME_VERSION="${TPU_RUNTIME_VERSION:-}"
+SPOT="${TPU_SPOT:-0}"
+WORKER="${TPU_WORKER:-all}"
+REPO_URL="${TPU_REPO_URL:-}"
+REPO_REF="${TPU_REPO_REF:-main}"
+REMOTE_DIR="${TPU_REMOTE_DIR:-jaxrl-orch}"
+PYTHON="${TPU_PYTHON:-python3.11}"
+GIN_FILE="${TPU_GIN_FILE:-configs/tpu_v5e_8.gin}"
+WORKDIR="${TPU_WORKDIR:-}"
+ASSUME_YES="${TPU_ASSUME_YES:-0}"
+
+die() {
+  echo "error: $*" >&2
+  exit 2
+}
+
+# Quote one argument for a POSIX shell: bare when it only has safe characters, else
+# single-quoted. printf %q would backslash every space, which makes long ssh commands
+# unreadable in --dry-run output.
+quote() {
+  local s="$1"
+  if [[ -n "$s" && "$s" =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then
+    printf '%s' "$s"
+  else
+    printf "'%s'" "${s//\'/\'\\\'\'}"
+  fi
+}
+
+# Like quote, but keeps a long flag's name outside the quotes (--command='...') for reading.
+quote_all() {
+  local out="" a
+  for a in "$@"; do
+    if [[ "$a" =~ ^(--[A-Za-z0-9_-]+=)(.+)$ ]]; then
+      out+="${out:+ }${BASH_REMATCH[1]}$(quote "${BASH_REMATCH[2]}")"
+    else
+      out+="${out:+ }$(quote "$a")"
+    fi
+  done
+  printf '%s' "$out"
+}
+
+run() {
+  if [[ "$DRY_RUN" == 1 ]]; then
+    quote_all "$@"
+    echo
+  else
+    echo "+ $(quote_all "$@")" >&2
+    "$@"
+  fi
+}
+
+usage() {
+  echo "$USAGE"
+  echo
+  echo "flags: $ALLOWED_FLAGS --dry-run -h|--help"
+}
+
+_set_flag() {
+  local flag="$1" value="$2"
+  case "$flag" in
+    --project) PROJECT="$value" ;;
+    --zone) ZONE="$value" ;;
+    --name) NAME="$value" ;;
+    --accelerator-type) ACCELERATOR_TYPE="$value" ;;
+    --version) RUNTIME_VERSION="$value" ;;
+    --worker) WORKER="$value" ;;
+    --repo-url) REPO_URL="$value" ;;
+    --ref) REPO_REF="$value" ;;
+    --remote-dir) REMOTE_DIR="$value" ;;
+    --python) PYTHON="$value" ;;
+    --gin-file) GIN_FILE="$value" ;;
+    --workdir) WORKDIR="$value" ;;
+    *) die "unhandled flag $flag" ;;
+  esac
+}
+
+_allowed() {
+  [[ " $ALLOWED_FLAGS " == *" $1 "* ]]
+}
+
+parse_args() {
+  while (($#)); do
+    case "$1" in
+      --dry-run) DRY_RUN=1 ;;
+      -h | --help)
+        usage
+        exit 0
+        ;;
+      --)
+        shift
+        EXTRA_ARGS=("$@")
+        return
+        ;;
+      --spot | --yes)
+        _allowed "$1" || die "unknown flag $1 for $(basename "$0"); allowed: $ALLOWED_FLAGS --dry-run"
+        if [[ "$1" == --spot ]]; then SPOT=1; else ASSUME_YES=1; fi
+        ;;
+      --*=*)
+        _allowed "${1%%=*}" || die "unknown flag ${1%%=*} for $(basename "$0"); allowed: $ALLOWED_FLAGS --dry-run"
+        _set_flag "${1%%=*}" "${1#*=}"
+        ;;
+      --*)
+        _allowed "$1" || die "unknown flag $1 for $(basename "$0"); allowed: $ALLOWED_FLAGS --dry-run"
+        (($# >= 2)) || die "flag $1 needs a value"
+        _set_flag "$1" "$2"
+        shift
+        ;;
+      *) die "unexpected argument '$1' (settings are flags such as --name NAME; see --help)" ;;
+    esac
+    shift
+  done
+}
+
+# Project, zone and TPU name have no sensible defaults: guessing one could create or delete
+# a VM somewhere the user did not mean.
+require_target() {
+  [[ -n "$PROJECT" ]] || die "GCP project is not set: pass --project PROJECT or set TPU_PROJECT"
+  [[ -n "$ZONE" ]] || die "zone is not set: pass --zone ZONE (e.g. us-west4-a) or set TPU_ZONE"
+  [[ -n "$NAME" ]] || die "TPU name is not set: pass --name NAME or set TPU_NAME"
+  [[ "$NAME" =~ ^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$ ]] ||
+    die "TPU name '$NAME' is invalid: use lowercase letters, digits and '-', starting with a letter"
+  [[ "$WORKER" == all || "$WORKER" =~ ^[0-9]+(,[0-9]+)*$ ]] ||
+    die "worker '$WORKER' is invalid: use 'all' or comma-separated worker indices such as 0,1"
+  if [[ "$DRY_RUN" != 1 ]] && ! command -v gcloud >/dev/null 2>&1; then
+    die "gcloud not found on PATH; install the Google Cloud CLI or use --dry-run"
+  fi
+}
+
+# The TPU VM runtime image that matches each accelerator generation.
+default_runtime_version() {
+  case "$1" in
+    v5litepod-*) echo v2-alpha-tpuv5-lite ;;
+    v6e-*) echo v2-alpha-tpuv6e ;;
+    v5p-*) echo v2-alpha-tpuv5 ;;
+    v4-*) echo tpu-ubuntu2204-base ;;
+    *) return 1 ;;
+  esac
+}
+
+# gcloud flags that locate the TPU VM; every command against it shares them.
+target_flags() {
+  TARGET_FLAGS=("--project=$PROJECT" "--zone=$ZONE")
+}
+
+# Run one shell command line on the selected workers (all of them by default: every host of
+# a multi-host slice must run the same setup and the same training program).
+remote() {
+  target_flags
+  run gcloud compute tpus tpu-vm ssh "$NAME" "${TARGET_FLAGS[@]}" "--worker=$WORKER" \
+    "--command=$1"
+}
