@@ -13,10 +13,18 @@ SwiGLU MLP, a final RMSNorm and a tied or untied LM head. Two entry points share
   previous occupant (every index it can attend was just written by its own sequence), and junk
   written by padding tokens beyond a row's true length is overwritten before anyone attends it.
 
+Driven by the trainer (``__call__`` over packed rows) and the inference engine
+(``forward_cached``); both ``nnx.split`` the module and ``jax.jit`` the merged call, passing the
+config-free params ``State`` around, so nothing here may hold per-call Python state.
+
 Params carry logical axis names in their ``logical_axes`` metadata (the names of the binding
-interface, see ``logical_specs``); this module never resolves them to a mesh (that is
-``sharding/rules.py``'s job) and never places arrays on devices or constrains shardings.
-Numerics: params in ``param_dtype``, matmuls in ``dtype``, RMSNorm, softmax and logits in
+interface, see ``logical_specs``). The key is deliberately not flax's ``out_sharding``: flax
+eagerly shards a variable carrying that key whenever a mesh is set, which would read logical
+names as mesh axes. This module never resolves names to a mesh (``sharding/rules.py`` does),
+never places arrays on devices and never constrains shardings: XLA propagates them from the
+params and inputs. It is written for auto-axis meshes (what ``sharding/mesh.py`` builds);
+explicit-axis meshes would need an ``out_sharding`` on the embedding gather.
+Numerics: params in ``param_dtype``, matmuls in ``dtype``, RMSNorm, RoPE, softmax and logits in
 float32, KV cache in whatever dtype ``init_cache`` was given.
 """
 
