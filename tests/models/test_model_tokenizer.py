@@ -126,3 +126,31 @@ def test_hf_tokenizer_fallbacks_and_errors(bpe_dir, tmp_path):
         load_tokenizer(tmp_path / "missing")
     assert isinstance(load_tokenizer("byte"), ByteTokenizer)
     assert isinstance(load_tokenizer(None), ByteTokenizer)
+
+
+def test_llama3_specials_select_the_llama3_template(tmp_path):
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=280,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["hello there"] * 20, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = load_tokenizer(tmp_path / "tokenizer.json")
+    assert hf.eos_id == hf.token_to_id("<|eot_id|>")
+    assert hf.bos_id == hf.token_to_id("<|begin_of_text|>")
+    text = hf.apply_chat_template(CHAT[1:])
+    assert text == (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhéllo ✓<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    ids = hf.encode(text)
+    assert ids[:2] == [hf.bos_id, hf.token_to_id("<|start_header_id|>")]
+    assert hf.decode(ids) == text
