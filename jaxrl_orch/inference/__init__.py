@@ -1,0 +1,12 @@
+"""Decoding for RL: a JetStream-contract engine, a continuous-batching driver, an async client.
+
+- ``engine_api``: ``ResultTokens`` / ``SlotData`` and the ``Engine`` Protocol the driver drives.
+- ``sampling``: per-slot temperature / top-k / top-p sampling with behavior log-probs (jnp).
+- ``engine``: ``DecodeEngine``, the Transformer behind the Engine methods on a decode mesh.
+- ``driver``: ``InferenceDriver``, slots, prefix sharing, param hot-swap, one loop thread.
+- ``client``: ``EngineClient`` / ``ClientPool``, the ``types.InferenceClient`` / ``InferencePool``.
+
+Submodules are imported explicitly (``from jaxrl_orch.inference.driver import ...``) so that the
+host-only pieces (driver, client) do not pull in the model. This package knows nothing of
+orchestration, training or environments.
+"""

@@ -45,6 +45,8 @@ import numpy as np
 from jaxrl_orch.types import Completion, SamplingParams
 
 _STOPPED = "InferenceDriver stopped before the request finished"
+# An engine that reports no log-probs yields NaN: the trainer must recompute them (DESIGN 5).
+_NO_LP = float("nan")
 
 
 @dataclasses.dataclass(eq=False)
@@ -342,7 +344,9 @@ class InferenceDriver:
         valid = np.asarray(data.valid).reshape(-1)
         if valid.size == 0 or not valid[0]:
             return None
-        lp = float(np.asarray(data.logprobs).reshape(-1)[0]) if data.logprobs is not None else 0.0
+        lp = (
+            float(np.asarray(data.logprobs).reshape(-1)[0]) if data.logprobs is not None else _NO_LP
+        )
         return int(np.asarray(data.tokens).reshape(-1)[0]), lp
 
     def _step(self) -> None:
@@ -359,7 +363,7 @@ class InferenceDriver:
                 continue
             data = result.get_result_at_slot(slot)
             for j in np.flatnonzero(np.asarray(data.valid).reshape(-1)):
-                lp = float(data.logprobs[j]) if data.logprobs is not None else 0.0
+                lp = float(data.logprobs[j]) if data.logprobs is not None else _NO_LP
                 ver = int(data.versions[j]) if data.versions is not None else version
                 produced += 1
                 if self._append(slot, seq, int(data.tokens[j]), lp, ver):

@@ -77,8 +77,10 @@ class ResultTokens:
 @runtime_checkable
 class Engine(Protocol):
     """What ``InferenceDriver`` needs. Extra keyword arguments the driver passes when the
-    engine's signature accepts them: ``prefill(..., sampling=SamplingParams)`` and
-    ``generate(..., version=int)``."""
+    engine's signature accepts them: ``insert(..., sampling=SamplingParams)`` and
+    ``generate(..., version=int)``. A JetStream-style engine whose prefill already samples
+    the first token (valid = 1 in its result) is driven too: that token opens every slot
+    the prefix is inserted into."""
 
     def prefill(
         self, *, params: Any, existing_prefix: Any = None, padded_tokens: Any, true_length: int

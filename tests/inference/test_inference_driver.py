@@ -4,11 +4,13 @@ import asyncio
 import random
 import threading
 
+import numpy as np
 import pytest
 from toy_engine import ToyEngine, expected_tokens, greedy_logprob
 
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
+from jaxrl_orch.inference.engine_api import ResultTokens
 from jaxrl_orch.types import Completion, InferenceClient, InferencePool, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
@@ -251,3 +253,38 @@ def test_client_multi_turn_group_cancel_and_pool(make_driver):
     assert {id(pool.select()) for _ in range(4)} == {id(client), id(other)}
     with pytest.raises(ValueError, match="at least one client"):
         ClientPool([])
+
+
+class JetStreamStyleToy(ToyEngine):
+    """Plain JetStream method shape: prefill samples the first token, insert takes no
+    sampling, generate takes no version and reports no log-probs or versions."""
+
+    def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length):
+        self.prefill_calls += 1
+        first = (int(padded_tokens[true_length - 1]) + 1 + params) % self.vocab
+        result = ResultTokens(np.array([[first, 1, 1]], np.int32), (0, 1), (1, 2), (2, 3))
+        return (first, true_length), result
+
+    def insert(self, prefix, decode_state, slot):
+        sampling = SamplingParams(temperature=0.0, max_tokens=10**8)  # knows no request limits
+        return super().insert(prefix, decode_state, slot, sampling)
+
+    def generate(self, params, decode_state):
+        state, result = super().generate(params, decode_state, params)
+        k = self.steps
+        data = np.asarray(result.data)[:, : 2 * k + 1]
+        return state, ResultTokens(data, (0, k), (k, 2 * k), (2 * k, 2 * k + 1))
+
+
+def test_plain_jetstream_engine_is_driven_with_host_side_rules(make_driver):
+    driver, engine = make_driver(JetStreamStyleToy(slots=2, cache_len=10**9), version=2)
+    driver.start()
+    futs = driver.submit([3], [GREEDY, SamplingParams(temperature=0.0, max_tokens=1)])
+    futs += driver.submit([3], SamplingParams(temperature=0.0, max_tokens=9, stop_token_ids=(15,)))
+    full, one, stopped = (f.result(timeout=10) for f in futs)
+    assert full.token_ids == [6, 9, 12, 15, 18]  # first from prefill, then stride 1 + version
+    assert one.token_ids == [6] and one.finish_reason == "length"
+    assert stopped.token_ids == [6, 9, 12, 15] and stopped.finish_reason == "stop"
+    assert full.versions == [2] * 5  # stamped by the driver from the params it passed
+    assert np.isnan(full.logprobs).all()  # unknown behavior log-probs are NaN, never made up
+    assert engine.prefill_calls == 1
