@@ -190,7 +190,15 @@ class Checkpointer:
 def save_trainer(
     ckpt: Checkpointer, trainer: Any, step: int, orchestrator_state: dict[str, Any]
 ) -> bool:
-    """Save a ``Trainer``'s state with the orchestrator's dict under ``step`` (trainer idle)."""
+    """Save a ``Trainer``'s state with the orchestrator's dict under ``step``.
+
+    The trainer must be idle (``wait_idle()`` first): a step in flight would donate the very
+    arrays being saved, and params and optimizer state could come from different steps.
+    """
+    if not trainer.is_idle:
+        raise RuntimeError(
+            f"cannot checkpoint step {step}: the trainer is busy; call trainer.wait_idle() first"
+        )
     st = trainer.state()
     return ckpt.save(
         step,

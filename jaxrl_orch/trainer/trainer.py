@@ -269,6 +269,11 @@ class Trainer:
             self._worker = None
         self.check()
 
+    @property
+    def is_idle(self) -> bool:
+        """No batch queued or in flight (the moment a checkpoint may be taken)."""
+        return not self._busy and self._queue.unfinished_tasks == 0
+
     def gauges(self) -> dict[str, float]:
         g = {f"trainer/{k}": float(v) for k, v in self._last.items()}
         g.update(
