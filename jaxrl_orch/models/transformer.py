@@ -227,20 +227,25 @@ class Transformer(nnx.Module):
     def _embed(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0).astype(self.config.dtype)
 
-    def _logits(self, x: jax.Array) -> jax.Array:
-        x = self.final_norm(x)
+    def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
+        """LM head on final-normed ``hidden[..., E]`` -> float32 ``logits[..., V]``.
+
+        With ``hidden_states`` this lets a trainer chunk the vocab projection over the length
+        (a 150k vocab makes full ``[B, T, V]`` float32 logits the largest tensor by far).
+        """
+        dt = self.config.dtype
         if self.config.tie_embeddings:
-            w = self.embed[...].astype(self.config.dtype)
-            logits = jnp.einsum("bte,ve->btv", x, w, preferred_element_type=jnp.float32)
+            w = self.embed[...].astype(dt)
+            logits = jnp.einsum("...e,ve->...v", hidden, w, preferred_element_type=jnp.float32)
         else:
-            w = self.lm_head[...].astype(self.config.dtype)
-            logits = jnp.einsum("bte,ev->btv", x, w, preferred_element_type=jnp.float32)
+            w = self.lm_head[...].astype(dt)
+            logits = jnp.einsum("...e,ev->...v", hidden, w, preferred_element_type=jnp.float32)
         return logits.astype(jnp.float32)
 
-    def __call__(
+    def hidden_states(
         self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
     ) -> jax.Array:
-        """Full causal forward: ``tokens, positions[B,T]`` -> float32 ``logits[B,T,V]``."""
+        """The full forward up to and including the final norm: ``hidden[B,T,E]`` in ``dtype``."""
         _check_tokens(tokens, positions)
         t = tokens.shape[1]
         mask = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
@@ -255,7 +260,13 @@ class Transformer(nnx.Module):
         for layer in self.layers:
             q, k, v = layer.qkv(x, positions, inv_freq)
             x = layer.finish(x, _attend(q, k, v, mask))
-        return self._logits(x)
+        return self.final_norm(x)
+
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        """Full causal forward: ``tokens, positions[B,T]`` -> float32 ``logits[B,T,V]``."""
+        return self.logits_from_hidden(self.hidden_states(tokens, positions, segment_ids))
 
     def forward_cached(
         self, tokens: jax.Array, positions: jax.Array, cache: dict[str, jax.Array]
@@ -283,7 +294,7 @@ class Transformer(nnx.Module):
             ck = ck.at[i, rows, positions].set(k.astype(ck.dtype), mode="drop")
             cv = cv.at[i, rows, positions].set(v.astype(cv.dtype), mode="drop")
             x = layer.finish(x, _attend(q, ck[i].astype(dt), cv[i].astype(dt), mask))
-        return self._logits(x), {"k": ck, "v": cv}
+        return self.logits_from_hidden(self.final_norm(x)), {"k": ck, "v": cv}
 
 
 def _check_tokens(tokens: jax.Array, positions: jax.Array) -> None:
