@@ -7,10 +7,10 @@ programs: ``prefill`` (one prompt -> a prefix KV), ``insert`` (prefix -> slot) a
 
 Contract details (see ``engine_api`` for the result layout):
 - ``prefill`` computes the prompt's KV but samples nothing: the slot's first generate step
-  re-feeds the last prompt token (re-writing identical KV at its index) and samples the first
-  completion token there. So one prefix inserted into G slots (prefix sharing) still gives G
-  independent first tokens, and every generated token carries the version of the generate
-  call that sampled it. The returned ``ResultTokens`` of prefill therefore has valid = 0.
+  re-feeds the last prompt token (re-writing the same KV, up to float rounding, at its index)
+  and samples the first completion token there. So one prefix inserted into G slots (prefix
+  sharing) still gives G independent first tokens, and every generated token carries the
+  version of the generate call that sampled it. Prefill's ``ResultTokens`` has valid = 0.
 - Sampling parameters (temperature, top-k, top-p, stop ids, max tokens) are given per slot at
   ``insert(prefix, state, slot, sampling=...)`` (one shared prefix, G different settings) and
   live as arrays in the decode state: a new request never recompiles anything.
