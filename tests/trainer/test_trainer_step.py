@@ -164,3 +164,23 @@ def test_config_errors_name_the_allowed_values():
         step_lib.StepConfig(minibatches=0)
     with pytest.raises(ValueError, match="max_seq_len"):
         Trainer(TINY, _mesh(1, 1), row_len=1024)
+
+
+@pytest.mark.slow
+def test_ppo_epochs_times_shuffled_minibatches(host_params, packed):
+    """2 epochs x 2 shuffled minibatches = 4 updates; with recomputed old log-probs the first
+    update is exactly on-policy and later ones are not."""
+    t = _trainer(
+        _mesh(1, 1),
+        host_params,
+        ppo_epochs=2,
+        minibatches=2,
+        chunk_rows=1,
+        recompute_old_logprobs=True,
+        loss=losses.PolicyLossConfig(tis_cap=1.5),
+    )
+    m = t.train_packed(packed)
+    assert _adam_count(t.opt_state) == 4
+    assert m["first/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert m["approx_kl"] > 0 and m["ratio_max"] > 1.0
+    assert m["num_tokens"] == packed.loss_mask[:, 1:].sum()
