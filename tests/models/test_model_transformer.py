@@ -194,9 +194,11 @@ def test_segment_ids_packing_equals_each_sequence_alone():
     np.testing.assert_allclose(packed[5:9], alone[1, :4], rtol=1e-5, atol=1e-5)
     assert np.all(np.isfinite(packed))
     # The split entry points (hidden states, then a chunk of the LM head) compose to the same.
-    model = make_model(cfg)
-    hidden = model.hidden_states(jnp.asarray(row), jnp.asarray(pos), jnp.asarray(seg))
-    chunk = model.logits_from_hidden(hidden[:, 5:9])
+    graphdef, state = nnx.split(make_model(cfg))
+    hidden = jax.jit(lambda s, *a: nnx.merge(graphdef, s).hidden_states(*a))(state, row, pos, seg)
+    chunk = jax.jit(lambda s, h: nnx.merge(graphdef, s).logits_from_hidden(h))(
+        state, hidden[:, 5:9]
+    )
     np.testing.assert_allclose(np.asarray(chunk)[0], packed[5:9], rtol=1e-5, atol=1e-5)
     # With one segment for the whole row b would attend into a: the segment mask is what makes
     # packing exact.
