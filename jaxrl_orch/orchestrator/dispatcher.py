@@ -1,0 +1,562 @@
+"""RolloutDispatcher: keeps the engine busy and turns every dispatched rollout into an episode.
+
+What it owns
+    Permits (at most ``max_inflight`` rollouts in flight, train and eval together), the open
+    prompt groups, the pinning of each group to one client of the pool, and ``out_q``: an
+    unbounded ``asyncio.Queue`` of episodes (``list[Rollout]``) that the main loop drains.
+
+Scheduling (one ``start()`` task, driven by the orchestrator loop)
+    Each pass fills free permits, then sleeps until a rollout finishes, something wakes it
+    (resume, eval scheduled, policy version advanced) or ``poll_interval_s`` passes (the gate's
+    capacity may change behind its back). Completions are collected through task done-callbacks
+    rather than ``asyncio.wait`` over the whole in-flight set, so a pass costs O(finished), not
+    O(in flight). Per pass: pending eval work first (it is finite and step-aligned), then train
+    work, continuing open groups (oldest first) before opening a fresh one, so a group's
+    rollouts land close together on one client and reuse its prompt cache. A group calls
+    ``pool.select()`` once and every rollout of it runs on that client. A group is stamped
+    with ``policy.version`` when it opens (``policy_version_at_start``).
+
+Staleness gate
+    Train admissions ask ``capacity_fn()`` first and report ``on_admit(n)``; completions report
+    ``on_finish(n, accepted)`` with ``accepted = not rollout.has_error``. Eval rollouts never
+    touch the gate. The dispatcher never imports the gate: the loop passes the callables.
+
+Exactly-once invariant
+    Every rollout handed to an environment reaches ``out_q`` exactly once, whatever its fate:
+    success; exception (error placeholders via ``Rollout.capture_error``); cancellation
+    (``cancel_stale``, ``stop``: error ``"Cancelled: ..."``); empty trajectory (``num_turns ==
+    0``: error ``"EmptyTrajectory: ..."``). Its permits are returned in the same step. When
+    ``cancel_stale`` closes a group, the group's not-yet-started rollouts are emitted at once
+    as cancelled placeholders, so the train sink still sees ``group_size`` rollouts and never
+    holds a group forever. After ``stop_admitting_train`` (the drain) unstarted remainders of
+    open train groups are abandoned instead: nothing will train on them.
+
+Environments
+    ``env.run(client, example, *, group_id, episode_id, sampling) -> Rollout`` per rollout, or,
+    when ``use_run_group`` is set and the env defines it, ``env.run_group(client, example, *,
+    group_id, episode_ids, sampling) -> list[Rollout]`` once per group (holding ``group_size``
+    permits). The dispatcher restamps env name, ids, ``is_eval``, ``policy_version_at_start``,
+    ``admitted_at`` and ``finished_at`` (on the injected clock) on whatever comes back.
+
+Eval
+    ``schedule_eval(step)`` restores each eval source to its state at construction and draws
+    ``eval_num_examples`` examples, so every eval runs the same prompts. Until ``Rollout`` has
+    a field for it, the eval step travels in the rollout's example under ``EVAL_STEP_KEY``.
+
+Never: sleep or read time except through asyncio and the injected clock; import another
+orchestrator component; swallow a failure of its own loop (it is stored, re-raised from
+``start()`` and from ``check()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jaxrl_orch.types import (
+    Environment,
+    Episode,
+    InferenceClient,
+    InferencePool,
+    PolicyHandle,
+    Rollout,
+    SamplingParams,
+    Source,
+)
+
+EVAL_STEP_KEY = "eval_step"
+
+
+def _per_env(name: str, value: Any, envs: Mapping[str, Any], kind: type) -> dict[str, Any]:
+    """Expand a scalar setting to every env, or check a mapping covers exactly the envs."""
+    if isinstance(value, Mapping):
+        if set(value) != set(envs):
+            raise ValueError(f"{name} keys {sorted(value)} must equal the env names {sorted(envs)}")
+        out = dict(value)
+    else:
+        out = {e: value for e in envs}
+    for env, v in out.items():
+        if not isinstance(v, kind) or (kind is int and (isinstance(v, bool) or v < 1)):
+            raise ValueError(f"{name} for env {env!r} must be a {kind.__name__}, got {v!r}")
+    return out
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    group_id: int
+    env: str
+    example: dict[str, Any]
+    size: int
+    sampling: SamplingParams
+    version_at_start: int
+    is_eval: bool
+    eval_step: int | None = None
+    client: InferenceClient | None = None
+    unscheduled: int = 0
+    running: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Flight:
+    group: _Group
+    episode_ids: list[int]
+    admitted_at: float
+    cancel_reason: str | None = None
+
+
+class RolloutDispatcher:
+    def __init__(
+        self,
+        pool: InferencePool,
+        envs: Mapping[str, Environment],
+        source: Source | Mapping[str, Source],
+        policy: PolicyHandle,
+        *,
+        max_inflight: int,
+        group_size: int | Mapping[str, int],
+        sampling: SamplingParams | Mapping[str, SamplingParams],
+        capacity_fn: Callable[[], int] = lambda: 1 << 62,
+        on_admit: Callable[[int], None] = lambda n: None,
+        on_finish: Callable[[int, bool], None] = lambda n, accepted: None,
+        clock: Callable[[], float] = time.monotonic,
+        max_off_policy_steps: int | None = None,
+        use_run_group: bool = False,
+        eval_envs: Mapping[str, Environment] | None = None,
+        eval_sources: Mapping[str, Source] | None = None,
+        eval_num_examples: int = 8,
+        eval_group_size: int = 1,
+        eval_sampling: SamplingParams | None = None,
+        eval_every: int | None = None,
+        poll_interval_s: float = 0.5,
+        stop_timeout_s: float = 30.0,
+    ) -> None:
+        if not envs:
+            raise ValueError("envs must name at least one training environment, got none")
+        if not isinstance(max_inflight, int) or max_inflight < 1:
+            raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+        if max_off_policy_steps is not None and max_off_policy_steps < 0:
+            raise ValueError(
+                f"max_off_policy_steps must be >= 0 or None, got {max_off_policy_steps}"
+            )
+        if eval_every is not None and eval_every < 1:
+            raise ValueError(f"eval_every must be >= 1 or None, got {eval_every!r}")
+        self.pool, self.envs, self.policy = pool, dict(envs), policy
+        self.group_size = _per_env("group_size", group_size, self.envs, int)
+        self.sampling = _per_env("sampling", sampling, self.envs, SamplingParams)
+        if isinstance(source, Mapping):
+            _per_env("source", source, self.envs, object)
+            self._sources: dict[str, Source] | None = dict(source)
+        else:
+            self._sources = None
+        self._source = source
+        self.use_run_group = use_run_group
+        if use_run_group:
+            for env, g in self.group_size.items():
+                if g > max_inflight and hasattr(self.envs[env], "run_group"):
+                    raise ValueError(
+                        f"env {env!r} runs whole groups of {g} but max_inflight is only "
+                        f"{max_inflight}: a group would never get its permits"
+                    )
+        self.eval_envs = dict(eval_envs if eval_envs is not None else self.envs)
+        self.eval_sources = dict(eval_sources or {})
+        for env in self.eval_sources:
+            if env not in self.eval_envs:
+                raise ValueError(f"eval source {env!r} has no env; envs: {sorted(self.eval_envs)}")
+        # Every eval restarts its sources here, so evals at different steps are comparable.
+        self._eval_source_state = {e: s.state() for e, s in self.eval_sources.items()}
+        if eval_num_examples < 1 or eval_group_size < 1:
+            raise ValueError(
+                f"eval_num_examples and eval_group_size must be >= 1, got "
+                f"{eval_num_examples} and {eval_group_size}"
+            )
+        missing = [e for e in self.eval_sources if e not in self.sampling]
+        if missing and eval_sampling is None:
+            raise ValueError(
+                f"eval envs {missing} have no train sampling params: pass eval_sampling"
+            )
+        self.eval_num_examples, self.eval_group_size = eval_num_examples, eval_group_size
+        self.eval_sampling, self.eval_every = eval_sampling, eval_every
+        self.max_inflight = max_inflight
+        self.max_off_policy_steps = max_off_policy_steps
+        self.capacity_fn, self.on_admit, self.on_finish = capacity_fn, on_admit, on_finish
+        self.clock, self.poll_interval_s, self.stop_timeout_s = (
+            clock,
+            poll_interval_s,
+            stop_timeout_s,
+        )
+
+        self.out_q: asyncio.Queue[Episode] = asyncio.Queue()
+        self.permits = max_inflight
+        self._groups: dict[int, _Group] = {}  # open train groups, insertion order = age
+        self._eval_groups: dict[int, _Group] = {}
+        self._eval_pending: collections.deque[tuple[str, dict[str, Any], int]] = collections.deque()
+        self._inflight: dict[asyncio.Task, _Flight] = {}
+        self._done: list[asyncio.Task] = []
+        self._group_ids = itertools.count()
+        self._episode_ids = itertools.count()
+        self._env_cycle = itertools.cycle(sorted(self.envs))
+        self._exhausted: set[str] = set()
+        self._paused = False
+        self._train_admitting = True
+        self._stopping = False
+        self._wake = asyncio.Event()
+        self._seen_version = policy.version
+        self._error: BaseException | None = None
+        self._run_task: asyncio.Task | None = None
+        self.admitted_total = self.eval_admitted_total = 0
+        self.errors_total = self.cancelled_total = self.emitted_total = 0
+
+    # ------------------------------------------------------------------ control
+    def pause(self) -> None:
+        """Stop admitting train and eval rollouts; in-flight ones continue."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    def stop_admitting_train(self) -> None:
+        """The drain: no new train rollouts from now on; eval and in-flight work continue."""
+        self._train_admitting = False
+
+    @property
+    def inflight(self) -> int:
+        return self.max_inflight - self.permits
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight and no eval work waiting: the drain is complete."""
+        return not self._inflight and not self._eval_pending and not self._open_eval_work()
+
+    def check(self) -> None:
+        """Re-raise the failure that killed the dispatcher's loop, if any."""
+        if self._error is not None:
+            raise self._error
+
+    def schedule_eval(self, step: int) -> dict[str, int]:
+        """Queue one eval pass; returns how many eval rollouts each env will emit for ``step``."""
+        counts: dict[str, int] = {}
+        for env, src in self.eval_sources.items():
+            src.restore(self._eval_source_state[env])
+            for _ in range(self.eval_num_examples):
+                self._eval_pending.append((env, src.next_example(), step))
+            counts[env] = self.eval_num_examples * self.eval_group_size
+        self._wake.set()
+        return counts
+
+    def maybe_schedule_eval(self, step: int) -> dict[str, int]:
+        """``schedule_eval(step)`` when ``eval_every`` divides ``step``, else nothing."""
+        if self.eval_every is None or step % self.eval_every:
+            return {}
+        return self.schedule_eval(step)
+
+    def cancel_stale(self, min_version: int) -> int:
+        """Cancel train work of groups opened before ``min_version``; returns rollouts cancelled.
+
+        In-flight ones come out as error rollouts once their task unwinds; unstarted ones of
+        those groups come out at once, so each group still yields ``group_size`` rollouts.
+        """
+        n = 0
+        for task, flight in self._inflight.items():
+            g = flight.group
+            stale = not g.is_eval and g.version_at_start < min_version
+            # cancel() is False for a task that already finished: its result stands.
+            if stale and flight.cancel_reason is None and task.cancel():
+                flight.cancel_reason = (
+                    f"group started at version {g.version_at_start}, oldest trainable "
+                    f"version is now {min_version}"
+                )
+                n += len(flight.episode_ids)
+        for gid, g in list(self._groups.items()):
+            if g.version_at_start < min_version and g.unscheduled:
+                ids = [next(self._episode_ids) for _ in range(g.unscheduled)]
+                g.unscheduled = 0
+                reason = (
+                    f"group started at version {g.version_at_start}, oldest trainable "
+                    f"version is now {min_version}; never started"
+                )
+                now = self.clock()
+                self._emit(g, ids, [], now, now, cancel=reason, admitted=False)
+                n += len(ids)
+            if g.unscheduled == 0 and g.running == 0:
+                del self._groups[gid]
+        return n
+
+    # ------------------------------------------------------------------ the loop
+    async def start(self) -> None:
+        """Run the dispatch loop until ``stop()``. A failure is stored and re-raised here."""
+        if self._run_task is not None:
+            raise RuntimeError("RolloutDispatcher.start() called twice")
+        self._run_task = asyncio.current_task()
+        watch = asyncio.create_task(self._watch_policy(), name="dispatcher-policy-watch")
+        try:
+            while not self._stopping:
+                self._on_version()
+                self._fill()
+                if not self._done and not self._wake.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+                self._wake.clear()
+                done, self._done = self._done, []
+                for task in done:
+                    self._complete(task)
+                if watch.done():
+                    watch.result()  # the watcher never returns; this re-raises its failure
+        except Exception as exc:
+            self._error = exc
+            raise
+        finally:
+            watch.cancel()
+
+    async def stop(self) -> None:
+        """Cancel everything in flight (emitted as cancelled rollouts) and end the loop."""
+        self._stopping = True
+        self._wake.set()
+        tasks = list(self._inflight)
+        for task, flight in self._inflight.items():
+            if task.cancel() and flight.cancel_reason is None:
+                flight.cancel_reason = "dispatcher stopped"
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.stop_timeout_s)
+        for task in tasks:
+            self._complete(task)
+        run = self._run_task
+        if run is not None and run is not asyncio.current_task() and not run.done():
+            await asyncio.wait([run], timeout=self.stop_timeout_s)
+
+    async def _watch_policy(self) -> None:
+        while True:
+            await self.policy.wait_advanced()
+            self._wake.set()
+
+    def _on_version(self) -> None:
+        v = self.policy.version
+        if v != self._seen_version:
+            self._seen_version = v
+            if self.max_off_policy_steps is not None:
+                self.cancel_stale(v - self.max_off_policy_steps)
+
+    # ------------------------------------------------------------------ scheduling
+    def _open_eval_work(self) -> bool:
+        return any(g.unscheduled for g in self._eval_groups.values())
+
+    def _fill(self) -> None:
+        while self.permits > 0 and not self._paused and not self._stopping:
+            if not (self._schedule_eval_one() or self._schedule_train_one()):
+                return
+
+    def _schedule_eval_one(self) -> bool:
+        for g in self._eval_groups.values():
+            if g.unscheduled:
+                return self._launch(g)
+        if not self._eval_pending:
+            return False
+        env, example, step = self._eval_pending[0]
+        need = self.eval_group_size if self._runs_groups(env, eval_=True) else 1
+        if self.permits < need:
+            return False
+        self._eval_pending.popleft()
+        g = self._open(env, example, self.eval_group_size, is_eval=True, eval_step=step)
+        self._eval_groups[g.group_id] = g
+        return self._launch(g)
+
+    def _schedule_train_one(self) -> bool:
+        if not self._train_admitting:
+            return False
+        for g in self._groups.values():
+            if g.unscheduled:
+                return self._launch(g)
+        env = self._next_train_env()
+        if env is None:
+            return False
+        size = self.group_size[env]
+        if (size if self._runs_groups(env) else 1) > min(self.permits, self.capacity_fn()):
+            return False
+        src = self._sources[env] if self._sources is not None else self._source
+        try:
+            example = src.next_example()
+        except StopIteration:
+            # A finite source ran dry: that env opens no more groups (others continue).
+            self._exhausted.add(env if self._sources is not None else "*")
+            return False
+        if self._sources is None and len(self.envs) > 1:
+            env = example.get("env")
+            if env not in self.envs:
+                raise ValueError(
+                    f"with one shared source and several envs each example needs an 'env' key "
+                    f"naming one of {sorted(self.envs)}, got {env!r}"
+                )
+            size = self.group_size[env]
+        g = self._open(env, example, size, is_eval=False)
+        self._groups[g.group_id] = g
+        return self._launch(g)
+
+    def _next_train_env(self) -> str | None:
+        if "*" in self._exhausted:
+            return None
+        for _ in range(len(self.envs)):
+            env = next(self._env_cycle)
+            if env not in self._exhausted:
+                return env
+        return None
+
+    def _runs_groups(self, env: str, eval_: bool = False) -> bool:
+        envs = self.eval_envs if eval_ else self.envs
+        return self.use_run_group and hasattr(envs[env], "run_group")
+
+    def _open(self, env: str, example: dict, size: int, *, is_eval: bool, eval_step=None) -> _Group:
+        sampling = (self.eval_sampling or self.sampling[env]) if is_eval else self.sampling[env]
+        return _Group(
+            group_id=next(self._group_ids),
+            env=env,
+            example=example,
+            size=size,
+            sampling=sampling,
+            version_at_start=self.policy.version,
+            is_eval=is_eval,
+            eval_step=eval_step,
+            unscheduled=size,
+        )
+
+    def _launch(self, g: _Group) -> bool:
+        """Start the next rollout (or the whole group) of ``g``; False if it may not start now."""
+        env = (self.eval_envs if g.is_eval else self.envs)[g.env]
+        whole = self._runs_groups(g.env, eval_=g.is_eval)
+        n = g.unscheduled if whole else 1
+        if n > self.permits or (not g.is_eval and n > self.capacity_fn()):
+            return False
+        if g.client is None:
+            g.client = self.pool.select()
+        ids = [next(self._episode_ids) for _ in range(n)]
+        if whole:
+            coro = env.run_group(
+                g.client, dict(g.example), group_id=g.group_id, episode_ids=ids, sampling=g.sampling
+            )
+        else:
+            coro = env.run(
+                g.client,
+                dict(g.example),
+                group_id=g.group_id,
+                episode_id=ids[0],
+                sampling=g.sampling,
+            )
+        if g.is_eval:
+            self.eval_admitted_total += n
+        else:
+            self.on_admit(n)
+            self.admitted_total += n
+        self.permits -= n
+        g.unscheduled -= n
+        g.running += n
+        task = asyncio.ensure_future(coro)
+        self._inflight[task] = _Flight(g, ids, self.clock())
+        task.add_done_callback(self._task_done)
+        return True
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._done.append(task)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ completion
+    def _complete(self, task: asyncio.Task) -> None:
+        flight = self._inflight.pop(task, None)
+        if flight is None:
+            return  # already handled (stop() and the loop can both see a task)
+        g, n = flight.group, len(flight.episode_ids)
+        self.permits += n
+        g.running -= n
+        rollouts: list[Rollout] = []
+        error: BaseException | None = None
+        cancel = flight.cancel_reason
+        if task.done() and not task.cancelled():
+            error = task.exception()  # retrieved even when cancelled, so asyncio does not warn
+            if error is not None and not isinstance(error, Exception):
+                raise error  # KeyboardInterrupt / SystemExit are not rollout failures
+        elif cancel is None:
+            # Cancelled by someone else, or still running after stop()'s grace period.
+            cancel = "rollout task was cancelled"
+        if cancel is None and error is None:
+            result = task.result()
+            rollouts = result if isinstance(result, list) else [result]
+            if len(rollouts) != n or not all(isinstance(r, Rollout) for r in rollouts):
+                error = TypeError(
+                    f"env {g.env!r} returned {type(result).__name__} "
+                    f"(expected {n} Rollout{'s' if n > 1 else ''})"
+                )
+                rollouts = []
+        if cancel is not None:
+            rollouts, error = [], None
+        self._emit(g, flight.episode_ids, rollouts, flight.admitted_at, self.clock(), error, cancel)
+        if g.unscheduled == 0 and g.running == 0:
+            (self._eval_groups if g.is_eval else self._groups).pop(g.group_id, None)
+
+    def _emit(
+        self,
+        g: _Group,
+        ids: list[int],
+        rollouts: list[Rollout],
+        admitted_at: float,
+        finished_at: float,
+        error: BaseException | None = None,
+        cancel: str | None = None,
+        admitted: bool = True,
+    ) -> None:
+        if not rollouts:
+            rollouts = [
+                Rollout(
+                    env=g.env,
+                    group_id=g.group_id,
+                    episode_id=i,
+                    example=g.example,
+                    temperature=g.sampling.temperature,
+                )
+                for i in ids
+            ]
+        for r, eid in zip(rollouts, ids, strict=True):
+            r.env, r.group_id, r.episode_id, r.is_eval = g.env, g.group_id, eid, g.is_eval
+            r.policy_version_at_start = g.version_at_start
+            r.admitted_at, r.finished_at = admitted_at, finished_at
+            if g.is_eval:
+                r.example = {**r.example, EVAL_STEP_KEY: g.eval_step}
+            if cancel is not None:
+                r.errors.append(f"Cancelled: {cancel}")
+                r.trainable = False
+            elif error is not None:
+                r.capture_error(error)
+            elif not r.has_error and r.num_turns == 0:
+                r.errors.append("EmptyTrajectory: the environment returned a rollout with 0 turns")
+                r.trainable = False
+        bad = sum(r.has_error for r in rollouts)
+        self.errors_total += bad
+        self.cancelled_total += len(rollouts) if cancel is not None else 0
+        self.emitted_total += len(rollouts)
+        self.out_q.put_nowait(rollouts)
+        # Never-started placeholders were never admitted, so the gate must not hear of them.
+        if not g.is_eval and admitted:
+            ok = len(rollouts) - bad
+            if ok:
+                self.on_finish(ok, True)
+            if bad:
+                self.on_finish(bad, False)
+
+    # ------------------------------------------------------------------ metrics
+    def gauges(self) -> dict[str, float]:
+        return {
+            "dispatcher/inflight": float(self.inflight),
+            "dispatcher/permits_available": float(self.permits),
+            "dispatcher/out_q_depth": float(self.out_q.qsize()),
+            "dispatcher/admitted_total": float(self.admitted_total),
+            "dispatcher/eval_admitted_total": float(self.eval_admitted_total),
+            "dispatcher/emitted_total": float(self.emitted_total),
+            "dispatcher/errors_total": float(self.errors_total),
+            "dispatcher/cancelled_total": float(self.cancelled_total),
+            "dispatcher/open_groups": float(len(self._groups) + len(self._eval_groups)),
+            "dispatcher/eval_pending": float(len(self._eval_pending)),
+            "dispatcher/paused": float(self._paused),
+        }

@@ -1,0 +1,540 @@
+"""RolloutDispatcher against fake pools, envs and sources on a virtual-time event loop.
+
+The virtual loop advances its clock straight to the next timer whenever nothing is ready, so
+rollouts that "take" seconds finish instantly and every run is deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import selectors
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxrl_orch.orchestrator.dispatcher import EVAL_STEP_KEY, RolloutDispatcher
+from jaxrl_orch.types import PolicyHandle, Rollout, SamplingParams
+
+SAMPLING = SamplingParams(temperature=0.7, max_tokens=4)
+
+
+class _VirtualSelector:
+    """Polls the real selector without blocking; a timed wait advances virtual time instead."""
+
+    def __init__(self, loop: VirtualTimeLoop, real: selectors.BaseSelector) -> None:
+        self._loop, self._real = loop, real
+
+    def select(self, timeout=None):
+        if timeout is None:
+            return self._real.select(None)  # only a thread can wake us: really block
+        events = self._real.select(0)
+        if not events and timeout > 0:
+            self._loop.now += timeout
+        return events
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    def __init__(self) -> None:
+        super().__init__(selectors.DefaultSelector())
+        self.now = 0.0
+        self._selector = _VirtualSelector(self, self._selector)
+
+    def time(self) -> float:
+        return self.now
+
+
+def run_virtual(coro_fn):
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(coro_fn(loop))
+    finally:
+        # A failed scenario leaves tasks behind: unwind them so the failure reads cleanly.
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending))
+        loop.close()
+
+
+class FakeClient:
+    def __init__(self, idx: int) -> None:
+        self.idx = idx
+
+
+class FakePool:
+    def __init__(self, n: int) -> None:
+        self.clients = [FakeClient(i) for i in range(n)]
+        self.selects = 0
+
+    def select(self) -> FakeClient:
+        self.selects += 1
+        return self.clients[(self.selects - 1) % len(self.clients)]
+
+
+class CountingSource:
+    def __init__(self, limit: int | None = None, env: str | None = None) -> None:
+        self.i, self.limit, self.env = 0, limit, env
+
+    def next_example(self):
+        if self.limit is not None and self.i >= self.limit:
+            raise StopIteration
+        self.i += 1
+        ex = {"prompt": self.i - 1}
+        return ex if self.env is None else {**ex, "env": self.env}
+
+    def state(self):
+        return {"i": self.i}
+
+    def restore(self, state):
+        self.i = state["i"]
+
+
+class ScriptedEnv:
+    """``script(group_id, episode_id) -> (delay_s, outcome)``; outcome in ok/raise/empty/hang/
+    bad_type. ``run`` is a plain function so a call is recorded the moment it is dispatched."""
+
+    def __init__(self, name="toy", script=lambda g, e: (1.0, "ok")) -> None:
+        self.name, self.script = name, script
+        self.calls: list[tuple[int, int, int, dict]] = []
+
+    def run(self, client, example, *, group_id, episode_id, sampling):
+        self.calls.append((group_id, episode_id, client.idx, example))
+        return self._run(group_id, episode_id, example, sampling)
+
+    async def _run(self, group_id, episode_id, example, sampling):
+        delay, outcome = self.script(group_id, episode_id)
+        await asyncio.sleep(1e9 if outcome == "hang" else delay)
+        if outcome == "raise":
+            raise RuntimeError(f"env blew up on episode {episode_id}")
+        if outcome == "bad_type":
+            return {"not": "a rollout"}
+        return Rollout(
+            env="wrong-name",
+            group_id=-1,
+            episode_id=-1,
+            example=example,
+            token_ids=[5, 6, 7],
+            loss_mask=[False, True, True],
+            logprobs=[0.0, -0.5, -0.25],
+            versions=[-1, 0, 0],
+            reward=float(example["prompt"]),
+            num_turns=0 if outcome == "empty" else 1,
+            temperature=sampling.temperature,
+        )
+
+
+class GroupEnv(ScriptedEnv):
+    def run_group(self, client, example, *, group_id, episode_ids, sampling):
+        self.calls.extend((group_id, e, client.idx, example) for e in episode_ids)
+        return self._group(group_id, episode_ids, example, sampling)
+
+    async def _group(self, group_id, episode_ids, example, sampling):
+        return [await self._run(group_id, e, example, sampling) for e in episode_ids]
+
+
+class FakeGate:
+    def __init__(self, limit: int = 1 << 30) -> None:
+        self.limit, self.running, self.admitted, self.accepted, self.rejected = limit, 0, 0, 0, 0
+        self.max_running = 0
+
+    def capacity(self) -> int:
+        return self.limit - self.running
+
+    def on_admit(self, n: int) -> None:
+        self.running += n
+        self.admitted += n
+        self.max_running = max(self.max_running, self.running)
+
+    def on_finish(self, n: int, accepted: bool) -> None:
+        assert n <= self.running, "on_finish for rollouts never admitted"
+        self.running -= n
+        if accepted:
+            self.accepted += n
+        else:
+            self.rejected += n
+
+
+def make(loop, env, *, gate=None, pool=None, source=None, **kw):
+    gate = gate or FakeGate()
+    policy = kw.pop("policy", None) or PolicyHandle()
+    kw.setdefault("max_inflight", 4)
+    kw.setdefault("group_size", 2)
+    d = RolloutDispatcher(
+        pool or FakePool(3),
+        {env.name: env},
+        source or CountingSource(),
+        policy,
+        sampling=SAMPLING,
+        capacity_fn=gate.capacity,
+        on_admit=gate.on_admit,
+        on_finish=gate.on_finish,
+        clock=loop.time,
+        poll_interval_s=0.5,
+        **kw,
+    )
+    return d, gate, policy
+
+
+def drain(d) -> list[list[Rollout]]:
+    out = []
+    while not d.out_q.empty():
+        out.append(d.out_q.get_nowait())
+    return out
+
+
+async def until(loop, cond, limit_s=1e5):
+    deadline = loop.time() + limit_s
+    while not cond():
+        assert loop.time() < deadline, "condition never became true"
+        await asyncio.sleep(0.25)
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    max_inflight=st.integers(1, 6),
+    group_size=st.integers(1, 4),
+    n_groups=st.integers(1, 10),
+    max_off=st.sampled_from([None, 0, 1]),
+    gate_limit=st.integers(1, 8),
+)
+def test_every_dispatched_rollout_emitted_exactly_once(
+    seed, max_inflight, group_size, n_groups, max_off, gate_limit
+):
+    rng = random.Random(seed)
+    outcomes = ["ok"] * 5 + ["raise", "empty", "hang", "bad_type"]
+    plan: dict[tuple[int, int], tuple[float, str]] = {}
+
+    def script(g, e):
+        return plan.setdefault((g, e), (rng.uniform(0, 3), rng.choice(outcomes)))
+
+    async def scenario(loop):
+        env = ScriptedEnv(script=script)
+        d, gate, policy = make(
+            loop,
+            env,
+            gate=FakeGate(gate_limit),
+            source=CountingSource(limit=n_groups),
+            max_inflight=max_inflight,
+            group_size=group_size,
+            max_off_policy_steps=max_off,
+        )
+        runner = asyncio.create_task(d.start())
+        for _ in range(rng.randint(0, 6)):  # random version bumps, pauses, cancellations
+            await asyncio.sleep(rng.uniform(0, 2))
+            action = rng.choice(["advance", "pause", "resume", "cancel"])
+            if action == "advance":
+                policy.advance(policy.version + 1)
+            elif action == "pause":
+                d.pause()
+            elif action == "resume":
+                d.resume()
+            else:
+                d.cancel_stale(policy.version)
+        d.resume()
+        await asyncio.sleep(200)  # every finite delay has elapsed; only hung rollouts remain
+        d.stop_admitting_train()
+        d.cancel_stale(1 << 30)  # releases hung rollouts and closes half-started groups
+        await until(loop, lambda: d.idle)
+        await d.stop()
+        await runner
+        return env, d, gate
+
+    env, d, gate = run_virtual(scenario)
+    episodes = drain(d)
+    rollouts = [r for ep in episodes for r in ep]
+    ids = [r.episode_id for r in rollouts]
+    assert len(ids) == len(set(ids)), "a rollout was emitted twice"
+    dispatched = {e for _, e, _, _ in env.calls}
+    assert dispatched <= set(ids), "a dispatched rollout never reached out_q"
+    never_started = [r for r in rollouts if r.episode_id not in dispatched]
+    assert all("never started" in r.errors[0] for r in never_started)
+    per_group: dict[int, int] = {}
+    for r in rollouts:
+        per_group[r.group_id] = per_group.get(r.group_id, 0) + 1
+    assert set(per_group.values()) == {group_size}, "a group came out incomplete"
+    assert d.permits == d.max_inflight, "permits leaked"
+    assert gate.running == 0 and gate.admitted == len(dispatched)
+    assert gate.accepted == sum(not r.has_error for r in rollouts)
+    assert gate.max_running <= gate_limit
+    assert d.gauges()["dispatcher/errors_total"] == sum(r.has_error for r in rollouts)
+    for r in rollouts:
+        outcome = plan.get((r.group_id, r.episode_id), (0, "never"))[1]
+        if outcome in ("raise", "empty", "bad_type", "hang"):
+            assert r.has_error and not r.trainable
+
+
+# --------------------------------------------------------------------------- behaviours
+
+
+def test_group_pinned_to_one_client_and_open_groups_continue_first():
+    async def scenario(loop):
+        env = ScriptedEnv(script=lambda g, e: (random.Random(e).uniform(0.1, 2.0), "ok"))
+        d, _, _ = make(loop, env, source=CountingSource(limit=6), max_inflight=3, group_size=4)
+        runner = asyncio.create_task(d.start())
+        await until(loop, lambda: len(env.calls) == 24 and d.idle)
+        await d.stop()
+        await runner
+        return env, d
+
+    env, d = run_virtual(scenario)
+    clients: dict[int, set[int]] = {}
+    for gid, _, client, _ in env.calls:
+        clients.setdefault(gid, set()).add(client)
+    assert all(len(c) == 1 for c in clients.values()), clients
+    assert len({next(iter(c)) for c in clients.values()}) == 3  # the pool spread the groups
+    gids = [gid for gid, _, _, _ in env.calls]
+    assert gids == sorted(gids), "a fresh group started while an open one had work left"
+    for ep in drain(d):
+        (r,) = ep
+        assert r.env == "toy" and r.episode_id >= 0 and r.admitted_at <= r.finished_at
+
+
+def test_rollouts_are_stamped_and_failures_become_error_rollouts():
+    outcomes = {0: "ok", 1: "raise", 2: "empty", 3: "bad_type"}
+
+    async def scenario(loop):
+        env = ScriptedEnv(script=lambda g, e: (1.5, outcomes[e]))
+        d, gate, policy = make(loop, env, source=CountingSource(limit=2), max_inflight=4)
+        policy.advance(3)
+        runner = asyncio.create_task(d.start())
+        await until(loop, lambda: d.gauges()["dispatcher/emitted_total"] == 4)
+        await d.stop()
+        await runner
+        return d, gate
+
+    d, gate = run_virtual(scenario)
+    by_id = {r.episode_id: r for ep in drain(d) for r in ep}
+    assert not by_id[0].has_error and by_id[0].trainable
+    assert (
+        by_id[0].group_id == 0 and by_id[0].env == "toy" and by_id[0].policy_version_at_start == 3
+    )
+    assert by_id[0].finished_at - by_id[0].admitted_at == pytest.approx(1.5)
+    assert by_id[1].errors == ["RuntimeError: env blew up on episode 1"]
+    assert by_id[2].errors[0].startswith("EmptyTrajectory")
+    assert by_id[3].errors[0].startswith("TypeError") and "dict" in by_id[3].errors[0]
+    assert all(not r.trainable for i, r in by_id.items() if i)
+    assert (gate.accepted, gate.rejected) == (1, 3)
+
+
+def test_pause_stops_admission_and_resume_restarts_it():
+    async def scenario(loop):
+        env = ScriptedEnv(script=lambda g, e: (1.0, "ok"))
+        d, _, _ = make(loop, env, max_inflight=2, group_size=1)
+        runner = asyncio.create_task(d.start())
+        await until(loop, lambda: len(env.calls) >= 4)
+        d.pause()
+        paused_at = len(env.calls)
+        await asyncio.sleep(20)
+        assert len(env.calls) == paused_at, "admitted while paused"
+        assert d.inflight == 0, "in-flight rollouts must finish while paused"
+        d.resume()
+        await until(loop, lambda: len(env.calls) >= paused_at + 4)
+        await d.stop()
+        await runner
+
+    run_virtual(scenario)
+
+
+def test_cancel_stale_cancels_inflight_and_closes_unstarted_remainder():
+    async def scenario(loop):
+        env = ScriptedEnv(script=lambda g, e: (0.0, "hang"))
+        d, gate, policy = make(loop, env, max_inflight=1, group_size=3)
+        runner = asyncio.create_task(d.start())
+        await until(loop, lambda: len(env.calls) == 1)
+        policy.advance(1)
+        assert d.cancel_stale(0) == 0  # version 0 is still trainable: nothing cancelled
+        assert d.cancel_stale(1) == 3
+        await until(loop, lambda: d.out_q.qsize() == 2)  # the placeholder episode, then ours
+        await d.stop()
+        await runner
+        return d, gate
+
+    d, gate = run_virtual(scenario)
+    rollouts = [r for ep in drain(d) for r in ep if r.group_id == 0]
+    assert len(rollouts) == 3 and all(r.errors[0].startswith("Cancelled") for r in rollouts)
+    # Group 0's one started rollout, then group 1 (opened after the cancel, hung until stop).
+    assert gate.admitted == 2 and gate.rejected == 2 and gate.running == 0
+    assert d.gauges()["dispatcher/cancelled_total"] >= 3
+
+
+def test_version_advance_cancels_groups_beyond_max_off_policy_steps():
+    async def scenario(loop):
+        env = ScriptedEnv(script=lambda g, e: (0.0, "hang"))
+        d, _, policy = make(loop, env, max_inflight=2, group_size=2, max_off_policy_steps=1)
+        runner = asyncio.create_task(d.start())
+        await until(loop, lambda: len(env.calls) == 2)
+        policy.advance(1)  # group 0 (version 0) is 1 step old: still allowed
+        await asyncio.sleep(1)
+        assert d.out_q.empty()
+        policy.advance(2)  # now 2 steps old: cancelled by the dispatcher itself
+        await until(loop, lambda: d.out_q.qsize() == 2)  # one episode per rollout
+        rs = [r for ep in drain(d) for r in ep]
+        assert {r.group_id for r in rs} == {0} and all(r.has_error for r in rs)
+        assert "version 0" in rs[0].errors[0]
+        await until(loop, lambda: {g for g, _, _, _ in env.calls} == {0, 1})
+        await d.stop()
+        await runner
+
+    run_virtual(scenario)
+
+
+def test_eval_rollouts_run_alongside_training_outside_the_gate():
+    async def scenario(loop):
+        train, ev = ScriptedEnv("toy"), ScriptedEnv("evalenv")
+        gate = FakeGate(2)
+        d, _, _ = make(
+            loop,
+            train,
+            gate=gate,
+            max_inflight=6,
+            group_size=2,
+            eval_envs={"evalenv": ev},
+            eval_sources={"evalenv": CountingSource()},
+            eval_num_examples=3,
+            eval_sampling=SamplingParams(temperature=0.0),
+            eval_every=5,
+        )
+        runner = asyncio.create_task(d.start())
+        assert d.maybe_schedule_eval(3) == {}
+        assert d.maybe_schedule_eval(5) == {"evalenv": 3}
+        await until(loop, lambda: len(ev.calls) == 3 and d.idle is False)
+        assert d.schedule_eval(10) == {"evalenv": 3}
+        await until(loop, lambda: len(ev.calls) == 6)
+        await until(loop, lambda: not d._eval_groups and not d._eval_pending)
+        await d.stop()
+        await runner
+        return d, gate, ev
+
+    d, gate, ev = run_virtual(scenario)
+    evals = [r for ep in drain(d) for r in ep if r.is_eval]
+    assert len(evals) == 6 and all(r.env == "evalenv" for r in evals)
+    assert sorted(r.example[EVAL_STEP_KEY] for r in evals) == [5] * 3 + [10] * 3
+    # Every eval restarts its source: both passes saw prompts 0, 1, 2.
+    assert [c[3]["prompt"] for c in ev.calls] == [0, 1, 2, 0, 1, 2]
+    assert gate.max_running <= 2 and gate.admitted == d.admitted_total
+    assert d.eval_admitted_total == 6
+
+
+def test_run_group_holds_group_permits_and_emits_one_episode():
+    async def scenario(loop):
+        env = GroupEnv(script=lambda g, e: (1.0, "raise" if e == 1 else "ok"))
+        d, gate, _ = make(
+            loop,
+            env,
+            source=CountingSource(limit=3),
+            max_inflight=5,
+            group_size=2,
+            use_run_group=True,
+        )
+        runner = asyncio.create_task(d.start())
+        await until(loop, lambda: d.gauges()["dispatcher/emitted_total"] == 6)
+        await d.stop()
+        await runner
+        return d, gate
+
+    d, gate = run_virtual(scenario)
+    episodes = drain(d)
+    assert [len(ep) for ep in episodes] == [2, 2, 2]
+    assert all(len({r.group_id for r in ep}) == 1 for ep in episodes)
+    # One raising member fails the whole group call: both rollouts carry the error.
+    assert all(r.has_error for r in episodes[0])
+    assert gate.max_running == 4  # two whole groups fit in 5 permits, a third does not
+
+
+def test_stop_emits_hung_rollouts_as_cancelled_and_restores_permits():
+    async def scenario(loop):
+        env = ScriptedEnv(script=lambda g, e: (0.0, "hang"))
+        d, gate, _ = make(loop, env, max_inflight=3, group_size=3)
+        runner = asyncio.create_task(d.start())
+        await until(loop, lambda: len(env.calls) == 3)
+        await d.stop()
+        await runner
+        return d, gate
+
+    d, gate = run_virtual(scenario)
+    rollouts = [r for ep in drain(d) for r in ep]
+    assert len(rollouts) == 3 and all(
+        r.errors == ["Cancelled: dispatcher stopped"] for r in rollouts
+    )
+    assert d.permits == 3 and gate.running == 0
+
+
+def test_loop_failure_is_raised_from_start_and_check():
+    async def scenario(loop):
+        env = ScriptedEnv()
+        d, _, _ = make(loop, env)
+        d.capacity_fn = lambda: 1 // 0
+        with pytest.raises(ZeroDivisionError):
+            await d.start()
+        with pytest.raises(ZeroDivisionError):
+            d.check()
+
+    run_virtual(scenario)
+
+
+def test_shared_source_routes_by_env_key_and_rejects_unknown():
+    async def scenario(loop):
+        a, b = ScriptedEnv("a"), ScriptedEnv("b")
+        d = RolloutDispatcher(
+            FakePool(1),
+            {"a": a, "b": b},
+            CountingSource(env="b"),
+            PolicyHandle(),
+            max_inflight=2,
+            group_size={"a": 1, "b": 2},
+            sampling=SAMPLING,
+            clock=loop.time,
+        )
+        runner = asyncio.create_task(d.start())
+        await until(loop, lambda: len(b.calls) >= 4)
+        await d.stop()
+        await runner
+        assert not a.calls
+        d2 = RolloutDispatcher(
+            FakePool(1),
+            {"a": a, "b": b},
+            CountingSource(env="zzz"),
+            PolicyHandle(),
+            max_inflight=2,
+            group_size=1,
+            sampling=SAMPLING,
+            clock=loop.time,
+        )
+        with pytest.raises(ValueError, match="'zzz'"):
+            await d2.start()
+
+    run_virtual(scenario)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"max_inflight": 0}, "max_inflight"),
+        ({"group_size": 0}, "group_size"),
+        ({"group_size": {"other": 2}}, "group_size keys"),
+        ({"max_off_policy_steps": -1}, "max_off_policy_steps"),
+        ({"eval_sources": {"nope": CountingSource()}}, "eval source 'nope'"),
+        ({"use_run_group": True, "group_size": 9}, "max_inflight is only 4"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kw, match):
+    env = GroupEnv()
+    with pytest.raises(ValueError, match=match):
+        RolloutDispatcher(
+            FakePool(1),
+            {"toy": env},
+            CountingSource(),
+            PolicyHandle(),
+            sampling=SAMPLING,
+            **{"max_inflight": 4, "group_size": 2, **kw},
+        )
