@@ -168,7 +168,7 @@ def main() -> None:
         ),
         "matmul_peak_gflops": round(peak, 1),
         "model": model,
-        "tokens": expected,
+        "tokens_per_side": expected,
         "engine_prefills": prefills,
         "static_prefills": prompts * group,
         "slots": slots,
@@ -177,7 +177,7 @@ def main() -> None:
         "device": jax.devices()[0].device_kind,
     }
     if not args.json:
-        print(f"engine {engine_s:.1f} s, static {static_s:.1f} s for {expected} tokens each")
+        print(f"engine {engine_s:.1f} s, static {static_s:.1f} s; {expected} tokens per side")
     print(json.dumps(result))
 
 

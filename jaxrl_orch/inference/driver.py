@@ -216,13 +216,15 @@ class InferenceDriver:
             self._swap_waiters.clear()
 
     def gauges(self) -> dict[str, float]:
+        with self._cv:  # submit() may be growing the queue from another thread
+            queued = sum(len(g.members) for g in self._pending)
         now = time.monotonic()
         window = [(t, k) for t, k in list(self._token_times) if now - t <= self._rate_window_s]
         span = (now - window[0][0]) if len(window) > 1 else 0.0
         rate = sum(k for _, k in window[1:]) / span if span > 0 else 0.0
         return {
             "inference/active_slots": float(sum(s is not None for s in self._slots)),
-            "inference/queue_depth": float(sum(len(g.members) for g in list(self._pending))),
+            "inference/queue_depth": float(queued),
             "inference/tokens_per_s": float(rate),
             "inference/prefill_s": self._prefill_s,  # cumulative seconds in prefill
             "inference/decode_s": self._decode_s,  # cumulative seconds in generate
