@@ -1,0 +1,321 @@
+"""WeightWatcher: turns a newly published trainer version into the engine's current policy.
+
+What it owns
+    The one writer of ``PolicyHandle``. Per new version, strictly in this order:
+    1. ``reload_fn(version, params)``: the engine's hook (reshard onto the decode mesh, swap
+       between two decode steps). Async hooks are awaited; sync ones run in a worker thread so
+       the event loop keeps dispatching while weights move.
+    2. ``policy.advance(version)``: wakes everything parked on the version (the version hold,
+       the dispatcher's stale-rollout check).
+    3. ``observer.on_version(version)`` for each observer (e.g. the staleness gate), called
+       synchronously right after the bump, with no await in between, so nobody can see the
+       new version on the handle while the gate still counts the old one.
+    Only the newest unconsumed version matters: if the trainer publishes 4 and 5 while 3 is
+    loading, the watcher loads 5 next and never 4; the version set on the handle is always
+    the one actually loaded (``watcher/skipped_versions_total`` counts the skips).
+
+Version sources (``async next_version(current) -> PublishedVersion``, newest > current)
+    ``InProcessPublisher``: the trainer calls ``publish(version, params)`` from any thread
+    (its worker thread, typically); the waiter is woken thread-safely.
+    ``CheckpointDirPoller``: polls ``<path>/<step>/`` directories (integer names; optionally
+    only those holding a commit marker file) every ``poll_interval_s`` and loads the newest
+    through an injected ``load_fn(path, step)`` in a worker thread.
+
+Stall detection
+    A watcher that stops receiving versions halts the run quietly: the gate closes or the
+    version hold parks forever. ``wait_for_version(v, timeout)`` (what the loop's hold awaits)
+    therefore raises ``WatcherStallError`` naming the awaited and current versions, how long
+    it waited and where versions come from, when the timeout passes, and at once when the
+    watcher itself died or was stopped.
+
+Driven by the orchestrator loop (``start()`` as a task, ``stop()``, ``check()``, ``gauges()``).
+Never: read time except through the injected clock, sleep except through asyncio, bump the
+version before the engine has the weights, or import another orchestrator component.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import inspect
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from jaxrl_orch.types import PolicyHandle, VersionObserver
+
+
+class WatcherStallError(RuntimeError):
+    """The policy version did not reach the awaited value in time (or the watcher is gone)."""
+
+
+@dataclasses.dataclass
+class PublishedVersion:
+    version: int
+    params: Any
+    # When the source first knew of it (publish call, or the poll that found it), on the
+    # source's clock; the watcher measures publish-to-live latency from here.
+    published_at: float
+
+
+class VersionSource(Protocol):
+    async def next_version(self, current: int) -> PublishedVersion:
+        """Wait for and return the newest version greater than ``current``."""
+        ...
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    """Await an async callable; run a sync one in a worker thread (it may block for seconds)."""
+    # type(fn).__call__ covers callable objects whose __call__ is ``async def``.
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
+        return await fn(*args)
+    result = await asyncio.to_thread(fn, *args)
+    return await result if inspect.isawaitable(result) else result
+
+
+class InProcessPublisher:
+    """The trainer hands versions over in-process; ``publish`` is safe from any thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._latest: PublishedVersion | None = None
+        self._last_version: int | None = None
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self.published_total = 0
+
+    def publish(self, version: int, params: Any) -> None:
+        with self._lock:
+            if self._last_version is not None and version <= self._last_version:
+                raise ValueError(
+                    f"published versions must increase: last was {self._last_version}, "
+                    f"got {version}"
+                )
+            # Replacing an unconsumed version drops our reference to its params at once.
+            self._latest = PublishedVersion(int(version), params, self.clock())
+            self._last_version = int(version)
+            self.published_total += 1
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            # A closed loop means its watcher is gone; nobody is left to wake.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_resolve, fut)
+
+    async def next_version(self, current: int) -> PublishedVersion:
+        while True:
+            loop = asyncio.get_running_loop()
+            with self._lock:
+                latest = self._latest
+                if latest is not None and latest.version > current:
+                    self._latest = None
+                    return latest
+                fut = loop.create_future()
+                self._waiters.append((loop, fut))
+            await fut
+
+    def __repr__(self) -> str:
+        return f"InProcessPublisher(last published version {self._last_version})"
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class CheckpointDirPoller:
+    """Finds committed ``<path>/<step>/`` directories and loads the newest one."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        load_fn: Callable[[str, int], Any],
+        *,
+        poll_interval_s: float = 1.0,
+        commit_marker: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
+        self.path = os.fspath(path)
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise ValueError(f"checkpoint path {self.path!r} exists but is not a directory")
+        self.load_fn, self.poll_interval_s = load_fn, poll_interval_s
+        self.commit_marker, self.clock = commit_marker, clock
+        self.polls_total = 0
+
+    def committed_steps(self) -> list[int]:
+        """Integer-named step dirs that are complete. A missing path means none yet: the
+        trainer creates it on its first save. In-progress saves (orbax writes to a temp name
+        and renames) never parse as integers."""
+        try:
+            names = os.listdir(self.path)
+        except FileNotFoundError:
+            return []
+        steps = []
+        for name in names:
+            full = os.path.join(self.path, name)
+            if not (name.isdigit() and os.path.isdir(full)):
+                continue
+            if self.commit_marker and not os.path.exists(os.path.join(full, self.commit_marker)):
+                continue
+            steps.append(int(name))
+        return sorted(steps)
+
+    async def next_version(self, current: int) -> PublishedVersion:
+        while True:
+            self.polls_total += 1
+            newer = [s for s in self.committed_steps() if s > current]
+            if newer:
+                seen_at = self.clock()
+                params = await _call(self.load_fn, self.path, newer[-1])
+                return PublishedVersion(newer[-1], params, seen_at)
+            await asyncio.sleep(self.poll_interval_s)
+
+    def __repr__(self) -> str:
+        marker = f", marker {self.commit_marker!r}" if self.commit_marker else ""
+        return f"CheckpointDirPoller({self.path!r}, every {self.poll_interval_s}s{marker})"
+
+
+class WeightWatcher:
+    def __init__(
+        self,
+        source: VersionSource,
+        reload_fn: Callable[[int, Any], Any],
+        policy: PolicyHandle,
+        *,
+        observers: Sequence[VersionObserver] = (),
+        clock: Callable[[], float] = time.monotonic,
+        stall_timeout_s: float | None = None,
+        stop_timeout_s: float = 60.0,
+    ) -> None:
+        for obs in observers:
+            if not callable(getattr(obs, "on_version", None)):
+                raise TypeError(f"observer {obs!r} has no on_version(version) method")
+        if stall_timeout_s is not None and stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0 or None, got {stall_timeout_s!r}")
+        self.source, self.reload_fn, self.policy = source, reload_fn, policy
+        self.observers = list(observers)
+        self.clock, self.stall_timeout_s, self.stop_timeout_s = (
+            clock,
+            stall_timeout_s,
+            stop_timeout_s,
+        )
+        self._stopping = False
+        self._dead = asyncio.Event()  # set when the loop ends, by failure or stop()
+        self._error: BaseException | None = None
+        self._run_task: asyncio.Task | None = None
+        self._pending: asyncio.Future | None = None
+        self._started_at: float | None = None
+        self._last_version_at: float | None = None
+        self._awaiting = -1
+        self.reloads_total = self.skipped_versions_total = 0
+        self.last_reload_s = self.last_latency_s = 0.0
+
+    async def start(self) -> None:
+        """Run until ``stop()``: wait for a version, load it, bump, notify. Failures are stored
+        (``check()``) and re-raised here."""
+        if self._run_task is not None:
+            raise RuntimeError("WeightWatcher.start() called twice")
+        self._run_task = asyncio.current_task()
+        self._started_at = self._last_version_at = self.clock()
+        try:
+            while not self._stopping:
+                self._pending = asyncio.ensure_future(self.source.next_version(self.policy.version))
+                try:
+                    published = await self._pending
+                except asyncio.CancelledError:
+                    if self._stopping:
+                        break
+                    raise
+                await self._apply(published)
+        except Exception as exc:
+            self._error = exc
+            raise
+        finally:
+            self._dead.set()
+
+    async def _apply(self, pub: PublishedVersion) -> None:
+        if pub.version <= self.policy.version:
+            raise ValueError(
+                f"version source {self.source!r} returned version {pub.version}, not newer "
+                f"than the current {self.policy.version}"
+            )
+        t0 = self.clock()
+        await _call(self.reload_fn, pub.version, pub.params)
+        now = self.clock()
+        previous = self.policy.version
+        self.policy.advance(pub.version)
+        for obs in self.observers:
+            obs.on_version(pub.version)
+        self.reloads_total += 1
+        self.skipped_versions_total += max(0, pub.version - previous - 1)
+        self.last_reload_s, self.last_latency_s = now - t0, now - pub.published_at
+        self._last_version_at = now
+
+    async def stop(self) -> None:
+        """End the loop. A reload in progress finishes first: a half-swapped engine is worse
+        than a late stop."""
+        self._stopping = True
+        if self._pending is not None:
+            self._pending.cancel()
+        run = self._run_task
+        if run is not None and run is not asyncio.current_task() and not run.done():
+            await asyncio.wait([run], timeout=self.stop_timeout_s)
+        self._dead.set()
+
+    def check(self) -> None:
+        """Re-raise the failure that killed the watcher's loop, if any."""
+        if self._error is not None:
+            raise self._error
+
+    async def wait_for_version(self, version: int, timeout: float | None = None) -> None:
+        """Return once ``policy.version >= version``; raise ``WatcherStallError`` if that does
+        not happen within ``timeout`` (default ``stall_timeout_s``; None waits indefinitely),
+        or at once if the watcher has died or stopped."""
+        if self.policy.version >= version:
+            return
+        timeout = self.stall_timeout_s if timeout is None else timeout
+        t0 = self.clock()
+        self._awaiting = version
+        waiter = asyncio.ensure_future(self.policy.wait_for(version, timeout))
+        dead = asyncio.ensure_future(self._dead.wait())
+        try:
+            await asyncio.wait({waiter, dead}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._awaiting = -1
+            for fut in (waiter, dead):
+                fut.cancel()
+        if self.policy.version >= version:
+            return
+        waited = self.clock() - t0
+        since = (
+            "never"
+            if self._last_version_at is None
+            else (f"{self.clock() - self._last_version_at:.1f}s ago")
+        )
+        if self._error is not None:
+            why = f"the watcher died ({type(self._error).__name__}: {self._error})"
+        elif self._dead.is_set():
+            why = "the watcher is stopped"
+        else:
+            why = f"no new version within {timeout}s"
+        raise WatcherStallError(
+            f"waited {waited:.1f}s for policy version {version} but it is still "
+            f"{self.policy.version}: {why}; last version arrived {since}; "
+            f"{self.reloads_total} reloads so far; source: {self.source!r}"
+        ) from self._error
+
+    def gauges(self) -> dict[str, float]:
+        since = 0.0 if self._last_version_at is None else self.clock() - self._last_version_at
+        return {
+            "watcher/version": float(self.policy.version),
+            "watcher/reloads_total": float(self.reloads_total),
+            "watcher/reload_latency_s": self.last_latency_s,
+            "watcher/reload_s": self.last_reload_s,
+            "watcher/skipped_versions_total": float(self.skipped_versions_total),
+            "watcher/since_last_version_s": since,
+            "watcher/awaiting_version": float(self._awaiting),
+        }
