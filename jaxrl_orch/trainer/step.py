@@ -310,9 +310,9 @@ def build_train_step(
 
             def minibatch(carry, idx):
                 params, opt_state = carry
-                params, opt_state, metrics = minibatch_update(
-                    params, opt_state, _take_rows(data, idx)
-                )
+                # One unshuffled minibatch is the whole batch: skip the row gather.
+                mb = data if order.shape[0] == 1 else _take_rows(data, idx)
+                params, opt_state, metrics = minibatch_update(params, opt_state, mb)
                 return (params, opt_state), metrics
 
             return _scan(minibatch, (params, opt_state), order)
