@@ -1,0 +1,170 @@
+"""PeriodicLogger, LagMonitor and the writers."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import io
+import json
+import os
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from jaxrl_orch.orchestrator.logger import (
+    ConsoleWriter,
+    JsonlWriter,
+    LagMonitor,
+    PeriodicLogger,
+    TensorBoardWriter,
+)
+
+
+class ListWriter:
+    def __init__(self):
+        self.rows, self.closed = [], False
+
+    def write(self, step, metrics):
+        self.rows.append((step, dict(metrics)))
+
+    def close(self):
+        self.closed = True
+
+
+class Component:
+    def __init__(self):
+        self.n = 0
+
+    def gauges(self):
+        self.n += 1
+        return {"comp/polls": self.n, "comp/depth": np.int64(3)}
+
+
+async def until(cond, limit_s=10.0):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while not cond():
+        assert loop.time() < deadline, "condition never became true"
+        await asyncio.sleep(0.001)
+
+
+def test_lag_monitor_detects_a_blocking_call():
+    async def main():
+        mon = LagMonitor(probe_s=0.01)
+        task = asyncio.create_task(mon.run())
+        await until(lambda: mon.probes >= 2)
+        time.sleep(0.3)  # the blocking call: nothing else on the loop can run meanwhile
+        await until(lambda: mon.probes >= 4)
+        task.cancel()
+        return mon
+
+    mon = asyncio.run(main())
+    assert mon.gauges()["loop/lag_max_s"] >= 0.2
+    assert mon.max_s >= mon.last_s >= 0
+
+
+def test_periodic_logger_pulls_sources_and_writes_step_metrics():
+    async def main():
+        comp, writer = Component(), ListWriter()
+        step = {"v": 41}
+        log = PeriodicLogger(
+            [comp, lambda: {"other/x": 1.5}],
+            [writer],
+            interval_s=0.005,
+            step_fn=lambda: step["v"],
+            lag_probe_s=0.002,
+        )
+        task = asyncio.create_task(log.start())
+        await until(lambda: len(writer.rows) >= 3)
+        log.write_step(7, {"train/loss": 0.25})
+        await log.stop()
+        await task
+        return comp, writer, log
+
+    comp, writer, log = asyncio.run(main())
+    gauge_rows = [m for s, m in writer.rows if s == 41]
+    assert len(gauge_rows) >= 4  # three periodic ticks plus the final snapshot at stop()
+    assert all(
+        {"comp/polls", "comp/depth", "other/x", "loop/lag_s", "loop/lag_max_s"} <= set(m)
+        for m in gauge_rows
+    )
+    assert [m["comp/polls"] for m in gauge_rows] == list(range(1, len(gauge_rows) + 1))
+    assert (7, {"train/loss": 0.25}) in writer.rows
+    assert writer.closed and log.gauges()["logger/writes_total"] == len(writer.rows)
+
+
+def test_duplicate_gauge_keys_and_bad_values_fail_loudly():
+    log = PeriodicLogger([lambda: {"a/x": 1}, lambda: {"a/x": 2}], [ListWriter()], lag_probe_s=None)
+    with pytest.raises(ValueError, match="'a/x' reported by two sources"):
+        log.collect()
+    log = PeriodicLogger([], [ListWriter()])
+    with pytest.raises(ValueError, match="'m/s' must be a real number.*str"):
+        log.write_step(1, {"m/s": "fast"})
+    with pytest.raises(TypeError, match="no gauges"):
+        PeriodicLogger([object()], [])
+    with pytest.raises(TypeError, match="write"):
+        PeriodicLogger([], [object()])
+
+
+def test_a_failing_source_kills_the_logger_visibly():
+    def broken():
+        raise RuntimeError("gauge source exploded")
+
+    async def main():
+        log = PeriodicLogger([broken], [ListWriter()], interval_s=0.001, lag_probe_s=None)
+        with pytest.raises(RuntimeError, match="exploded"):
+            await log.start()
+        with pytest.raises(RuntimeError, match="exploded"):
+            log.check()
+
+    asyncio.run(main())
+
+
+def test_jsonl_writer_one_object_per_line(tmp_path):
+    path = tmp_path / "sub" / "metrics.jsonl"
+    w = JsonlWriter(path, clock=lambda: 123.0)
+    w.write(1, {"train/loss": 0.5, "train/n": 3})
+    w.write(2, {"train/loss": float("nan"), "flag/on": True})
+    w.close()
+    lines = path.read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [
+        {"step": 1, "time": 123.0, "train/loss": 0.5, "train/n": 3.0},
+        {"step": 2, "time": 123.0, "train/loss": None, "flag/on": 1.0},
+    ]
+
+
+def test_console_writer_one_compact_line():
+    buf = io.StringIO()
+    w = ConsoleWriter(stream=buf)
+    w.write(12, {"b/y": 2.0, "a/x": 0.123456})
+    w.write(13, {"a/x": 1})
+    assert buf.getvalue() == "step 12 | a/x=0.1235 b/y=2\nstep 13 | a/x=1\n"
+
+
+def _read_tfrecords(path):
+    """Minimal TFRecord reader: [len u64][crc u32][payload][crc u32] per record."""
+    with open(path, "rb") as f:
+        data = f.read()
+    out, i = [], 0
+    while i < len(data):
+        (n,) = struct.unpack("<Q", data[i : i + 8])
+        out.append(data[i + 12 : i + 12 + n])
+        i += 12 + n + 4
+    return out
+
+
+def test_tensorboard_writer_writes_an_event_file(tmp_path):
+    from tensorboardX.proto import event_pb2
+
+    w = TensorBoardWriter(tmp_path / "tb")
+    w.write(3, {"train/loss": 0.75})
+    w.write(4, {"train/loss": 0.5})
+    w.close()
+    (path,) = glob.glob(os.path.join(tmp_path, "tb", "events.out.tfevents.*"))
+    scalars = []
+    for rec in _read_tfrecords(path):
+        ev = event_pb2.Event.FromString(rec)
+        scalars += [(ev.step, v.tag, v.simple_value) for v in ev.summary.value]
+    assert scalars == [(3, "train/loss", 0.75), (4, "train/loss", 0.5)]
