@@ -154,6 +154,7 @@ def test_swap_mid_generation_versions_and_logprobs(engine, params):
     finally:
         drv.stop()
     assert out.versions == [0] * 9 + [1] * 6  # 3 calls x 3 steps ran under version 0
+    assert engine._generate_fn._cache_size() == 1  # swapping params never recompiles
 
     # Reference: old tokens' KV stays in the cache (no re-prefill); later queries use new
     # params. Replayed token by token with the plain cached forward of each params set.
@@ -215,3 +216,22 @@ def test_sharded_engine_on_4_devices_matches_1_device():
     for a, b in zip(*outs, strict=True):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def test_requests_with_new_sampling_settings_never_recompile(engine, driver):
+    settings = [
+        SamplingParams(temperature=0.0, max_tokens=3),
+        SamplingParams(temperature=1.3, top_k=7, max_tokens=5, stop_token_ids=(1, 2)),
+        SamplingParams(temperature=0.2, top_p=0.5, max_tokens=2, stop_token_ids=(9,)),
+    ]
+    driver.submit(PROMPTS[0], settings[0])[0].result(timeout=120)  # compiles the 8-token bucket
+
+    def compiled():
+        fns = [engine._generate_fn, *engine._insert_fns.values(), *engine._prefill_fns.values()]
+        return [fn._cache_size() for fn in fns]
+
+    before = compiled()
+    for sp in settings:
+        driver.submit(PROMPTS[1], sp)[0].result(timeout=120)
+    assert compiled() == before
+    assert engine._generate_fn._cache_size() == 1
