@@ -10,8 +10,10 @@ Scheduling (one ``start()`` task, driven by the orchestrator loop)
     (resume, eval scheduled, policy version advanced) or ``poll_interval_s`` passes (the gate's
     capacity may change behind its back). Completions are collected through task done-callbacks
     rather than ``asyncio.wait`` over the whole in-flight set, so a pass costs O(finished), not
-    O(in flight). Per pass: pending eval work first (it is finite and step-aligned), then train
-    work, continuing open groups (oldest first) before opening a fresh one, so a group's
+    O(in flight). Per pass: pending eval work first (it is finite and step-aligned; while it
+    waits for permits train work does not take them), then train work, envs taking turns
+    (one ``Source`` per env; a single source only with a single env), continuing open groups
+    (oldest first) before opening a fresh one, so a group's
     rollouts land close together on one client and reuse its prompt cache. A group calls
     ``pool.select()`` once and every rollout of it runs on that client. A group is stamped
     with ``policy.version`` when it opens (``policy_version_at_start``).
@@ -149,12 +151,14 @@ class RolloutDispatcher:
         self.pool, self.envs, self.policy = pool, dict(envs), policy
         self.group_size = _per_env("group_size", group_size, self.envs, int)
         self.sampling = _per_env("sampling", sampling, self.envs, SamplingParams)
-        if isinstance(source, Mapping):
-            _per_env("source", source, self.envs, object)
-            self._sources: dict[str, Source] | None = dict(source)
-        else:
-            self._sources = None
-        self._source = source
+        if not isinstance(source, Mapping):
+            if len(self.envs) > 1:
+                raise ValueError(
+                    f"several envs {sorted(self.envs)} need a source per env (a mapping), "
+                    f"got one {type(source).__name__}"
+                )
+            source = {e: source for e in self.envs}
+        self.sources: dict[str, Source] = _per_env("source", source, self.envs, object)
         self.use_run_group = use_run_group
         if use_run_group:
             for env, g in self.group_size.items():
@@ -348,19 +352,23 @@ class RolloutDispatcher:
 
     def _fill(self) -> None:
         while self.permits > 0 and not self._paused and not self._stopping:
-            if not (self._schedule_eval_one() or self._schedule_train_one()):
+            launched = self._schedule_eval_one()
+            if launched is None:
+                return  # eval work waits for permits; train must not take them first
+            if not (launched or self._schedule_train_one()):
                 return
 
-    def _schedule_eval_one(self) -> bool:
+    def _schedule_eval_one(self) -> bool | None:
+        """True: launched one; False: no eval work; None: eval work waits for permits."""
         for g in self._eval_groups.values():
             if g.unscheduled:
-                return self._launch(g)
+                return self._launch(g) or None
         if not self._eval_pending:
             return False
         env, example, step = self._eval_pending[0]
         need = self.eval_group_size if self._runs_groups(env, eval_=True) else 1
         if self.permits < need:
-            return False
+            return None
         self._eval_pending.popleft()
         g = self._open(env, example, self.eval_group_size, is_eval=True, eval_step=step)
         self._eval_groups[g.group_id] = g
@@ -378,28 +386,17 @@ class RolloutDispatcher:
         size = self.group_size[env]
         if (size if self._runs_groups(env) else 1) > min(self.permits, self.capacity_fn()):
             return False
-        src = self._sources[env] if self._sources is not None else self._source
         try:
-            example = src.next_example()
+            example = self.sources[env].next_example()
         except StopIteration:
             # A finite source ran dry: that env opens no more groups (others continue).
-            self._exhausted.add(env if self._sources is not None else "*")
+            self._exhausted.add(env)
             return False
-        if self._sources is None and len(self.envs) > 1:
-            env = example.get("env")
-            if env not in self.envs:
-                raise ValueError(
-                    f"with one shared source and several envs each example needs an 'env' key "
-                    f"naming one of {sorted(self.envs)}, got {env!r}"
-                )
-            size = self.group_size[env]
         g = self._open(env, example, size, is_eval=False)
         self._groups[g.group_id] = g
         return self._launch(g)
 
     def _next_train_env(self) -> str | None:
-        if "*" in self._exhausted:
-            return None
         for _ in range(len(self.envs)):
             env = next(self._env_cycle)
             if env not in self._exhausted:
@@ -412,16 +409,9 @@ class RolloutDispatcher:
 
     def _open(self, env: str, example: dict, size: int, *, is_eval: bool, eval_step=None) -> _Group:
         sampling = (self.eval_sampling or self.sampling[env]) if is_eval else self.sampling[env]
+        gid, version = next(self._group_ids), self.policy.version
         return _Group(
-            group_id=next(self._group_ids),
-            env=env,
-            example=example,
-            size=size,
-            sampling=sampling,
-            version_at_start=self.policy.version,
-            is_eval=is_eval,
-            eval_step=eval_step,
-            unscheduled=size,
+            gid, env, example, size, sampling, version, is_eval, eval_step, unscheduled=size
         )
 
     def _launch(self, g: _Group) -> bool:
@@ -508,16 +498,8 @@ class RolloutDispatcher:
         admitted: bool = True,
     ) -> None:
         if not rollouts:
-            rollouts = [
-                Rollout(
-                    env=g.env,
-                    group_id=g.group_id,
-                    episode_id=i,
-                    example=g.example,
-                    temperature=g.sampling.temperature,
-                )
-                for i in ids
-            ]
+            temp = g.sampling.temperature
+            rollouts = [Rollout(g.env, g.group_id, i, g.example, temperature=temp) for i in ids]
         for r, eid in zip(rollouts, ids, strict=True):
             r.env, r.group_id, r.episode_id, r.is_eval = g.env, g.group_id, eid, g.is_eval
             r.policy_version_at_start = g.version_at_start

@@ -482,13 +482,13 @@ def test_loop_failure_is_raised_from_start_and_check():
     run_virtual(scenario)
 
 
-def test_shared_source_routes_by_env_key_and_rejects_unknown():
+def test_per_env_sources_round_robin_and_finite_sources_run_dry():
     async def scenario(loop):
         a, b = ScriptedEnv("a"), ScriptedEnv("b")
         d = RolloutDispatcher(
             FakePool(1),
             {"a": a, "b": b},
-            CountingSource(env="b"),
+            {"a": CountingSource(2), "b": CountingSource(5)},
             PolicyHandle(),
             max_inflight=2,
             group_size={"a": 1, "b": 2},
@@ -496,24 +496,15 @@ def test_shared_source_routes_by_env_key_and_rejects_unknown():
             clock=loop.time,
         )
         runner = asyncio.create_task(d.start())
-        await until(loop, lambda: len(b.calls) >= 4)
+        await until(loop, lambda: d._exhausted == {"a", "b"} and d.idle)
         await d.stop()
         await runner
-        assert not a.calls
-        d2 = RolloutDispatcher(
-            FakePool(1),
-            {"a": a, "b": b},
-            CountingSource(env="zzz"),
-            PolicyHandle(),
-            max_inflight=2,
-            group_size=1,
-            sampling=SAMPLING,
-            clock=loop.time,
-        )
-        with pytest.raises(ValueError, match="'zzz'"):
-            await d2.start()
+        return a, b
 
-    run_virtual(scenario)
+    a, b = run_virtual(scenario)
+    assert len(a.calls) == 2 and len(b.calls) == 10
+    # Envs take turns opening groups until "a" runs dry after its two examples.
+    assert {g for g, *_ in a.calls} == {0, 2} and {g for g, *_ in b.calls} == {1, 3, 4, 5, 6}
 
 
 @pytest.mark.parametrize(
@@ -525,15 +516,16 @@ def test_shared_source_routes_by_env_key_and_rejects_unknown():
         ({"max_off_policy_steps": -1}, "max_off_policy_steps"),
         ({"eval_sources": {"nope": CountingSource()}}, "eval source 'nope'"),
         ({"use_run_group": True, "group_size": 9}, "max_inflight is only 4"),
+        ({"source": {"toy": CountingSource(), "x": CountingSource()}}, "source keys"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kw, match):
-    env = GroupEnv()
+    env, kw = GroupEnv(), dict(kw)
     with pytest.raises(ValueError, match=match):
         RolloutDispatcher(
             FakePool(1),
             {"toy": env},
-            CountingSource(),
+            kw.pop("source", CountingSource()),
             PolicyHandle(),
             sampling=SAMPLING,
             **{"max_inflight": 4, "group_size": 2, **kw},
