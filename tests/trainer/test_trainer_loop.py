@@ -60,6 +60,8 @@ def test_sft_copy_task_drives_loss_down(sft_trainer):
     # (10 equiprobable digits), so < 0.5 means attention learned to copy.
     assert first > 3.5 and last < 0.5, (first, last)
     assert sft_trainer.version == 120
+    with pytest.raises(ValueError, match="no samples"):
+        sft_trainer.train_step(TrainBatch(step=121, samples=[], rollouts=[]))
 
 
 @pytest.mark.slow
@@ -103,8 +105,3 @@ def test_background_submit_publishes_in_order_with_colocation_hooks(sft_trainer)
         with pytest.raises(RuntimeError):
             sft_trainer.stop()
     assert sft_trainer.version == v0 + 3
-
-
-def test_empty_batch_is_rejected(sft_trainer):
-    with pytest.raises(ValueError, match="no samples"):
-        sft_trainer.train_step(TrainBatch(step=sft_trainer.version + 1, samples=[], rollouts=[]))
