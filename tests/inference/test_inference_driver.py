@@ -3,6 +3,7 @@
 import asyncio
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -148,8 +149,9 @@ def test_cancellation_frees_the_slot(make_driver):
     driver.start()
     (endless,) = driver.submit([0], SamplingParams(temperature=0.0, max_tokens=10**8))
     (queued,) = driver.submit([5], GREEDY)
-    while engine.generate_calls < 3:
-        pass
+    deadline = time.monotonic() + 20
+    while engine.generate_calls < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
     assert not queued.done()
     assert endless.cancel()
     out = queued.result(timeout=10)
