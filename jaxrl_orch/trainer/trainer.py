@@ -122,6 +122,7 @@ class Trainer:
             with jax.set_mesh(mesh):
                 self.params = jax.jit(init, out_shardings=self.param_shardings)()
         else:
+            _check_same_shapes(init_params, abstract_state)
             self.params = jax.device_put(init_params, self.param_shardings)
 
         self.optimizer = step_lib.make_optimizer(self.optim_cfg)
@@ -130,15 +131,14 @@ class Trainer:
             opt_shape, abstract_state, self.param_shardings, mesh
         )
         self.opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
-        self.ref_params = None
-        if self.step_cfg.kind == "rl" and self.step_cfg.loss.kl_beta > 0:
-            # The reference policy is the initial policy, frozen.
-            self.ref_params = jax.jit(
-                lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings
-            )(self.params)
         self._copy = jax.jit(
             lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings
         )
+        self.ref_params = None
+        if self.step_cfg.kind == "rl" and self.step_cfg.loss.kl_beta > 0:
+            # The reference policy is the initial policy, frozen. It is not checkpointed: a
+            # resumed trainer is rebuilt from the same seed / init_params, so it is rebuilt too.
+            self.ref_params = self._copy(self.params)
         self._step_fn = step_lib.build_train_step(
             self.graphdef,
             self.optimizer,
@@ -317,3 +317,21 @@ class Trainer:
         self.rng = jnp.asarray(state["rng"], dtype=jnp.uint32)
         self.version = int(state["version"])
         self.steps_done = int(state["steps_done"])
+
+
+def _check_same_shapes(params: Any, abstract: Any) -> None:
+    """``init_params`` must match the model built from ``model_config`` leaf for leaf."""
+    got = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    want = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(abstract)}
+    if got.keys() != want.keys():
+        extra, missing = sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys())
+        raise ValueError(
+            f"init_params do not match the model config: missing {missing[:3]}, "
+            f"unexpected {extra[:3]}"
+        )
+    for k, w in want.items():
+        if tuple(np.shape(got[k])) != tuple(w.shape):
+            raise ValueError(
+                f"init_params{k} has shape {tuple(np.shape(got[k]))}, the model config "
+                f"needs {tuple(w.shape)}"
+            )

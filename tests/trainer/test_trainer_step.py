@@ -1,6 +1,8 @@
 """The jitted train step: sharded == unsharded, accumulation == big batch, minibatch loop,
 optimizer schedules, and the shift/mask rule, against direct re-computation."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -164,6 +166,9 @@ def test_config_errors_name_the_allowed_values():
         step_lib.StepConfig(minibatches=0)
     with pytest.raises(ValueError, match="max_seq_len"):
         Trainer(TINY, _mesh(1, 1), row_len=1024)
+    wrong = nnx.split(Transformer(dataclasses.replace(TINY, d_ff=48), rngs=nnx.Rngs(0)))[1]
+    with pytest.raises(ValueError, match=r"down_proj.*\(48, 32\).*needs \(64, 32\)"):
+        Trainer(TINY, _mesh(1, 1), row_len=32, init_params=wrong)
 
 
 @pytest.mark.slow
