@@ -202,8 +202,7 @@ class RolloutDispatcher:
         self._eval_pending: collections.deque[tuple[str, dict[str, Any], int]] = collections.deque()
         self._inflight: dict[asyncio.Task, _Flight] = {}
         self._done: list[asyncio.Task] = []
-        self._group_ids = itertools.count()
-        self._episode_ids = itertools.count()
+        self._next_group_id = self._next_episode_id = 0
         self._env_cycle = itertools.cycle(sorted(self.envs))
         self._exhausted: set[str] = set()
         self._paused = False
@@ -237,6 +236,42 @@ class RolloutDispatcher:
     def idle(self) -> bool:
         """Nothing in flight and no eval work waiting: the drain is complete."""
         return not self._inflight and not self._eval_pending and not self._open_eval_work()
+
+    def oldest_train_version(self) -> int | None:
+        """Oldest group-start version among train rollouts in flight (None if none are).
+
+        A lower bound on their head versions, for the loop's ``pace`` policy. Unstarted
+        rollouts of open groups do not count: they may be waiting on the very gate that a
+        held trainer keeps closed.
+        """
+        versions = [
+            f.group.version_at_start for f in self._inflight.values() if not f.group.is_eval
+        ]
+        return min(versions) if versions else None
+
+    def state(self) -> dict[str, Any]:
+        """Checkpointable: each train source's cursor and the id counters. Rollouts in flight
+        at save time are not part of it: on resume their prompts are not replayed."""
+        return {
+            "sources": {env: src.state() for env, src in self.sources.items()},
+            "next_group_id": self._next_group_id,
+            "next_episode_id": self._next_episode_id,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        unknown = set(state["sources"]) - set(self.sources)
+        if unknown:
+            raise ValueError(
+                f"saved sources {sorted(unknown)} are not train envs {sorted(self.sources)}"
+            )
+        for env, src_state in state["sources"].items():
+            self.sources[env].restore(src_state)
+        self._next_group_id = int(state["next_group_id"])
+        self._next_episode_id = int(state["next_episode_id"])
+
+    def _new_episode_ids(self, n: int) -> list[int]:
+        first, self._next_episode_id = self._next_episode_id, self._next_episode_id + n
+        return list(range(first, first + n))
 
     def check(self) -> None:
         """Re-raise the failure that killed the dispatcher's loop, if any."""
@@ -279,7 +314,7 @@ class RolloutDispatcher:
                 n += len(flight.episode_ids)
         for gid, g in list(self._groups.items()):
             if g.version_at_start < min_version and g.unscheduled:
-                ids = [next(self._episode_ids) for _ in range(g.unscheduled)]
+                ids = self._new_episode_ids(g.unscheduled)
                 g.unscheduled = 0
                 reason = (
                     f"group started at version {g.version_at_start}, oldest trainable "
@@ -409,7 +444,8 @@ class RolloutDispatcher:
 
     def _open(self, env: str, example: dict, size: int, *, is_eval: bool, eval_step=None) -> _Group:
         sampling = (self.eval_sampling or self.sampling[env]) if is_eval else self.sampling[env]
-        gid, version = next(self._group_ids), self.policy.version
+        gid, version = self._next_group_id, self.policy.version
+        self._next_group_id += 1
         return _Group(
             gid, env, example, size, sampling, version, is_eval, eval_step, unscheduled=size
         )
@@ -423,7 +459,7 @@ class RolloutDispatcher:
             return False
         if g.client is None:
             g.client = self.pool.select()
-        ids = [next(self._episode_ids) for _ in range(n)]
+        ids = self._new_episode_ids(n)
         if whole:
             coro = env.run_group(
                 g.client, dict(g.example), group_id=g.group_id, episode_ids=ids, sampling=g.sampling

@@ -1,6 +1,6 @@
-"""RolloutDispatcher against fake pools, envs and sources on a virtual-time event loop.
+"""RolloutDispatcher against fake pools, envs and sources on the virtual-time event loop.
 
-The virtual loop advances its clock straight to the next timer whenever nothing is ready, so
+``vclock.VirtualTimeLoop`` jumps its clock to the next timer whenever nothing is ready, so
 rollouts that "take" seconds finish instantly and every run is deterministic.
 """
 
@@ -8,44 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import random
-import selectors
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxrl_orch.orchestrator.dispatcher import EVAL_STEP_KEY, RolloutDispatcher
+from jaxrl_orch.orchestrator.vclock import VirtualTimeLoop
 from jaxrl_orch.types import PolicyHandle, Rollout, SamplingParams
 
 SAMPLING = SamplingParams(temperature=0.7, max_tokens=4)
-
-
-class _VirtualSelector:
-    """Polls the real selector without blocking; a timed wait advances virtual time instead."""
-
-    def __init__(self, loop: VirtualTimeLoop, real: selectors.BaseSelector) -> None:
-        self._loop, self._real = loop, real
-
-    def select(self, timeout=None):
-        if timeout is None:
-            return self._real.select(None)  # only a thread can wake us: really block
-        events = self._real.select(0)
-        if not events and timeout > 0:
-            self._loop.now += timeout
-        return events
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-
-class VirtualTimeLoop(asyncio.SelectorEventLoop):
-    def __init__(self) -> None:
-        super().__init__(selectors.DefaultSelector())
-        self.now = 0.0
-        self._selector = _VirtualSelector(self, self._selector)
-
-    def time(self) -> float:
-        return self.now
 
 
 def run_virtual(coro_fn):
@@ -198,7 +170,7 @@ async def until(loop, cond, limit_s=1e5):
 # --------------------------------------------------------------------------- properties
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**31 - 1),
     max_inflight=st.integers(1, 6),
@@ -505,6 +477,32 @@ def test_per_env_sources_round_robin_and_finite_sources_run_dry():
     assert len(a.calls) == 2 and len(b.calls) == 10
     # Envs take turns opening groups until "a" runs dry after its two examples.
     assert {g for g, *_ in a.calls} == {0, 2} and {g for g, *_ in b.calls} == {1, 3, 4, 5, 6}
+
+
+def test_oldest_train_version_and_state_round_trip():
+    async def scenario(loop):
+        env = ScriptedEnv(script=lambda g, e: (0.0, "hang"))
+        d, _, policy = make(loop, env, max_inflight=2, group_size=1)
+        assert d.oldest_train_version() is None
+        runner = asyncio.create_task(d.start())
+        await until(loop, lambda: len(env.calls) == 2)
+        policy.advance(4)
+        d.cancel_stale(1)  # frees both permits; new groups open at version 4
+        await until(loop, lambda: len(env.calls) == 4)
+        assert d.oldest_train_version() == 4
+        saved = d.state()
+        await d.stop()
+        await runner
+        fresh, _, _ = make(loop, ScriptedEnv(), max_inflight=2, group_size=1)
+        fresh.restore(saved)
+        return saved, fresh
+
+    saved, fresh = run_virtual(scenario)
+    assert saved == {"sources": {"toy": {"i": 4}}, "next_group_id": 4, "next_episode_id": 4}
+    assert fresh.sources["toy"].next_example() == {"prompt": 4}
+    assert fresh.state()["next_episode_id"] == 4
+    with pytest.raises(ValueError, match="'gone'"):
+        fresh.restore({**saved, "sources": {"gone": {}}})
 
 
 @pytest.mark.parametrize(
