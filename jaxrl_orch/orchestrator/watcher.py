@@ -77,10 +77,16 @@ async def _call(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class InProcessPublisher:
-    """The trainer hands versions over in-process; ``publish`` is safe from any thread."""
+    """The trainer hands versions over in-process; ``publish`` is safe from any thread.
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    ``published_at`` is stamped with ``clock``, by default the ``time()`` of the event loop
+    the watcher awaits on (``time.monotonic`` on a standard loop, virtual time in simulation),
+    so it matches the watcher's clock without extra wiring.
+    """
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
         self.clock = clock
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._latest: PublishedVersion | None = None
         self._last_version: int | None = None
@@ -95,7 +101,7 @@ class InProcessPublisher:
                     f"got {version}"
                 )
             # Replacing an unconsumed version drops our reference to its params at once.
-            self._latest = PublishedVersion(int(version), params, self.clock())
+            self._latest = PublishedVersion(int(version), params, self._now())
             self._last_version = int(version)
             self.published_total += 1
             waiters, self._waiters = self._waiters, []
@@ -104,9 +110,15 @@ class InProcessPublisher:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_resolve, fut)
 
+    def _now(self) -> float:
+        if self.clock is not None:
+            return self.clock()
+        # Reading loop.time() from the trainer's thread is safe: it only reads a clock.
+        return self._loop.time() if self._loop is not None else time.monotonic()
+
     async def next_version(self, current: int) -> PublishedVersion:
         while True:
-            loop = asyncio.get_running_loop()
+            loop = self._loop = asyncio.get_running_loop()
             with self._lock:
                 latest = self._latest
                 if latest is not None and latest.version > current:

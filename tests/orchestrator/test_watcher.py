@@ -217,3 +217,35 @@ def test_bad_observer_and_timeout_are_rejected():
         WeightWatcher(InProcessPublisher(), print, PolicyHandle(), observers=[object()])
     with pytest.raises(ValueError, match="stall_timeout_s"):
         WeightWatcher(InProcessPublisher(), print, PolicyHandle(), stall_timeout_s=0)
+
+
+def test_latency_is_measured_from_publish_on_the_loop_clock():
+    from jaxrl_orch.orchestrator.vclock import VirtualTimeLoop
+
+    async def main(loop):
+        policy = PolicyHandle()
+        pub = InProcessPublisher()  # stamps with the watcher's loop time: virtual here
+
+        async def reload(version, params):
+            await asyncio.sleep(3.0)
+
+        w = WeightWatcher(pub, reload, policy, clock=loop.time)
+        task = asyncio.create_task(w.start())
+        await asyncio.sleep(0)  # the watcher is now waiting on the publisher
+        pub.publish(1, None)  # t=0: loaded over [0, 3]
+        await asyncio.sleep(1.0)
+        pub.publish(2, None)  # t=1: waits for the first reload, loaded over [3, 6]
+        await w.wait_for_version(2, timeout=100)
+        g = w.gauges()
+        await w.stop()
+        await task
+        return g, loop.time()
+
+    loop = VirtualTimeLoop()
+    try:
+        g, now = loop.run_until_complete(main(loop))
+    finally:
+        loop.close()
+    assert now == pytest.approx(6.0)
+    assert g["watcher/reload_s"] == pytest.approx(3.0)
+    assert g["watcher/reload_latency_s"] == pytest.approx(5.0)
