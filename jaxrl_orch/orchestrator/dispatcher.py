@@ -10,18 +10,22 @@ Scheduling (one ``start()`` task, driven by the orchestrator loop)
     (resume, eval scheduled, policy version advanced) or ``poll_interval_s`` passes (the gate's
     capacity may change behind its back). Completions are collected through task done-callbacks
     rather than ``asyncio.wait`` over the whole in-flight set, so a pass costs O(finished), not
-    O(in flight). Per pass: pending eval work first (it is finite and step-aligned; while it
-    waits for permits train work does not take them), then train work, envs taking turns
-    (one ``Source`` per env; a single source only with a single env), continuing open groups
-    (oldest first) before opening a fresh one, so a group's
-    rollouts land close together on one client and reuse its prompt cache. A group calls
-    ``pool.select()`` once and every rollout of it runs on that client. A group is stamped
-    with ``policy.version`` when it opens (``policy_version_at_start``).
+    O(in flight). Per pass: pending eval work first (finite and step-aligned; while it waits
+    for permits, train work does not take them), then train work, envs taking turns (one
+    ``Source`` per env; a single source only with a single env), continuing open groups
+    (oldest first) before opening a fresh one, so a group's rollouts land close together on
+    one client and reuse its prompt cache. A group calls ``pool.select()`` once and every
+    rollout of it runs on that client. A group is stamped with ``policy.version`` when it
+    opens (``policy_version_at_start``).
 
 Staleness gate
     Train admissions ask ``capacity_fn()`` first and report ``on_admit(n)``; completions report
     ``on_finish(n, accepted)`` with ``accepted = not rollout.has_error``. Eval rollouts never
     touch the gate. The dispatcher never imports the gate: the loop passes the callables.
+    With ``max_off_policy_steps = k`` it also cancels, on every version advance ``v``, the
+    train groups opened before ``v - k`` (they can no longer ship within the bound).
+    ``oldest_train_version()`` feeds the loop's ``pace`` policy; ``state()``/``restore()``
+    checkpoint the train sources' cursors (rollouts in flight at save time are not replayed).
 
 Exactly-once invariant
     Every rollout handed to an environment reaches ``out_q`` exactly once, whatever its fate:
@@ -85,8 +89,13 @@ def _per_env(name: str, value: Any, envs: Mapping[str, Any], kind: type) -> dict
         out = {e: value for e in envs}
     for env, v in out.items():
         if not isinstance(v, kind) or (kind is int and (isinstance(v, bool) or v < 1)):
-            raise ValueError(f"{name} for env {env!r} must be a {kind.__name__}, got {v!r}")
+            want = "an int >= 1" if kind is int else f"a {kind.__name__}"
+            raise ValueError(f"{name} for env {env!r} must be {want}, got {v!r}")
     return out
+
+
+async def _reraise(exc: Exception) -> Any:
+    raise exc
 
 
 @dataclasses.dataclass(eq=False)
@@ -457,26 +466,26 @@ class RolloutDispatcher:
         n = g.unscheduled if whole else 1
         if n > self.permits or (not g.is_eval and n > self.capacity_fn()):
             return False
-        if g.client is None:
-            g.client = self.pool.select()
-        ids = self._new_episode_ids(n)
-        if whole:
-            coro = env.run_group(
-                g.client, dict(g.example), group_id=g.group_id, episode_ids=ids, sampling=g.sampling
-            )
-        else:
-            coro = env.run(
-                g.client,
-                dict(g.example),
-                group_id=g.group_id,
-                episode_id=ids[0],
-                sampling=g.sampling,
-            )
         if g.is_eval:
             self.eval_admitted_total += n
         else:
-            self.on_admit(n)
+            self.on_admit(n)  # first: if the gate callback raises, nothing has started
             self.admitted_total += n
+        if g.client is None:
+            g.client = self.pool.select()
+        ids = self._new_episode_ids(n)
+        example = dict(g.example)  # envs may mutate theirs; the group keeps the original
+        try:
+            if whole:
+                coro = env.run_group(
+                    g.client, example, group_id=g.group_id, episode_ids=ids, sampling=g.sampling
+                )
+            else:
+                coro = env.run(
+                    g.client, example, group_id=g.group_id, episode_id=ids[0], sampling=g.sampling
+                )
+        except Exception as exc:  # an env failing before its coroutine exists: same fate
+            coro = _reraise(exc)
         self.permits -= n
         g.unscheduled -= n
         g.running += n

@@ -77,6 +77,8 @@ class ScriptedEnv:
 
     def run(self, client, example, *, group_id, episode_id, sampling):
         self.calls.append((group_id, episode_id, client.idx, example))
+        if self.script(group_id, episode_id)[1] == "sync_raise":
+            raise KeyError("failed before returning a coroutine")
         return self._run(group_id, episode_id, example, sampling)
 
     async def _run(self, group_id, episode_id, example, sampling):
@@ -183,7 +185,7 @@ def test_every_dispatched_rollout_emitted_exactly_once(
     seed, max_inflight, group_size, n_groups, max_off, gate_limit
 ):
     rng = random.Random(seed)
-    outcomes = ["ok"] * 5 + ["raise", "empty", "hang", "bad_type"]
+    outcomes = ["ok"] * 5 + ["raise", "empty", "hang", "bad_type", "sync_raise"]
     plan: dict[tuple[int, int], tuple[float, str]] = {}
 
     def script(g, e):
@@ -241,7 +243,7 @@ def test_every_dispatched_rollout_emitted_exactly_once(
     assert d.gauges()["dispatcher/errors_total"] == sum(r.has_error for r in rollouts)
     for r in rollouts:
         outcome = plan.get((r.group_id, r.episode_id), (0, "never"))[1]
-        if outcome in ("raise", "empty", "bad_type", "hang"):
+        if outcome in ("raise", "empty", "bad_type", "hang", "sync_raise"):
             assert r.has_error and not r.trainable
 
 
@@ -272,20 +274,22 @@ def test_group_pinned_to_one_client_and_open_groups_continue_first():
 
 
 def test_rollouts_are_stamped_and_failures_become_error_rollouts():
-    outcomes = {0: "ok", 1: "raise", 2: "empty", 3: "bad_type"}
+    outcomes = {0: "ok", 1: "raise", 2: "empty", 3: "bad_type", 4: "sync_raise"}
 
     async def scenario(loop):
-        env = ScriptedEnv(script=lambda g, e: (1.5, outcomes[e]))
-        d, gate, policy = make(loop, env, source=CountingSource(limit=2), max_inflight=4)
+        env = ScriptedEnv(script=lambda g, e: (1.5, outcomes.get(e, "ok")))
+        d, gate, policy = make(
+            loop, env, source=CountingSource(limit=3), max_inflight=5, group_size=2
+        )
         policy.advance(3)
         runner = asyncio.create_task(d.start())
-        await until(loop, lambda: d.gauges()["dispatcher/emitted_total"] == 4)
+        await until(loop, lambda: d.gauges()["dispatcher/emitted_total"] == 6)
         await d.stop()
         await runner
         return d, gate
 
     d, gate = run_virtual(scenario)
-    by_id = {r.episode_id: r for ep in drain(d) for r in ep}
+    by_id = {r.episode_id: r for ep in drain(d) for r in ep if r.episode_id in outcomes}
     assert not by_id[0].has_error and by_id[0].trainable
     assert (
         by_id[0].group_id == 0 and by_id[0].env == "toy" and by_id[0].policy_version_at_start == 3
@@ -294,8 +298,9 @@ def test_rollouts_are_stamped_and_failures_become_error_rollouts():
     assert by_id[1].errors == ["RuntimeError: env blew up on episode 1"]
     assert by_id[2].errors[0].startswith("EmptyTrajectory")
     assert by_id[3].errors[0].startswith("TypeError") and "dict" in by_id[3].errors[0]
+    assert by_id[4].errors == ["KeyError: 'failed before returning a coroutine'"]
     assert all(not r.trainable for i, r in by_id.items() if i)
-    assert (gate.accepted, gate.rejected) == (1, 3)
+    assert (gate.accepted, gate.rejected) == (2, 4)  # episode 5 is ok
 
 
 def test_pause_stops_admission_and_resume_restarts_it():
