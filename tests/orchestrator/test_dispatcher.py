@@ -533,3 +533,24 @@ def test_bad_arguments_raise_clear_errors(kw, match):
             sampling=SAMPLING,
             **{"max_inflight": 4, "group_size": 2, **kw},
         )
+
+
+def test_runs_on_a_standard_event_loop_with_real_time():
+    async def main():
+        loop = asyncio.get_running_loop()
+        rng = random.Random(0)
+        env = ScriptedEnv(script=lambda g, e: (rng.uniform(0, 0.002), rng.choice(["ok", "raise"])))
+        d, gate, _ = make(loop, env, source=CountingSource(limit=8), max_inflight=3, group_size=3)
+        d.poll_interval_s = 0.01
+        runner = asyncio.create_task(d.start())
+        deadline = loop.time() + 60  # a safety cap, not a timing assertion
+        while d.emitted_total < 24:
+            assert loop.time() < deadline, "rollouts never all came out"
+            await asyncio.sleep(0.001)
+        await d.stop()
+        await runner
+        return d, gate
+
+    d, gate = asyncio.run(main())
+    assert sorted(r.episode_id for ep in drain(d) for r in ep) == list(range(24))
+    assert d.permits == 3 and gate.running == 0 and gate.admitted == 24
