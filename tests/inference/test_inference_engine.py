@@ -9,12 +9,14 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh
 
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
-from jaxrl_orch.models.transformer import ModelConfig, init_cache
+from jaxrl_orch.models.transformer import ModelConfig, init_cache, logical_specs
 from jaxrl_orch.types import SamplingParams
+from sharding.mesh import make_meshes
+from sharding.reshard import reshard
+from sharding.rules import TRAINER_RULES, resolve_shardings
 
 CFG = ModelConfig(
     vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128
@@ -191,21 +193,30 @@ def test_engine_validates_its_inputs(engine, params):
 
 
 @pytest.mark.slow
-def test_sharded_engine_on_4_devices_matches_1_device():
+def test_sharded_engine_on_4_devices_matches_1_device_after_a_trainer_mesh_swap():
     cfg = ModelConfig(
         vocab_size=512, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, d_ff=128
     )
     kw = dict(max_concurrent_decodes=2, max_target_length=32, max_prefill_length=16)
+    decode_mesh, trainer_mesh = make_meshes({"tp": 4}, {"fsdp": 2, "tp": 2})
     one = DecodeEngine(cfg, **kw)
-    four = DecodeEngine(cfg, mesh=Mesh(np.array(jax.devices()[:4]), ("tp",)), **kw)
+    four = DecodeEngine(cfg, mesh=decode_mesh, **kw)
     p1 = one.load_params(seed=3)
-    p4 = four.load_params(p1)
+    # The weight watcher's path: params live on the trainer mesh, get resharded onto the
+    # engine's decode shardings and swapped in.
+    on_trainer = jax.device_put(
+        p1, resolve_shardings(logical_specs(p1), trainer_mesh, TRAINER_RULES, shapes=p1)
+    )
+    p4 = reshard(on_trainer, four.param_shardings)
     q_kernel = [x for x in jax.tree.leaves(p4) if x.ndim == 3][0]
-    assert len(q_kernel.sharding.device_set) == 4 and not q_kernel.sharding.is_fully_replicated
+    assert q_kernel.sharding.device_set == set(decode_mesh.devices.flat)
+    assert not q_kernel.sharding.is_fully_replicated
     sp = SamplingParams(temperature=0.0, max_tokens=10)
     outs = []
-    for eng, p in ((one, p1), (four, p4)):
-        drv = InferenceDriver(eng, p, 0)
+    for eng, start_params, swap in ((one, p1, None), (four, four.load_params(seed=9), p4)):
+        drv = InferenceDriver(eng, start_params, 0)
+        if swap is not None:
+            drv.swap_params(swap, 1)
         drv.start()
         try:
             outs.append(
@@ -214,7 +225,7 @@ def test_sharded_engine_on_4_devices_matches_1_device():
         finally:
             drv.stop()
     for a, b in zip(*outs, strict=True):
-        assert a.token_ids == b.token_ids
+        assert a.token_ids == b.token_ids and b.versions == [1] * 10
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
