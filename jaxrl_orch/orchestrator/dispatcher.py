@@ -143,7 +143,6 @@ class RolloutDispatcher:
         eval_num_examples: int = 8,
         eval_group_size: int = 1,
         eval_sampling: SamplingParams | None = None,
-        eval_every: int | None = None,
         poll_interval_s: float = 0.5,
         stop_timeout_s: float = 30.0,
     ) -> None:
@@ -155,8 +154,6 @@ class RolloutDispatcher:
             raise ValueError(
                 f"max_off_policy_steps must be >= 0 or None, got {max_off_policy_steps}"
             )
-        if eval_every is not None and eval_every < 1:
-            raise ValueError(f"eval_every must be >= 1 or None, got {eval_every!r}")
         self.pool, self.envs, self.policy = pool, dict(envs), policy
         self.group_size = _per_env("group_size", group_size, self.envs, int)
         self.sampling = _per_env("sampling", sampling, self.envs, SamplingParams)
@@ -194,15 +191,12 @@ class RolloutDispatcher:
                 f"eval envs {missing} have no train sampling params: pass eval_sampling"
             )
         self.eval_num_examples, self.eval_group_size = eval_num_examples, eval_group_size
-        self.eval_sampling, self.eval_every = eval_sampling, eval_every
+        self.eval_sampling = eval_sampling
         self.max_inflight = max_inflight
         self.max_off_policy_steps = max_off_policy_steps
         self.capacity_fn, self.on_admit, self.on_finish = capacity_fn, on_admit, on_finish
-        self.clock, self.poll_interval_s, self.stop_timeout_s = (
-            clock,
-            poll_interval_s,
-            stop_timeout_s,
-        )
+        self.clock = clock
+        self.poll_interval_s, self.stop_timeout_s = poll_interval_s, stop_timeout_s
 
         self.out_q: asyncio.Queue[Episode] = asyncio.Queue()
         self.permits = max_inflight
@@ -297,12 +291,6 @@ class RolloutDispatcher:
             counts[env] = self.eval_num_examples * self.eval_group_size
         self._wake.set()
         return counts
-
-    def maybe_schedule_eval(self, step: int) -> dict[str, int]:
-        """``schedule_eval(step)`` when ``eval_every`` divides ``step``, else nothing."""
-        if self.eval_every is None or step % self.eval_every:
-            return {}
-        return self.schedule_eval(step)
 
     def cancel_stale(self, min_version: int) -> int:
         """Cancel train work of groups opened before ``min_version``; returns rollouts cancelled.

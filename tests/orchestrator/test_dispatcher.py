@@ -379,11 +379,9 @@ def test_eval_rollouts_run_alongside_training_outside_the_gate():
             eval_sources={"evalenv": CountingSource()},
             eval_num_examples=3,
             eval_sampling=SamplingParams(temperature=0.0),
-            eval_every=5,
         )
         runner = asyncio.create_task(d.start())
-        assert d.maybe_schedule_eval(3) == {}
-        assert d.maybe_schedule_eval(5) == {"evalenv": 3}
+        assert d.schedule_eval(5) == {"evalenv": 3}
         await until(loop, lambda: len(ev.calls) == 3 and d.idle is False)
         assert d.schedule_eval(10) == {"evalenv": 3}
         await until(loop, lambda: len(ev.calls) == 6)
