@@ -1,0 +1,499 @@
+"""Orchestrator: the composition root and the main loop.
+
+What it owns: building and wiring the components (``setup``), running them (``start``), the
+main loop that routes finished episodes and ships training batches (``main_loop`` /
+``_try_ship``), the drain at the step target or on request, and a bounded shutdown. It is the
+only module that knows every component; components never import each other. They are wired
+here by constructor arguments and callbacks:
+
+- gate <- dispatcher: ``capacity_fn`` / ``on_admit`` / ``on_finish`` (train rollouts only);
+- gate <- train sink: ``on_discard`` (clean rollouts dropped later free their slots);
+- gate, dispatcher <- weight watcher: the shared ``PolicyHandle`` plus ``on_version``;
+- logger <- everyone: it pulls ``gauges()``.
+
+Shipping batch ``step`` (1-based; after it trains, the trainer publishes version ``step``):
+1. drain instead once ``step > max_steps``;
+2. version hold (prime-rl): wait until ``policy.version >= step - 1 - max_lag`` (``bench``
+   bypasses it); a hold parked longer than ``stall_timeout_s`` raises ``WatcherStallError``;
+3. observed-age policy (DESIGN.md section 4): ``pace`` also waits until no train rollout still
+   in flight started before version ``step - max_staleness`` (it would land too late to be
+   trained within the bound), and batches take the oldest heads first;
+4. take the batch from the sink; an empty one counts towards the empty-batch guard;
+5. stamp ``off_policy_steps = (step - 1) - head_version`` on live-policy rollouts; ``drop``
+   discards rollouts past the bound here and cancels in-flight ones that can no longer make it;
+6. persist the trained rollouts, then ship, then ``step += 1``.
+
+Invariants: every episode taken off ``out_q`` goes to exactly one sink; a batch's rollouts are
+on disk before the trainer sees it; a background component that dies is re-raised here; the
+first step after a resume admits at most ``(S + 1) * B`` rollouts or the run fails
+(``ResumeBurstError``). It never blocks the event loop: the trainer works in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl_orch.orchestrator.dispatcher import RolloutDispatcher
+from jaxrl_orch.orchestrator.eval_sink import EvalSink
+from jaxrl_orch.orchestrator.gate import ResumeBurstError, StalenessGate
+from jaxrl_orch.orchestrator.logger import PeriodicLogger
+from jaxrl_orch.orchestrator.store import RolloutStore
+from jaxrl_orch.orchestrator.train_sink import TrainSink
+from jaxrl_orch.orchestrator.watcher import WeightWatcher
+from jaxrl_orch.types import (
+    Environment,
+    EvalBatch,
+    InferencePool,
+    MetricsWriter,
+    PolicyHandle,
+    Rollout,
+    SamplingParams,
+    Source,
+    TrainBatch,
+    Trainer,
+)
+
+AGE_POLICIES = ("admit", "drop", "pace")
+
+
+class EmptyBatchError(RuntimeError):
+    """Too many consecutive batches had nothing trainable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OrchestratorConfig:
+    max_steps: int
+    batch_size: int  # rollouts per training batch (B)
+    group_size: int
+    max_staleness: int = 1  # S: the admission gate's bound, in policy versions
+    max_concurrent: int = 64  # in-flight train rollouts (dispatcher permits and gate)
+    age_policy: str = "admit"
+    max_lag: int | None = None  # version hold; None means max_staleness
+    empty_batch_limit: int = 10
+    eval_every: int | None = None
+    eval_at_start: bool = True
+    bench: bool = False
+    poll_s: float = 0.5
+    stall_timeout_s: float | None = 600.0
+    shutdown_timeout_s: float = 30.0
+    recover_gate_on_resume: bool = True  # False only to demonstrate the resume-burst alarm
+
+    def __post_init__(self) -> None:
+        if self.age_policy not in AGE_POLICIES:
+            raise ValueError(f"age_policy must be one of {AGE_POLICIES}, got {self.age_policy!r}")
+        for name in ("max_steps", "batch_size", "group_size", "max_concurrent"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of group_size "
+                f"({self.group_size}): a batch holds whole groups"
+            )
+        if self.max_concurrent < self.group_size:
+            raise ValueError(
+                f"max_concurrent ({self.max_concurrent}) must be >= group_size "
+                f"({self.group_size}) so a whole group can be in flight"
+            )
+        if self.max_staleness < 0 or (self.max_lag is not None and self.max_lag < 0):
+            raise ValueError(
+                f"max_staleness and max_lag must be >= 0, got {self.max_staleness}, {self.max_lag}"
+            )
+
+    @property
+    def lag(self) -> int:
+        return self.max_staleness if self.max_lag is None else self.max_lag
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What the loop measured about one shipped step (also written as step metrics)."""
+
+    step: int
+    metrics: dict[str, float]
+
+
+def _percentiles(values: Sequence[float], prefix: str) -> dict[str, float]:
+    if not values:
+        return {}
+    a = np.asarray(values, np.float64)
+    return {
+        f"{prefix}_max": float(a.max()),
+        f"{prefix}_mean": float(a.mean()),
+        f"{prefix}_p50": float(np.percentile(a, 50)),
+        f"{prefix}_p95": float(np.percentile(a, 95)),
+        f"{prefix}_p99": float(np.percentile(a, 99)),
+    }
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        *,
+        pool: InferencePool,
+        envs: Mapping[str, Environment],
+        source: Source | Mapping[str, Source],
+        sampling: SamplingParams,
+        trainer: Trainer,
+        version_source: Any,
+        reload_fn: Callable[..., Any],
+        algorithm: Any = "grpo",
+        eval_envs: Mapping[str, Environment] | None = None,
+        eval_sources: Mapping[str, Source] | None = None,
+        eval_num_examples: int = 8,
+        eval_sampling: SamplingParams | None = None,
+        writers: Sequence[MetricsWriter] = (),
+        gauge_sources: Sequence[Any] = (),
+        log_interval_s: float = 10.0,
+        store_dir: str | None = None,
+        start_step: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        on_step: Callable[[int, dict[str, Any]], Any] | None = None,
+        sink_kwargs: Mapping[str, Any] | None = None,
+        dispatcher_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if start_step < 1:
+            raise ValueError(f"start_step must be >= 1, got {start_step}")
+        self.config = config
+        self.clock = clock
+        self.trainer = trainer
+        self.on_step = on_step
+        self.step = start_step
+        self.start_step = start_step
+        self.resumed = start_step > 1
+        # Versions count finished optimizer steps, so a run resumed before step k holds k - 1.
+        self.policy = PolicyHandle(start_step - 1)
+        cfg = config
+        self.gate = StalenessGate(cfg.max_staleness, cfg.batch_size, cfg.max_concurrent)
+        if self.resumed:
+            if cfg.recover_gate_on_resume:
+                self.gate.on_version_recovered(self.policy.version)
+            else:
+                self.gate.on_version(self.policy.version)
+        self.dispatcher = RolloutDispatcher(
+            pool,
+            envs,
+            source,
+            self.policy,
+            max_inflight=cfg.max_concurrent + (eval_num_examples if eval_sources else 0),
+            group_size=cfg.group_size,
+            sampling=sampling,
+            capacity_fn=self.gate.capacity,
+            on_admit=self._on_admit,
+            on_finish=self.gate.on_finish,
+            clock=clock,
+            eval_envs=eval_envs,
+            eval_sources=eval_sources,
+            eval_num_examples=eval_num_examples,
+            eval_sampling=eval_sampling,
+            **dict(dispatcher_kwargs or {}),
+        )
+        self.train_sink = TrainSink(
+            cfg.group_size,
+            cfg.batch_size,
+            algorithm,
+            first_step=start_step,
+            auto_batch=False,
+            batch_order="oldest" if cfg.age_policy == "pace" else "arrival",
+            on_discard=self.gate.on_discard,
+            **dict(sink_kwargs or {}),
+        )
+        self.eval_sink = EvalSink()
+        self.watcher = WeightWatcher(
+            version_source, reload_fn, self.policy, observers=[self.gate], clock=clock
+        )
+        self.store = RolloutStore(store_dir) if store_dir else None
+        self.logger = PeriodicLogger(
+            [self.dispatcher, self.gate, self.train_sink, self.watcher, *gauge_sources],
+            list(writers),
+            interval_s=log_interval_s,
+            clock=clock,
+        )
+        self.stopped = asyncio.Event()
+        self.draining = False
+        self.history: list[StepRecord] = []
+        self.eval_history: list[EvalBatch] = []
+        self.dropped_total = 0
+        # Observed head age (in versions) of every live rollout shipped: bounded memory.
+        self.age_histogram: Counter[int] = Counter()
+        self._empty_batches = 0
+        self._tasks: list[asyncio.Task] = []
+        self._pace_since: float | None = None
+        self._parked_s = {"hold": 0.0, "pace": 0.0}
+        self._admitted_at_last_ship = 0
+        self._last_ship_time = clock()
+        self._last_shipped_step = start_step - 1
+        self._final_eval_due = False
+
+    # ------------------------------------------------------------------ wiring callbacks
+
+    def _on_admit(self, n: int) -> None:
+        self.gate.on_admit(n)
+        if self.resumed and self.policy.version == self.start_step - 1:
+            limit = self.gate.pending_limit()
+            if self.gate.admitted_total > limit:
+                raise ResumeBurstError(
+                    f"first step after resuming at version {self.policy.version} admitted "
+                    f"{self.gate.admitted_total} rollouts, more than (S + 1) * B = {limit}: the "
+                    "admission gate's accepted counter was not recovered"
+                )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> list[StepRecord]:
+        await self.start()
+        try:
+            await self.main_loop()
+        finally:
+            await self.shutdown()
+        return self.history
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self.dispatcher.start(), name="dispatcher"),
+            asyncio.create_task(self.watcher.start(), name="watcher"),
+            asyncio.create_task(self.logger.start(), name="logger"),
+        ]
+        self._last_ship_time = self.clock()
+        if self.config.eval_at_start:
+            self._schedule_eval(self.step - 1)
+
+    def request_drain(self) -> None:
+        """Stop admitting train work; let in-flight work land, then stop (SIGTERM path)."""
+        if not self.draining:
+            self.draining = True
+            self.dispatcher.stop_admitting_train()
+
+    async def shutdown(self) -> None:
+        timeout = self.config.shutdown_timeout_s
+        for stop in (self.dispatcher.stop, self.watcher.stop, self.logger.stop):
+            try:
+                await asyncio.wait_for(_maybe_await(stop()), timeout)
+            except TimeoutError:
+                pass  # bounded: everything that matters is already on disk
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _check_tasks(self) -> None:
+        self.dispatcher.check()
+        for t in self._tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+
+    # ------------------------------------------------------------------ main loop
+
+    async def main_loop(self) -> None:
+        while not self.stopped.is_set():
+            self._check_tasks()
+            episode = await self._next_episode()
+            if episode is not None:
+                self._route(episode)
+                if not episode[0].is_eval:
+                    await self.train_sink.add(episode)
+            self._check_tasks()
+            await self._try_ship()
+            if self.draining and self._drained():
+                self.stopped.set()
+
+    async def _next_episode(self) -> list[Rollout] | None:
+        q = self.dispatcher.out_q
+        if not q.empty():
+            return q.get_nowait()
+        get = asyncio.ensure_future(q.get())
+        advanced = asyncio.ensure_future(self.policy.wait_advanced())
+        await asyncio.wait(
+            {get, advanced}, timeout=self.config.poll_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        advanced.cancel()
+        if get.done():
+            return get.result()
+        # A cancelled Queue.get leaves any item it was about to take in the queue.
+        get.cancel()
+        try:
+            await get
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise
+        return None
+
+    def _route(self, episode: list[Rollout]) -> None:
+        landed = float(self.policy.version)
+        for r in episode:
+            r.metrics["orch/landed_version"] = landed
+        if episode[0].is_eval:
+            batch = self.eval_sink.add(episode)
+            if batch is not None:
+                self.eval_history.append(batch)
+                self.logger.write_step(batch.step, batch.metrics)
+
+    def _drained(self) -> bool:
+        if not self.dispatcher.idle or not self.dispatcher.out_q.empty():
+            return False
+        if self.eval_sink.pending():
+            return False
+        # The trainer must have finished what was shipped: the final state matches the data.
+        if not self.config.bench and self.policy.version < self._last_shipped_step:
+            return False
+        if self._final_eval_due:
+            # Evaluate the final weights, not whatever version was live when the drain began.
+            self._final_eval_due = False
+            self._schedule_eval(self._last_shipped_step)
+            return False
+        return True
+
+    def _schedule_eval(self, step: int) -> None:
+        for env, n in self.dispatcher.schedule_eval(step).items():
+            self.eval_sink.expect(step, env, n)
+
+    # ------------------------------------------------------------------ shipping
+
+    def _park_pace(self) -> None:
+        if self._pace_since is None:
+            self._pace_since = self.clock()
+
+    def _unpark_pace(self) -> None:
+        if self._pace_since is not None:
+            self._parked_s["pace"] += self.clock() - self._pace_since
+            self._pace_since = None
+
+    def _pace_blocks(self) -> bool:
+        oldest = self.dispatcher.oldest_train_version()
+        return oldest is not None and oldest < self.step - self.config.max_staleness
+
+    async def _try_ship(self) -> None:
+        cfg = self.config
+        while not self.draining:
+            if self.step > cfg.max_steps:
+                self._begin_final_drain()
+                return
+            if self.train_sink.ready_count < cfg.batch_size:
+                return
+            required = self.step - 1 - cfg.lag
+            if not cfg.bench and self.policy.version < required:
+                # Parks the main loop (the dispatcher keeps generating into out_q); a hold that
+                # outlasts stall_timeout_s raises WatcherStallError instead of halting silently.
+                t0 = self.clock()
+                await self.watcher.wait_for_version(required, timeout=cfg.stall_timeout_s)
+                self._parked_s["hold"] += self.clock() - t0
+                continue
+            if cfg.age_policy == "pace" and self._pace_blocks():
+                # Not blocking: stragglers must keep landing in the sink while we wait.
+                self._park_pace()
+                return
+            self._unpark_pace()
+            batch = self.train_sink.take_batch()
+            if batch is None:
+                return
+            if cfg.age_policy == "drop":
+                self._drop_stale(batch)
+            if not batch.samples:
+                self._empty_batches += 1
+                if self._empty_batches >= cfg.empty_batch_limit:
+                    raise EmptyBatchError(
+                        f"{self._empty_batches} consecutive batches had nothing trainable "
+                        f"(last before step {self.step}): check the environment and reward"
+                    )
+                continue
+            self._empty_batches = 0
+            await self._ship(batch)
+
+    def _stamp_ages(self, rollouts: Sequence[Rollout], step: int, now: float) -> None:
+        for r in rollouts:
+            r.shipped_at = now
+            if r.live_policy:
+                r.off_policy_steps = (step - 1) - r.head_version
+            for s in r.samples:
+                s.off_policy_steps = r.off_policy_steps
+
+    def _drop_stale(self, batch: TrainBatch) -> None:
+        bound = self.config.max_staleness
+        keep, dropped = [], 0
+        for r in batch.trained:
+            if r.live_policy and (self.step - 1) - r.head_version > bound:
+                dropped += 1
+            else:
+                keep.append(r)
+        if dropped:
+            self.dropped_total += dropped
+            batch.trained = keep
+            batch.samples = [s for r in keep for s in r.samples]
+        batch.metrics["orch/dropped"] = float(dropped)
+
+    async def _ship(self, batch: TrainBatch) -> None:
+        step = self.step
+        now = self.clock()
+        batch.step = step
+        self._stamp_ages(batch.trained, step, now)
+        if self.store is not None:
+            await self.store.write_async(step, batch.trained)
+        self.trainer.submit(batch)
+        self._last_shipped_step = step
+        metrics = dict(batch.metrics)
+        metrics.update(self._step_metrics(batch, now))
+        self.history.append(StepRecord(step, metrics))
+        self.logger.write_step(step, metrics)
+        self.step += 1
+        if self.config.age_policy == "drop":
+            # In flight since before this version: it would land at least one step too late.
+            self.dispatcher.cancel_stale(self.step - 1 - self.config.max_staleness)
+        if self.config.eval_every and step % self.config.eval_every == 0:
+            self._schedule_eval(step)
+        if self.on_step is not None:
+            await _maybe_await(self.on_step(step, self.state()))
+
+    def _step_metrics(self, batch: TrainBatch, now: float) -> dict[str, float]:
+        live = [r for r in batch.trained if r.live_policy and r.off_policy_steps is not None]
+        ages = [r.off_policy_steps for r in live]
+        self.age_histogram.update(ages)
+        in_flight = [r.metrics["orch/landed_version"] - r.head_version for r in live]
+        in_queue = [(batch.step - 1) - r.metrics["orch/landed_version"] for r in live]
+        m: dict[str, float] = {"step": float(batch.step), "orch/version": float(self.policy.version)}
+        m.update(_percentiles(ages, "orch/age"))
+        m.update(_percentiles(in_flight, "orch/age_in_flight"))
+        m.update(_percentiles(in_queue, "orch/age_in_queue"))
+        m.update(_percentiles([r.finished_at - r.admitted_at for r in live], "orch/in_flight_s"))
+        m.update(_percentiles([now - r.finished_at for r in live], "orch/in_queue_s"))
+        admitted = self.gate.admitted_total - self._admitted_at_last_ship
+        self._admitted_at_last_ship = self.gate.admitted_total
+        m["orch/admitted"] = float(admitted)
+        m["orch/step_s"] = now - self._last_ship_time
+        self._last_ship_time = now
+        for reason, secs in self._parked_s.items():
+            m[f"orch/parked_{reason}_s"] = secs
+            self._parked_s[reason] = 0.0
+        m["orch/out_q_depth"] = float(self.dispatcher.out_q.qsize())
+        m["orch/trainable_samples"] = float(len(batch.samples))
+        m["orch/dropped_total"] = float(self.dropped_total)
+        return {k: v for k, v in m.items() if math.isfinite(v)}
+
+    def _begin_final_drain(self) -> None:
+        self.request_drain()
+        self._final_eval_due = bool(self.dispatcher.eval_sources)
+
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> dict[str, Any]:
+        """Everything a resume needs from the orchestrator (saved with the trainer's step)."""
+        return {
+            "step": self.step,
+            "gate": self.gate.state(),
+            "train_sink": self.train_sink.state(),
+            "dispatcher": self.dispatcher.state(),
+        }
+
+
+async def _maybe_await(value: Any) -> Any:
+    if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
+        return await value
+    return value
