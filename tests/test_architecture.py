@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _lint_imports(root: Path = ROOT) -> subprocess.CompletedProcess:
     exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
     return subprocess.run(
-        [exe, "--config", str(root / "pyproject.toml"), "--no-cache"],
+        [exe, str(root / "pyproject.toml"), "--no-cache"],
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
         capture_output=True,

@@ -416,7 +416,10 @@ class RolloutDispatcher:
         if env is None:
             return False
         size = self.group_size[env]
-        if (size if self._runs_groups(env) else 1) > min(self.permits, self.capacity_fn()):
+        # A fresh group opens only when the gate has room for all of it: a group half-admitted
+        # when the gate closes would wait for the next version to finish, and its early rollouts
+        # would age in the sink past the bound (the gate's promise is per group, like AReaL's).
+        if (size if self._runs_groups(env) else 1) > self.permits or size > self.capacity_fn():
             return False
         try:
             example = self.sources[env].next_example()
