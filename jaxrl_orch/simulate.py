@@ -276,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="rollouts per step")
     p.add_argument("--group-size", type=int, default=d.group_size)
     p.add_argument("--max-concurrent", type=int, default=d.max_concurrent)
-    p.add_argument("--latency", default=d.latency, help="fixed:X | uniform:A:B | lognormal:MU:SIGMA")
+    p.add_argument(
+        "--latency", default=d.latency, help="fixed:X | uniform:A:B | lognormal:MU:SIGMA"
+    )
     p.add_argument("--train-time", type=float, default=d.train_time, help="seconds per step")
     p.add_argument("--transfer-time", type=float, default=d.transfer_time)
     p.add_argument("--steps", type=int, default=d.steps)

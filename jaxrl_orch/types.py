@@ -267,16 +267,14 @@ class PolicyHandle:
 class InferenceClient(Protocol):
     """The async interface environments call to generate. Multi-turn: pass the full history."""
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion:
-        ...
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion: ...
 
 
 @runtime_checkable
 class InferencePool(Protocol):
     """Several clients (engines/replicas); ``select`` picks one to pin a group to."""
 
-    def select(self) -> InferenceClient:
-        ...
+    def select(self) -> InferenceClient: ...
 
 
 @runtime_checkable
@@ -294,22 +292,18 @@ class Environment(Protocol):
         group_id: int,
         episode_id: int,
         sampling: SamplingParams,
-    ) -> Rollout:
-        ...
+    ) -> Rollout: ...
 
 
 @runtime_checkable
 class Source(Protocol):
     """Where prompts come from. Its state is part of the checkpoint (the data cursor)."""
 
-    def next_example(self) -> dict[str, Any]:
-        ...
+    def next_example(self) -> dict[str, Any]: ...
 
-    def state(self) -> dict[str, Any]:
-        ...
+    def state(self) -> dict[str, Any]: ...
 
-    def restore(self, state: dict[str, Any]) -> None:
-        ...
+    def restore(self, state: dict[str, Any]) -> None: ...
 
 
 @runtime_checkable
@@ -318,23 +312,19 @@ class Algorithm(Protocol):
 
     name: str
 
-    def advantages(self, rewards: np.ndarray) -> np.ndarray:
-        ...
+    def advantages(self, rewards: np.ndarray) -> np.ndarray: ...
 
 
 @runtime_checkable
 class VersionObserver(Protocol):
-    def on_version(self, version: int) -> None:
-        ...
+    def on_version(self, version: int) -> None: ...
 
 
 @runtime_checkable
 class MetricsWriter(Protocol):
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        ...
+    def write(self, step: int, metrics: dict[str, float]) -> None: ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 @runtime_checkable
@@ -342,5 +332,4 @@ class Trainer(Protocol):
     """What the orchestrator ships batches to. ``submit`` must not block the event loop: the
     trainer works in the background and publishes ``(version, params)`` when a step is done."""
 
-    def submit(self, batch: TrainBatch) -> None:
-        ...
+    def submit(self, batch: TrainBatch) -> None: ...

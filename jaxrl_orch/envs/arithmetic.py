@@ -66,6 +66,10 @@ class ArithmeticEnv(SingleTurnEnv):
         prefix = f"{self.instruction}\n" if self.instruction else ""
         return [{"role": "user", "content": f"{prefix}{question}="}]
 
+    def reference_completion(self, example: dict[str, Any]) -> str:
+        """The correct answer, for SFT warm-up (the reward of this text is 1.0)."""
+        return f"<answer>{truth_int(example)}</answer>"
+
     def score(self, text: str, example: dict[str, Any]) -> tuple[float, dict[str, float]]:
         answer = parse_int_answer(text)
         reward = float(answer is not None and answer == truth_int(example))

@@ -55,6 +55,10 @@ class ReverseTextEnv(SingleTurnEnv):
             )
         return [{"role": "user", "content": f"{self.instruction}\n{text}"}]
 
+    def reference_completion(self, example: dict[str, Any]) -> str:
+        """The perfect answer, for SFT warm-up (the reward of this text is 1.0)."""
+        return f"<answer>{example['text'][::-1]}</answer>"
+
     def score(self, text: str, example: dict[str, Any]) -> tuple[float, dict[str, float]]:
         answer = extract_answer(text)
         reward = reverse_text_reward(answer, example["text"])

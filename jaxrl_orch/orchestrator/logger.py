@@ -62,6 +62,8 @@ class ConsoleWriter:
         m = _clean(metrics)
         keys = self.keys if self.keys is not None else sorted(m)
         body = " ".join(f"{k}={m[k]:.4g}" for k in keys if k in m)
+        if not body:
+            return  # none of the chosen keys: no empty line
         print(f"step {step} | {body}", file=self.stream or sys.stdout, flush=True)
 
     def close(self) -> None:

@@ -32,6 +32,7 @@ first step after a resume admits at most ``(S + 1) * B`` rollouts or the run fai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import time
@@ -152,6 +153,7 @@ class Orchestrator:
         eval_num_examples: int = 8,
         eval_sampling: SamplingParams | None = None,
         writers: Sequence[MetricsWriter] = (),
+        gauge_writers: Sequence[MetricsWriter] = (),
         gauge_sources: Sequence[Any] = (),
         log_interval_s: float = 10.0,
         store_dir: str | None = None,
@@ -214,10 +216,12 @@ class Orchestrator:
         self.store = RolloutStore(store_dir) if store_dir else None
         self.logger = PeriodicLogger(
             [self.dispatcher, self.gate, self.train_sink, self.watcher, *gauge_sources],
-            list(writers),
+            list(gauge_writers),
             interval_s=log_interval_s,
             clock=clock,
         )
+        # Per-step and per-eval metrics go here; periodic gauge snapshots go to gauge_writers.
+        self.writers = list(writers)
         self.stopped = asyncio.Event()
         self.draining = False
         self.history: list[StepRecord] = []
@@ -232,6 +236,7 @@ class Orchestrator:
         self._admitted_at_last_ship = 0
         self._last_ship_time = clock()
         self._last_shipped_step = start_step - 1
+        self._groups_at_last_ship = 0.0
         self._final_eval_due = False
 
     # ------------------------------------------------------------------ wiring callbacks
@@ -276,13 +281,14 @@ class Orchestrator:
     async def shutdown(self) -> None:
         timeout = self.config.shutdown_timeout_s
         for stop in (self.dispatcher.stop, self.watcher.stop, self.logger.stop):
-            try:
+            # Bounded: everything that matters is already on disk.
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(_maybe_await(stop()), timeout)
-            except TimeoutError:
-                pass  # bounded: everything that matters is already on disk
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for w in self.writers:
+            w.close()
 
     def _check_tasks(self) -> None:
         self.dispatcher.check()
@@ -300,6 +306,7 @@ class Orchestrator:
                 self._route(episode)
                 if not episode[0].is_eval:
                     await self.train_sink.add(episode)
+                    self._check_signal()
             self._check_tasks()
             await self._try_ship()
             if self.draining and self._drained():
@@ -334,7 +341,24 @@ class Orchestrator:
             batch = self.eval_sink.add(episode)
             if batch is not None:
                 self.eval_history.append(batch)
-                self.logger.write_step(batch.step, batch.metrics)
+                self.write_metrics(batch.step, batch.metrics)
+
+    def _check_signal(self) -> None:
+        """The empty-batch guard at group granularity: with dynamic sampling a batch that never
+        fills (every group flat, e.g. a reward that is always 0) would spin forever."""
+        groups = self.train_sink.gauges()["train_sink/groups_seen_total"]
+        limit = self.config.empty_batch_limit * (self.config.batch_size // self.config.group_size)
+        if groups - self._groups_at_last_ship > limit and not self.draining:
+            raise EmptyBatchError(
+                f"{int(groups - self._groups_at_last_ship)} groups completed since the last "
+                f"batch without filling one (limit {limit}): every group was filtered (no "
+                "reward variance, errors or filters); check the environment, the reward and "
+                "the initial policy (an SFT warm-up?)"
+            )
+
+    def write_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        for w in self.writers:
+            w.write(step, metrics)
 
     def _drained(self) -> bool:
         if not self.dispatcher.idle or not self.dispatcher.out_q.empty():
@@ -376,16 +400,18 @@ class Orchestrator:
             if self.step > cfg.max_steps:
                 self._begin_final_drain()
                 return
-            if self.train_sink.ready_count < cfg.batch_size:
-                return
             required = self.step - 1 - cfg.lag
             if not cfg.bench and self.policy.version < required:
-                # Parks the main loop (the dispatcher keeps generating into out_q); a hold that
-                # outlasts stall_timeout_s raises WatcherStallError instead of halting silently.
+                # Checked before the batch is even full: a stalled trainer also closes the gate,
+                # so the batch may never fill. Parks the main loop (the dispatcher keeps
+                # generating into out_q); a hold that outlasts stall_timeout_s raises
+                # WatcherStallError instead of halting silently.
                 t0 = self.clock()
                 await self.watcher.wait_for_version(required, timeout=cfg.stall_timeout_s)
                 self._parked_s["hold"] += self.clock() - t0
                 continue
+            if self.train_sink.ready_count < cfg.batch_size:
+                return
             if cfg.age_policy == "pace" and self._pace_blocks():
                 # Not blocking: stragglers must keep landing in the sink while we wait.
                 self._park_pace()
@@ -438,15 +464,21 @@ class Orchestrator:
             await self.store.write_async(step, batch.trained)
         self.trainer.submit(batch)
         self._last_shipped_step = step
+        self._groups_at_last_ship = self.train_sink.gauges()["train_sink/groups_seen_total"]
         metrics = dict(batch.metrics)
         metrics.update(self._step_metrics(batch, now))
         self.history.append(StepRecord(step, metrics))
-        self.logger.write_step(step, metrics)
+        self.write_metrics(step, metrics)
         self.step += 1
         if self.config.age_policy == "drop":
             # In flight since before this version: it would land at least one step too late.
             self.dispatcher.cancel_stale(self.step - 1 - self.config.max_staleness)
-        if self.config.eval_every and step % self.config.eval_every == 0:
+        # The last step's eval is the final one, run on the final weights after the drain.
+        if (
+            self.config.eval_every
+            and step % self.config.eval_every == 0
+            and step < self.config.max_steps
+        ):
             self._schedule_eval(step)
         if self.on_step is not None:
             await _maybe_await(self.on_step(step, self.state()))
@@ -457,7 +489,10 @@ class Orchestrator:
         self.age_histogram.update(ages)
         in_flight = [r.metrics["orch/landed_version"] - r.head_version for r in live]
         in_queue = [(batch.step - 1) - r.metrics["orch/landed_version"] for r in live]
-        m: dict[str, float] = {"step": float(batch.step), "orch/version": float(self.policy.version)}
+        m: dict[str, float] = {
+            "step": float(batch.step),
+            "orch/version": float(self.policy.version),
+        }
         m.update(_percentiles(ages, "orch/age"))
         m.update(_percentiles(in_flight, "orch/age_in_flight"))
         m.update(_percentiles(in_queue, "orch/age_in_queue"))
@@ -479,7 +514,6 @@ class Orchestrator:
     def _begin_final_drain(self) -> None:
         self.request_drain()
         self._final_eval_due = bool(self.dispatcher.eval_sources)
-
 
     # ------------------------------------------------------------------ state
 

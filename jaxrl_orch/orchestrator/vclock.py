@@ -86,7 +86,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 def run_virtual(main: Callable[[], Coroutine[Any, Any, T]]) -> tuple[T, float]:
-    """Run ``main()`` to completion on a fresh virtual-time loop; return (result, virtual seconds)."""
+    """Run ``main()`` on a fresh virtual-time loop; return (result, virtual seconds)."""
     loop = VirtualTimeLoop()
     try:
         asyncio.set_event_loop(loop)

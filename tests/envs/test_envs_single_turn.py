@@ -209,3 +209,16 @@ def test_tokenizer_without_chat_template_is_rejected():
 
     with pytest.raises(TypeError, match="apply_chat_template"):
         ReverseTextEnv(Half())
+
+
+def test_reference_completions_score_one():
+    from jaxrl_orch.envs.arithmetic import ArithmeticEnv
+    from jaxrl_orch.envs.reverse_text import ReverseTextEnv
+    from jaxrl_orch.models.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    rt, ar = ReverseTextEnv(tok), ArithmeticEnv(tok)
+    ex = {"text": "In 1891 the community inaugurated its own cemetery"}
+    assert rt.score(rt.reference_completion(ex), ex)[0] == 1.0
+    ex = {"question": "12+7", "answer": 19}
+    assert ar.score(ar.reference_completion(ex), ex)[0] == 1.0

@@ -1,0 +1,76 @@
+"""TrainConfig: every setting of ``python -m jaxrl_orch.train``, bound by gin.
+
+One frozen dataclass, so the whole run is described by one gin file; an unknown binding fails
+at parse time naming the parameter. The defaults are the embedded CPU scenario (tiny byte-level
+model, bundled reverse-text task); ``configs/*.gin`` override them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gin
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: str = "tiny-byte"
+    env: str = "reverse_text"
+    dataset: str = "jaxrl_reverse_text"
+    data_dir: str | None = None
+    seed: int = 0
+    # SFT warm-up
+    sft_steps: int = 150
+    sft_batch_size: int = 64
+    sft_learning_rate: float = 3e-3
+    # RL
+    rl_steps: int = 40
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_staleness: int = 1
+    age_policy: str = "admit"
+    max_concurrent: int | None = None  # default: (max_staleness + 1) * batch
+    algorithm: str = "grpo"
+    dynamic_sampling: bool = True  # drop flat groups and wait for groups with signal (DAPO)
+    rl_learning_rate: float = 5e-4
+    temperature: float = 1.0
+    max_new_tokens: int = 72
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    loss_norm: str = "token"
+    kl_beta: float = 0.0
+    # packing / shapes
+    row_len: int = 256  # attention is quadratic in the row: short rows are cheaper on CPU
+    rows_per_batch: int | None = None  # None: as many as needed, rounded up to chunk_rows
+    chunk_rows: int = 8
+    # engine
+    decode_slots: int = 32
+    max_target_length: int = 256
+    steps_per_call: int = 8
+    # placement: {} means all devices split evenly; colocated shares one set of devices
+    trainer_mesh: tuple[tuple[str, int], ...] = ()
+    decode_mesh: tuple[tuple[str, int], ...] = ()
+    colocated: bool | None = None  # None: colocated iff there is one device
+    # evaluation / checkpoints / logging
+    eval_every: int = 10
+    eval_examples: int = 64
+    checkpoint_every: int = 10
+    max_to_keep: int = 2
+    stall_timeout_s: float = 600.0
+    log_interval_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        from jaxrl_orch.orchestrator.loop import AGE_POLICIES
+
+        if self.age_policy not in AGE_POLICIES:
+            raise ValueError(f"age_policy must be one of {AGE_POLICIES}, got {self.age_policy!r}")
+        for name in ("rl_steps", "prompts_per_step", "group_size", "sft_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.sft_steps < 0 or self.max_staleness < 0:
+            raise ValueError("TrainConfig.sft_steps and max_staleness must be >= 0")
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.group_size

@@ -1,0 +1,350 @@
+"""Experiment: everything ``python -m jaxrl_orch.train`` builds and runs, for one workdir.
+
+Owns the workdir layout::
+
+    config.gin          resolved gin config         metrics.jsonl   one object per step / eval
+    sft/                SFT warm-up checkpoint      gauges.jsonl    periodic component gauges
+    checkpoints/        RL checkpoints (orbax)      rollouts/       trained rollouts per step
+    tb/                 TensorBoard events          summary.json, report.md, *.png
+
+Stages: ``validate`` (meshes, model, data: before any work), ``run`` = SFT (or restore it) then
+RL on an asyncio loop, ``finish`` (summary + report). RL checkpoints are taken on the trainer's
+worker thread inside its publish callback, i.e. between two optimizer steps, with the
+orchestrator's state fetched from the event loop; the last one after the drain. On resume the
+engine is built with the restored weights, so no rollout can come from older ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_orch.algorithms.losses import PolicyLossConfig
+from jaxrl_orch.config import TrainConfig
+from jaxrl_orch.data.sources import make_source
+from jaxrl_orch.envs.base import make_env
+from jaxrl_orch.inference.client import ClientPool, EngineClient
+from jaxrl_orch.inference.driver import InferenceDriver
+from jaxrl_orch.inference.engine import DecodeEngine
+from jaxrl_orch.models.configs import get_config
+from jaxrl_orch.models.tokenizer import ByteTokenizer
+from jaxrl_orch.orchestrator.logger import ConsoleWriter, JsonlWriter, TensorBoardWriter
+from jaxrl_orch.orchestrator.loop import Orchestrator, OrchestratorConfig
+from jaxrl_orch.orchestrator.watcher import InProcessPublisher
+from jaxrl_orch.report import write_report
+from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
+from jaxrl_orch.trainer.sft import run_sft, sft_sample
+from jaxrl_orch.trainer.step import OptimConfig, StepConfig
+from jaxrl_orch.trainer.trainer import Trainer
+from jaxrl_orch.types import Sample, SamplingParams
+from sharding.mesh import make_meshes
+from sharding.reshard import reshard
+
+_CONSOLE_KEYS = ("train/reward_mean", "orch/age_max", "orch/step_s", "orch/admitted")
+
+
+class Experiment:
+    def __init__(self, cfg: TrainConfig, workdir: Path) -> None:
+        self.cfg = cfg
+        self.workdir = workdir
+        self.tokenizer = ByteTokenizer()
+        self.model_cfg = get_config(cfg.model)
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.orch: Orchestrator | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def validate(self) -> None:
+        """Fail before any work: mesh shapes vs devices, env, data (built once if bundled)."""
+        cfg = self.cfg
+        n = len(jax.devices())
+        self.colocated = (n == 1) if cfg.colocated is None else cfg.colocated
+        trainer_shape = dict(cfg.trainer_mesh) or (
+            {"fsdp": n} if self.colocated else {"fsdp": n // 2}
+        )
+        decode_shape = dict(cfg.decode_mesh) or (
+            {"tp": n} if self.colocated else {"tp": n - n // 2}
+        )
+        self.decode_mesh, self.trainer_mesh = make_meshes(
+            decode_shape, trainer_shape, colocated=self.colocated
+        )
+        self.env = make_env(cfg.env, tokenizer=self.tokenizer)
+        self.train_source = make_source(
+            cfg.dataset, split="train", data_dir=cfg.data_dir, seed=cfg.seed
+        )
+        self.sft_source = make_source(
+            cfg.dataset, split="train", data_dir=cfg.data_dir, seed=cfg.seed + 1
+        )
+        self.eval_source = make_source(
+            cfg.dataset, split="eval", data_dir=cfg.data_dir, shuffle=False
+        )
+        if not hasattr(self.env, "reference_completion") and cfg.sft_steps:
+            raise ValueError(f"env {cfg.env!r} has no reference completion; set sft_steps=0")
+
+    def write_config(self, text: str) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "config.gin").write_text(text)
+
+    def request_stop(self) -> None:
+        """SIGTERM / Ctrl-C: stop the SFT loop, or drain the RL loop (checkpoint, exit 0)."""
+        self._stop.set()
+        if self._loop is not None and self.orch is not None:
+            self._loop.call_soon_threadsafe(self.orch.request_drain)
+
+    # ------------------------------------------------------------------ SFT
+
+    def _sft_batches(self) -> Iterator[list[Sample]]:
+        while True:
+            batch = []
+            for _ in range(self.cfg.sft_batch_size):
+                ex = self.sft_source.next_example()
+                prompt = self.env.prompt_ids(ex)
+                answer = self.tokenizer.encode(self.env.reference_completion(ex))
+                batch.append(sft_sample(prompt, [*answer, self.tokenizer.eos_id]))
+            yield batch
+
+    def _make_trainer(self, kind: str, lr: float, **kw: Any) -> Trainer:
+        cfg = self.cfg
+        step = StepConfig(
+            kind=kind,
+            chunk_rows=cfg.chunk_rows,
+            loss=PolicyLossConfig(
+                eps_low=cfg.eps_low, eps_high=cfg.eps_high, norm=cfg.loss_norm, kl_beta=cfg.kl_beta
+            ),
+        )
+        return Trainer(
+            self.model_cfg,
+            self.trainer_mesh,
+            row_len=cfg.row_len,
+            num_rows=cfg.rows_per_batch,
+            step=step,
+            optim=OptimConfig(learning_rate=lr),
+            seed=cfg.seed,
+            pad_id=self.tokenizer.pad_id,
+            **kw,
+        )
+
+    def sft(self, writer: JsonlWriter) -> tuple[Any, dict[str, float]]:
+        cfg = self.cfg
+        trainer = self._make_trainer("sft", cfg.sft_learning_rate)
+        ckpt = Checkpointer(self.workdir / "sft", max_to_keep=1, async_save=False)
+        info: dict[str, float] = {"sft_steps": float(cfg.sft_steps)}
+        try:
+            if ckpt.latest_step() is not None:
+                restore_trainer(ckpt, trainer)
+                info["sft_restored"] = 1.0
+            elif cfg.sft_steps:
+                t0 = time.perf_counter()
+
+                def log(i: int, m: dict[str, float]) -> None:
+                    writer.write(i, m)
+                    if i % 25 == 0 or i == cfg.sft_steps:
+                        print(f"sft {i}/{cfg.sft_steps} loss {m['sft/loss']:.4f}", flush=True)
+                    if self._stop.is_set():
+                        raise _Stopped
+
+                try:
+                    hist = run_sft(trainer, self._sft_batches(), cfg.sft_steps, on_step=log)
+                except _Stopped:
+                    return None, info
+                info["sft_seconds"] = time.perf_counter() - t0
+                info["sft_final_loss"] = hist[-1]["sft/loss"]
+                save_trainer(ckpt, trainer, cfg.sft_steps, {})
+        finally:
+            ckpt.close()
+        return trainer.params, info
+
+    # ------------------------------------------------------------------ RL
+
+    def run(self) -> dict[str, Any]:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        writer = JsonlWriter(self.workdir / "metrics.jsonl")
+        try:
+            params, info = self.sft(writer)
+        finally:
+            writer.close()
+        summary: dict[str, Any] = {**info, "max_staleness": self.cfg.max_staleness}
+        if params is None:
+            return summary
+        summary.update(asyncio.run(self._rl(params)))
+        return summary
+
+    async def _rl(self, sft_params: Any) -> dict[str, Any]:
+        cfg = self.cfg
+        self._loop = asyncio.get_running_loop()
+        trainer = self._make_trainer(
+            "rl", cfg.rl_learning_rate, init_params=sft_params, copy_on_publish=self.colocated
+        )
+        ckpt = Checkpointer(self.workdir / "checkpoints", max_to_keep=cfg.max_to_keep)
+        orch_state: dict[str, Any] = {}
+        if ckpt.latest_step() is not None:
+            orch_state = restore_trainer(ckpt, trainer)
+        start_step = trainer.version + 1
+        engine = DecodeEngine(
+            self.model_cfg,
+            mesh=self.decode_mesh,
+            max_concurrent_decodes=cfg.decode_slots,
+            max_target_length=cfg.max_target_length,
+            steps_per_call=cfg.steps_per_call,
+            tokenizer=self.tokenizer,
+            seed=cfg.seed,
+        )
+        # The engine starts on the trainer's current weights: after a resume, the restored ones.
+        first = jax.tree.map(jnp.copy, trainer.params) if self.colocated else trainer.params
+        driver = InferenceDriver(engine, reshard(first, engine.param_shardings), trainer.version)
+        publisher = InProcessPublisher()
+        timing = {"transfer_s": 0.0, "train_s": 0.0}
+
+        def on_publish(version: int, params: Any) -> None:
+            # Trainer thread, between two steps: params are donated by the next step.
+            timing["train_s"] += trainer.gauges().get("trainer/step_s", 0.0)
+            t0 = time.perf_counter()
+            moved = jax.block_until_ready(reshard(params, engine.param_shardings))
+            timing["transfer_s"] += time.perf_counter() - t0
+            publisher.publish(version, moved)
+            if version % cfg.checkpoint_every == 0 and version < cfg.rl_steps:
+                self._checkpoint_from_trainer_thread(ckpt, trainer, version)
+
+        trainer.add_publisher(on_publish)
+
+        async def reload(version: int, params: Any) -> None:
+            await asyncio.wrap_future(driver.swap_params(params, version))
+
+        ocfg = OrchestratorConfig(
+            max_steps=cfg.rl_steps,
+            batch_size=cfg.batch_size,
+            group_size=cfg.group_size,
+            max_staleness=cfg.max_staleness,
+            max_concurrent=cfg.max_concurrent or (cfg.max_staleness + 1) * cfg.batch_size,
+            age_policy=cfg.age_policy,
+            eval_every=cfg.eval_every,
+            stall_timeout_s=cfg.stall_timeout_s,
+        )
+        sampling = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens)
+        greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens)
+        name = self.env.name
+        self.orch = orch = Orchestrator(
+            ocfg,
+            pool=ClientPool([EngineClient(driver)]),
+            envs={name: self.env},
+            source=self.train_source,
+            sampling=sampling,
+            trainer=trainer,
+            version_source=publisher,
+            reload_fn=reload,
+            algorithm=cfg.algorithm,
+            sink_kwargs={"dynamic_sampling": cfg.dynamic_sampling},
+            eval_envs={name: self.env},
+            eval_sources={name: self.eval_source},
+            eval_num_examples=cfg.eval_examples,
+            eval_sampling=greedy,
+            writers=[
+                JsonlWriter(self.workdir / "metrics.jsonl"),
+                ConsoleWriter(keys=_CONSOLE_KEYS),
+            ],
+            gauge_writers=[
+                JsonlWriter(self.workdir / "gauges.jsonl"),
+                TensorBoardWriter(self.workdir / "tb"),
+            ],
+            gauge_sources=[driver, trainer],
+            log_interval_s=cfg.log_interval_s,
+            store_dir=str(self.workdir / "rollouts"),
+            start_step=start_step,
+            on_step=self._step_timeline(driver, trainer, timing),
+        )
+        if orch_state:
+            orch.dispatcher.restore(orch_state["dispatcher"])
+        if self._stop.is_set():
+            orch.request_drain()
+        driver.start()
+        trainer.start()
+        t0 = time.perf_counter()
+        try:
+            await orch.run()
+            trainer.wait_idle()
+            ckpt.wait()
+            if trainer.version not in ckpt.all_steps() and trainer.version > 0:
+                save_trainer(ckpt, trainer, trainer.version, orch.state())
+            ckpt.wait()
+        finally:
+            trainer.stop()
+            driver.stop()
+            ckpt.close()
+        return self._rl_summary(orch, trainer, start_step, time.perf_counter() - t0)
+
+    def _checkpoint_from_trainer_thread(self, ckpt: Checkpointer, trainer: Trainer, v: int) -> None:
+        async def snapshot() -> dict[str, Any]:
+            return self.orch.state()
+
+        state = asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(timeout=60)
+        st = trainer.state()
+        ckpt.save(
+            v,
+            params=st["params"],
+            opt_state=st["opt_state"],
+            rng=st["rng"],
+            meta={"version": st["version"], "steps_done": st["steps_done"]},
+            orchestrator_state=state,
+        )
+        ckpt.wait()  # the next step donates these arrays: the copy to disk must finish first
+
+    def _step_timeline(self, driver: InferenceDriver, trainer: Trainer, timing: dict) -> Any:
+        last = {"gen": 0.0, "train": 0.0, "transfer": 0.0}
+
+        def on_step(step: int, state: dict[str, Any]) -> None:
+            g = driver.gauges()
+            gen = g["inference/prefill_s"] + g["inference/decode_s"]
+            train = timing["train_s"]
+            m = {
+                "time/generate_s": gen - last["gen"],
+                "time/train_s": max(0.0, train - last["train"]),
+                "time/transfer_s": timing["transfer_s"] - last["transfer"],
+            }
+            last.update(gen=gen, train=train, transfer=timing["transfer_s"])
+            step_s = self.orch.history[-1].metrics.get("orch/step_s", 0.0)
+            m["time/idle_s"] = max(0.0, step_s - max(m["time/generate_s"], m["time/train_s"]))
+            self.orch.history[-1].metrics.update(m)
+            self.orch.write_metrics(step, m)
+
+        return on_step
+
+    def _rl_summary(self, orch: Orchestrator, trainer: Trainer, start: int, secs: float) -> dict:
+        key = f"eval/{self.env.name}/reward_mean"
+        evals = {b.step: b.metrics[key] for b in orch.eval_history if key in b.metrics}
+        before_path = self.workdir / "eval_before_rl.json"
+        if 0 in evals:
+            before_path.write_text(json.dumps({"reward": evals[0]}))
+        before = json.loads(before_path.read_text())["reward"] if before_path.exists() else None
+        rewards = [r.metrics.get("train/reward_mean") for r in orch.history]
+        rewards = [x for x in rewards if x is not None]
+        return {
+            "eval_reward_before_rl": before,
+            "eval_reward_final": evals[max(evals)] if evals else None,
+            "eval_rewards": {str(k): v for k, v in sorted(evals.items())},
+            "rl_steps": trainer.version,
+            "rl_steps_this_run": trainer.version - (start - 1),
+            "resumed_from_step": start - 1 if start > 1 else None,
+            "rl_seconds": secs,
+            "train_reward_first": rewards[0] if rewards else None,
+            "train_reward_last": rewards[-1] if rewards else None,
+            "age_histogram": {str(k): v for k, v in sorted(orch.age_histogram.items())},
+            "age_policy": self.cfg.age_policy,
+            "dropped": orch.dropped_total,
+        }
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        write_report(self.workdir)
+
+
+class _Stopped(Exception):
+    pass
