@@ -16,6 +16,7 @@ import gin
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     model: str = "tiny-byte"
+    tokenizer: str = "byte"  # "byte", or a tokenizer.json path / directory holding one
     env: str = "reverse_text"
     dataset: str = "jaxrl_reverse_text"
     data_dir: str | None = None

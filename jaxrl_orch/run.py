@@ -35,7 +35,7 @@ from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.models.configs import get_config
-from jaxrl_orch.models.tokenizer import ByteTokenizer
+from jaxrl_orch.models.tokenizer import load_tokenizer
 from jaxrl_orch.orchestrator.logger import ConsoleWriter, JsonlWriter, TensorBoardWriter
 from jaxrl_orch.orchestrator.loop import Orchestrator, OrchestratorConfig
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
@@ -55,7 +55,7 @@ class Experiment:
     def __init__(self, cfg: TrainConfig, workdir: Path) -> None:
         self.cfg = cfg
         self.workdir = workdir
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.model_cfg = get_config(cfg.model)
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
