@@ -346,7 +346,7 @@ class Orchestrator:
     def _check_signal(self) -> None:
         """The empty-batch guard at group granularity: with dynamic sampling a batch that never
         fills (every group flat, e.g. a reward that is always 0) would spin forever."""
-        groups = self.train_sink.gauges()["train_sink/groups_seen_total"]
+        groups = self.train_sink.groups_seen_total
         limit = self.config.empty_batch_limit * (self.config.batch_size // self.config.group_size)
         if groups - self._groups_at_last_ship > limit and not self.draining:
             raise EmptyBatchError(
@@ -464,7 +464,7 @@ class Orchestrator:
             await self.store.write_async(step, batch.trained)
         self.trainer.submit(batch)
         self._last_shipped_step = step
-        self._groups_at_last_ship = self.train_sink.gauges()["train_sink/groups_seen_total"]
+        self._groups_at_last_ship = self.train_sink.groups_seen_total
         metrics = dict(batch.metrics)
         metrics.update(self._step_metrics(batch, now))
         self.history.append(StepRecord(step, metrics))

@@ -2,7 +2,7 @@
 
 What it owns: everything between "a rollout finished" and "a batch is ready to ship":
 
-1. Tokenize. Each rollout's trace becomes one ``Sample`` (token ids as sampled, the loss mask,
+1. Tokenize. When its group is complete, each rollout's trace becomes one ``Sample`` (token ids as sampled, the loss mask,
    behavior log-probs and versions on model tokens, the temperature fanned out to every token)
    on a worker thread (``asyncio.to_thread``), so the event loop keeps dispatching. Errored and
    untrainable rollouts are not tokenized; a rollout whose trace is misaligned is turned into an
@@ -184,7 +184,6 @@ class TrainSink:
                     "sink; route is_eval episodes to the eval sink"
                 )
         self._arrived_clean.update(id(r) for r in episode if not r.has_error and r.trainable)
-        await asyncio.to_thread(self._tokenize, episode)
         touched: list[int] = []
         for r in episode:
             group = self._pending.setdefault(r.group_id, [])
@@ -200,8 +199,16 @@ class TrainSink:
                     f"group_size is {size}"
                 )
             if len(group) == size:
-                self._process_group(self._pending.pop(gid))
+                group = self._pending.pop(gid)
+                # One worker-thread hop per group, not per rollout: the hop costs more than
+                # tokenizing a short trace, and nothing needs a rollout's sample earlier.
+                await asyncio.to_thread(self._tokenize, group)
+                self._process_group(group)
         return self.take_batch() if self.auto_batch else None
+
+    @property
+    def groups_seen_total(self) -> float:
+        return self._totals["groups_seen"]
 
     @property
     def ready_count(self) -> int:

@@ -1,0 +1,80 @@
+"""Steady-state RL step time, synchronous (max_staleness 0) vs asynchronous (max_staleness 1).
+
+Runs the real ``python -m jaxrl_orch.train`` machinery (engine, trainer, orchestrator) twice in
+one process on the same scenario: the ~3M-parameter ``small-byte`` model, 8 prompts x 4 samples
+per step, up to 128 new tokens, beta = 0, no SFT (random weights: rewards are flat, so dynamic
+sampling is off and every batch still trains). The step time is the median of ``orch/step_s``
+after the first ``--warmup`` steps (compilation); the breakdown is the per-step median of the
+generate / train / transfer / idle seconds the run records.
+
+    python benchmarks/rl_step.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+
+from jaxrl_orch.config import TrainConfig  # noqa: E402
+from jaxrl_orch.run import Experiment  # noqa: E402
+
+
+def run_once(staleness: int, steps: int, warmup: int, workdir: Path) -> dict:
+    cfg = TrainConfig(
+        model="small-byte",
+        sft_steps=0,
+        rl_steps=steps,
+        prompts_per_step=8,
+        group_size=4,
+        max_new_tokens=128,
+        max_target_length=256,
+        kl_beta=0.0,
+        max_staleness=staleness,
+        dynamic_sampling=False,
+        eval_every=10**6,
+        eval_examples=1,
+        checkpoint_every=10**6,
+        decode_slots=32,
+        row_len=256,
+    )
+    exp = Experiment(cfg, workdir)
+    exp.validate()
+    exp.run()
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "orch/step_s" in r and r["step"] > warmup]
+    med = lambda key: statistics.median(r.get(key, 0.0) for r in rows)  # noqa: E731
+    return {
+        "step_s": med("orch/step_s"),
+        "breakdown": {k: med(f"time/{k}_s") for k in ("generate", "train", "transfer", "idle")},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    # Per-step console lines go to stderr so stdout holds only the result.
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
+        sync = run_once(0, a.steps, a.warmup, Path(tmp) / "sync")
+        async_ = run_once(1, a.steps, a.warmup, Path(tmp) / "async")
+    out = {
+        "sync_step_s": sync["step_s"],
+        "async_step_s": async_["step_s"],
+        "speedup": sync["step_s"] / async_["step_s"],
+        "breakdown": {"sync": sync["breakdown"], "async": async_["breakdown"]},
+    }
+    print(json.dumps(out) if a.json else json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
