@@ -32,9 +32,9 @@ class TrainConfig:
     max_staleness: int = 1
     age_policy: str = "admit"
     max_concurrent: int | None = None  # default: (max_staleness + 1) * batch
-    algorithm: str = "grpo"
+    algorithm: str = "grpo_std"
     dynamic_sampling: bool = True  # drop flat groups and wait for groups with signal (DAPO)
-    rl_learning_rate: float = 5e-4
+    rl_learning_rate: float = 1e-3
     temperature: float = 1.0
     max_new_tokens: int = 72
     eps_low: float = 0.2
@@ -42,7 +42,7 @@ class TrainConfig:
     loss_norm: str = "token"
     kl_beta: float = 0.0
     # packing / shapes
-    row_len: int = 256  # attention is quadratic in the row: short rows are cheaper on CPU
+    row_len: int = 512  # three or four samples a row
     rows_per_batch: int | None = None  # None: as many as needed, rounded up to chunk_rows
     chunk_rows: int = 8
     # engine

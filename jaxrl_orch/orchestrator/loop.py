@@ -236,7 +236,6 @@ class Orchestrator:
         self._admitted_at_last_ship = 0
         self._last_ship_time = clock()
         self._last_shipped_step = start_step - 1
-        self._groups_at_last_ship = 0.0
         self._final_eval_due = False
 
     # ------------------------------------------------------------------ wiring callbacks
@@ -345,15 +344,15 @@ class Orchestrator:
 
     def _check_signal(self) -> None:
         """The empty-batch guard at group granularity: with dynamic sampling a batch that never
-        fills (every group flat, e.g. a reward that is always 0) would spin forever."""
-        groups = self.train_sink.groups_seen_total
+        fills (every group flat, e.g. a reward that is always 0) would otherwise spin forever.
+        Counts consecutive groups that contributed nothing trainable."""
+        empty = self.train_sink.consecutive_empty_groups
         limit = self.config.empty_batch_limit * (self.config.batch_size // self.config.group_size)
-        if groups - self._groups_at_last_ship > limit and not self.draining:
+        if empty > limit and not self.draining:
             raise EmptyBatchError(
-                f"{int(groups - self._groups_at_last_ship)} groups completed since the last "
-                f"batch without filling one (limit {limit}): every group was filtered (no "
-                "reward variance, errors or filters); check the environment, the reward and "
-                "the initial policy (an SFT warm-up?)"
+                f"{empty} groups in a row contributed nothing trainable (limit {limit}): every "
+                "group was filtered (no reward variance, errors or filters); check the "
+                "environment, the reward and the initial policy (an SFT warm-up?)"
             )
 
     def write_metrics(self, step: int, metrics: dict[str, float]) -> None:
@@ -464,7 +463,6 @@ class Orchestrator:
             await self.store.write_async(step, batch.trained)
         self.trainer.submit(batch)
         self._last_shipped_step = step
-        self._groups_at_last_ship = self.train_sink.groups_seen_total
         metrics = dict(batch.metrics)
         metrics.update(self._step_metrics(batch, now))
         self.history.append(StepRecord(step, metrics))

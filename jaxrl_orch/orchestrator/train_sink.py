@@ -125,6 +125,8 @@ class TrainSink:
         # Rollouts that arrived without an error: if the sink later drops one, the admission
         # gate must hear about it (it counted it as accepted), or replacements never get admitted.
         self._arrived_clean: set[int] = set()
+        # Groups in a row that contributed nothing trainable (the loop's empty-batch guard).
+        self.consecutive_empty_groups = 0
         self.group_size = group_size
         self.batch_size = int(batch_size)
         self.algorithm: Algorithm = (
@@ -207,10 +209,6 @@ class TrainSink:
         return self.take_batch() if self.auto_batch else None
 
     @property
-    def groups_seen_total(self) -> float:
-        return self._totals["groups_seen"]
-
-    @property
     def ready_count(self) -> int:
         """Clean, scored rollouts waiting for a batch."""
         return len(self._ready)
@@ -279,6 +277,7 @@ class TrainSink:
             self._window_counts[reason] += n
         ready = [r for r in candidates if not r.filtered]
         self._ready.extend(ready)
+        self.consecutive_empty_groups = 0 if ready else self.consecutive_empty_groups + 1
         arrived_clean = sum(id(r) in self._arrived_clean for r in group)
         self._arrived_clean.difference_update(id(r) for r in group)
         self._report_discards(arrived_clean - len(ready))

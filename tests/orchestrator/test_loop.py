@@ -157,7 +157,7 @@ def test_stalled_trainer_fails_loudly_instead_of_halting():
 
 
 def test_flat_rewards_trip_the_empty_batch_guard():
-    with pytest.raises(EmptyBatchError, match="groups completed since the last batch"):
+    with pytest.raises(EmptyBatchError, match="groups in a row contributed nothing trainable"):
         _run(FlatEnv, empty_batch_limit=3)
 
 

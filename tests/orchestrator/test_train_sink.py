@@ -346,3 +346,11 @@ def test_loop_controlled_batching_takes_oldest_heads_first():
 def test_bad_batch_order_is_named():
     with pytest.raises(ValueError, match="batch_order.*'newest'"):
         TrainSink(group_size=2, batch_size=2, batch_order="newest")
+
+
+def test_consecutive_empty_groups_reset_by_a_group_with_signal():
+    sink = TrainSink(group_size=2, batch_size=8)
+    feed(sink, group(0, [0.5, 0.5]) + group(1, [0.0, 0.0]))
+    assert sink.consecutive_empty_groups == 2
+    feed(sink, group(2, [0.0, 1.0]))
+    assert sink.consecutive_empty_groups == 0
