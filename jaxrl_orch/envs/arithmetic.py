@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from jaxrl_orch.envs.base import SingleTurnEnv, Tokenizer, extract_answer
+from jaxrl_orch.envs.base import SingleTurnEnv, extract_answer
 
 DEFAULT_INSTRUCTION = "Answer in <answer></answer>."
 _INT_RE = re.compile(r"[+-]?\d+")
@@ -44,17 +44,7 @@ def truth_int(example: dict[str, Any]) -> int:
 
 class ArithmeticEnv(SingleTurnEnv):
     name = "arithmetic"
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        *,
-        instruction: str = DEFAULT_INSTRUCTION,
-        response_prefix: str = "",
-        add_bos: bool = False,
-    ) -> None:
-        super().__init__(tokenizer, response_prefix=response_prefix, add_bos=add_bos)
-        self.instruction = instruction
+    default_instruction = DEFAULT_INSTRUCTION
 
     def build_messages(self, example: dict[str, Any]) -> list[dict[str, str]]:
         question = example.get("question")

@@ -174,11 +174,18 @@ class SingleTurnEnv:
     """
 
     name: str = "single_turn"
+    default_instruction: str = ""
 
     def __init__(
-        self, tokenizer: Tokenizer, *, response_prefix: str = "", add_bos: bool = False
+        self,
+        tokenizer: Tokenizer,
+        *,
+        instruction: str | None = None,
+        response_prefix: str = "",
+        add_bos: bool = False,
     ) -> None:
         self.tokenizer = check_tokenizer(tokenizer)
+        self.instruction = self.default_instruction if instruction is None else instruction
         self.response_prefix = response_prefix
         self.add_bos = add_bos
 

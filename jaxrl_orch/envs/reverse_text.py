@@ -21,7 +21,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from jaxrl_orch.envs.base import SingleTurnEnv, Tokenizer, extract_answer
+from jaxrl_orch.envs.base import SingleTurnEnv, extract_answer
 
 DEFAULT_INSTRUCTION = "Reverse in <answer></answer>:"
 
@@ -35,17 +35,7 @@ def reverse_text_reward(answer: str | None, text: str) -> float:
 
 class ReverseTextEnv(SingleTurnEnv):
     name = "reverse_text"
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        *,
-        instruction: str = DEFAULT_INSTRUCTION,
-        response_prefix: str = "",
-        add_bos: bool = False,
-    ) -> None:
-        super().__init__(tokenizer, response_prefix=response_prefix, add_bos=add_bos)
-        self.instruction = instruction
+    default_instruction = DEFAULT_INSTRUCTION
 
     def build_messages(self, example: dict[str, Any]) -> list[dict[str, str]]:
         text = example.get("text")
