@@ -181,6 +181,7 @@ class Orchestrator:
                 self.gate.on_version_recovered(self.policy.version)
             else:
                 self.gate.on_version(self.policy.version)
+        self._accepted_at_resume = self.gate.accepted
         self.dispatcher = RolloutDispatcher(
             pool,
             envs,
@@ -243,11 +244,14 @@ class Orchestrator:
     def _on_admit(self, n: int) -> None:
         self.gate.on_admit(n)
         if self.resumed and self.policy.version == self.start_step - 1:
+            # Rollouts in the system since the resume (running, plus accepted beyond what the
+            # recovery restored): net of discarded flat groups, which are legitimately replaced.
+            in_system = self.gate.running + self.gate.accepted - self._accepted_at_resume
             limit = self.gate.pending_limit()
-            if self.gate.admitted_total > limit:
+            if in_system > limit:
                 raise ResumeBurstError(
-                    f"first step after resuming at version {self.policy.version} admitted "
-                    f"{self.gate.admitted_total} rollouts, more than (S + 1) * B = {limit}: the "
+                    f"first step after resuming at version {self.policy.version} put "
+                    f"{in_system} rollouts in the system, more than (S + 1) * B = {limit}: the "
                     "admission gate's accepted counter was not recovered"
                 )
 

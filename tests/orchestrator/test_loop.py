@@ -103,7 +103,7 @@ class FlatEnv(SimEnv):
         return r
 
 
-def _run(env_cls=SimEnv, *, train_time=1.0, publish=True, steps=12, **cfg_kw):
+def _run(env_cls=SimEnv, *, train_time=1.0, publish=True, steps=12, start_step=1, **cfg_kw):
     async def main():
         loop = asyncio.get_running_loop()
         rng = np.random.default_rng(0)
@@ -114,7 +114,7 @@ def _run(env_cls=SimEnv, *, train_time=1.0, publish=True, steps=12, **cfg_kw):
         if not publish:
             trainer.publisher = type("Silent", (), {"publish": lambda self, v, p: None})()
         cfg = OrchestratorConfig(
-            max_steps=steps,
+            max_steps=start_step - 1 + steps,
             batch_size=16,
             group_size=4,
             max_concurrent=32,
@@ -128,7 +128,7 @@ def _run(env_cls=SimEnv, *, train_time=1.0, publish=True, steps=12, **cfg_kw):
         orch = Orchestrator(
             cfg, pool=engine, envs={"sim": env_cls(rng)}, source=SimSource(),
             sampling=SamplingParams(max_tokens=6), trainer=trainer, version_source=publisher,
-            reload_fn=reload, clock=loop.time, log_interval_s=1e9,
+            reload_fn=reload, clock=loop.time, log_interval_s=1e9, start_step=start_step,
         )  # fmt: skip
         policy_ref.append(orch.policy)
         trained = []
@@ -149,6 +149,22 @@ def test_raising_env_and_nan_rewards_never_stop_the_run_or_get_trained():
     g = orch.train_sink.gauges()
     assert g["train_sink/errors_total"] > 0  # raised episodes became error rollouts
     assert orch.dispatcher.idle and orch.gate.running == 0
+
+
+class HalfFlatEnv(SimEnv):
+    async def run(self, client, example, **kw):
+        r = await super().run(client, example, **kw)
+        if r.group_id % 2 == 0:
+            r.reward = 0.0
+        return r
+
+
+def test_resume_alarm_ignores_flat_groups_replaced_by_dynamic_sampling():
+    """Replacing discarded flat groups admits more than (S + 1) * B rollouts in the first step
+    after a resume, yet never has more than that in the system: no false alarm."""
+    orch, _ = _run(HalfFlatEnv, steps=4, start_step=21, max_staleness=1)
+    assert [rec.step for rec in orch.history] == [21, 22, 23, 24]
+    assert orch.history[0].metrics["orch/admitted"] > 2 * 16
 
 
 def test_stalled_trainer_fails_loudly_instead_of_halting():
