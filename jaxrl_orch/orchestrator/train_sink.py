@@ -2,9 +2,10 @@
 
 What it owns: everything between "a rollout finished" and "a batch is ready to ship":
 
-1. Tokenize. When its group is complete, each rollout's trace becomes one ``Sample`` (token ids as sampled, the loss mask,
-   behavior log-probs and versions on model tokens, the temperature fanned out to every token)
-   on a worker thread (``asyncio.to_thread``), so the event loop keeps dispatching. Errored and
+1. Tokenize. When its group is complete, each rollout's trace becomes one ``Sample`` (token
+   ids as sampled, the loss mask, behavior log-probs and versions on model tokens, the
+   temperature fanned out to every token) on a worker thread (``asyncio.to_thread``, one hop
+   per group), so the event loop keeps dispatching. Errored and
    untrainable rollouts are not tokenized; a rollout whose trace is misaligned is turned into an
    error rollout (``capture_error``), the deliberate fault tolerance DESIGN.md section 7 allows.
 2. Group. Rollouts are held until all ``group_size`` rollouts of their ``group_id`` (errored
