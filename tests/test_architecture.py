@@ -42,3 +42,16 @@ def test_contracts_catch_a_component_importing_another(tmp_path):
     result = _lint_imports(tmp_path)
     assert result.returncode != 0
     assert "BROKEN" in result.stdout and "independent" in result.stdout
+
+
+def test_ruff_is_clean():
+    exe = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    for args in (["check"], ["format", "--check"]):
+        result = subprocess.run(
+            [exe, *args, "jaxrl_orch", "sharding", "tests", "benchmarks"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stdout[-3000:]
