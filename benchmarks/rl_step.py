@@ -48,8 +48,12 @@ def run_once(staleness: int, steps: int, warmup: int, workdir: Path) -> dict:
     exp = Experiment(cfg, workdir)
     exp.validate()
     exp.run()
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "orch/step_s" in r and r["step"] > warmup]
+    # A step's timeline is written as its own line after the step's line: merge by step.
+    by_step: dict[int, dict] = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step.setdefault(row["step"], {}).update(row)
+    rows = [r for s, r in sorted(by_step.items()) if "orch/step_s" in r and s > warmup]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in rows)  # noqa: E731
     return {
         "step_s": med("orch/step_s"),
