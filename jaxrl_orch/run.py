@@ -311,7 +311,11 @@ class Experiment:
             }
             last.update(gen=gen, train=train, transfer=timing["transfer_s"])
             step_s = self.orch.history[-1].metrics.get("orch/step_s", 0.0)
-            m["time/idle_s"] = max(0.0, step_s - max(m["time/generate_s"], m["time/train_s"]))
+            # Only totals are known, not their overlap: synchronous runs never overlap
+            # generation and training, asynchronous ones are assumed to overlap fully.
+            gen_s, train_s, xfer_s = m["time/generate_s"], m["time/train_s"], m["time/transfer_s"]
+            busy = gen_s + train_s if self.cfg.max_staleness == 0 else max(gen_s, train_s)
+            m["time/idle_s"] = max(0.0, step_s - busy - xfer_s)
             self.orch.history[-1].metrics.update(m)
             self.orch.write_metrics(step, m)
 
