@@ -80,6 +80,12 @@ class SimEngine:
             return float(self.rng.uniform(*self.params))
         return float(self.rng.lognormal(*self.params))
 
+    def close_idle_interval(self, now: float) -> None:
+        """Count the idle stretch still open at the end of the run."""
+        if self.active == 0:
+            self.idle_s += now - self._idle_since
+            self._idle_since = now
+
     def select(self) -> SimEngine:
         return self
 
@@ -166,7 +172,7 @@ class SimTrainer:
             await asyncio.sleep(self.train_time)
             self.busy_s += self.train_time
             self.steps += 1
-            await _maybe(self.publisher.publish(batch.step, None))
+            self.publisher.publish(batch.step, None)
 
     def gauges(self) -> dict[str, float]:
         return {"trainer/steps": float(self.steps), "trainer/queue": float(self.queue.qsize())}
@@ -174,10 +180,6 @@ class SimTrainer:
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-
-
-async def _maybe(value: Any) -> Any:
-    return await value if asyncio.iscoroutine(value) else value
 
 
 @dataclasses.dataclass
@@ -239,8 +241,7 @@ async def run_scenario(sc: Scenario) -> dict[str, Any]:
     finally:
         trainer.close()
     total = loop.time()
-    if engine.active == 0:
-        engine.idle_s += total - engine._idle_since
+    engine.close_idle_interval(total)
     hist = orch.age_histogram
     all_ages = np.repeat(np.array(list(hist), np.float64), list(hist.values()))
     if all_ages.size == 0:

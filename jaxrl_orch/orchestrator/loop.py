@@ -161,7 +161,6 @@ class Orchestrator:
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[int, dict[str, Any]], Any] | None = None,
         sink_kwargs: Mapping[str, Any] | None = None,
-        dispatcher_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if start_step < 1:
             raise ValueError(f"start_step must be >= 1, got {start_step}")
@@ -198,7 +197,6 @@ class Orchestrator:
             eval_sources=eval_sources,
             eval_num_examples=eval_num_examples,
             eval_sampling=eval_sampling,
-            **dict(dispatcher_kwargs or {}),
         )
         self.train_sink = TrainSink(
             cfg.group_size,
