@@ -4,10 +4,13 @@ What it owns: everything between "a rollout finished" and "a batch is ready to s
 
 1. Tokenize. When its group is complete, each rollout's trace becomes one ``Sample`` (token
    ids as sampled, the loss mask, behavior log-probs and versions on model tokens, the
-   temperature fanned out to every token) on a worker thread (``asyncio.to_thread``, one hop
-   per group), so the event loop keeps dispatching. Errored and
-   untrainable rollouts are not tokenized; a rollout whose trace is misaligned is turned into an
-   error rollout (``capture_error``), the deliberate fault tolerance DESIGN.md section 7 allows.
+   temperature fanned out to every token), the whole group in one vectorised pass
+   (``samples.group_to_samples``). A group of at least ``offload_min_tokens`` tokens is
+   converted on a worker thread (``asyncio.to_thread``) so the event loop keeps dispatching;
+   a smaller one inline, because the thread hop (a wake-up, a GIL hand-off and a loop turn)
+   costs the loop more than converting a few thousand tokens does. Errored and untrainable
+   rollouts are not tokenized; a rollout whose trace is misaligned is turned into an error
+   rollout (``capture_error``), the deliberate fault tolerance DESIGN.md section 7 allows.
 2. Group. Rollouts are held until all ``group_size`` rollouts of their ``group_id`` (errored
    ones included: the dispatcher emits every rollout it started) have arrived.
 3. Score. Errored/untrainable rollouts are dropped; the survivors' rewards go through the
@@ -58,36 +61,13 @@ import numpy as np
 
 from jaxrl_orch.algorithms.advantages import NonFiniteRewardError, get_algorithm
 from jaxrl_orch.algorithms.filters import Filter, apply_filters, flag
-from jaxrl_orch.types import NO_VERSION, Algorithm, Episode, Rollout, Sample, TrainBatch
+from jaxrl_orch.orchestrator.samples import GroupArrays, group_to_samples, trace_to_sample
+from jaxrl_orch.types import Algorithm, Episode, Rollout, Sample, TrainBatch
 
 # How many recent cohorts ``trained_rollouts`` keeps for the store; the loop persists a batch
 # before it asks the sink for the next one, so a handful covers any hold it may wait out.
 _COHORT_HISTORY = 16
 _BATCH_ORDERS = ("arrival", "oldest")
-
-
-def trace_to_sample(rollout: Rollout, temperature: float | None = None) -> Sample:
-    """One rollout trace -> one ``Sample`` (advantages zero until the group is scored).
-
-    Non-model tokens get log-prob 0 and version ``NO_VERSION`` whatever the trace says, as the
-    ``Sample`` contract requires. ``temperature`` overrides the rollout's recorded one.
-    """
-    rollout.validate_trace()
-    mask = np.asarray(rollout.loss_mask, dtype=bool)
-    n = mask.shape[0]
-    temp = rollout.temperature if temperature is None else temperature
-    return Sample(
-        token_ids=np.asarray(rollout.token_ids, dtype=np.int32).reshape(n),
-        loss_mask=mask,
-        logprobs=np.where(mask, np.asarray(rollout.logprobs, np.float32).reshape(n), 0.0).astype(
-            np.float32
-        ),
-        advantages=np.zeros(n, np.float32),
-        temperatures=np.full(n, temp, np.float32),
-        versions=np.where(
-            mask, np.asarray(rollout.versions, np.int64).reshape(n), NO_VERSION
-        ).astype(np.int32),
-    )
 
 
 class TrainSink:
@@ -106,6 +86,7 @@ class TrainSink:
         auto_batch: bool = True,
         batch_order: str = "arrival",
         on_discard: Callable[[int], None] | None = None,
+        offload_min_tokens: int = 4096,
     ) -> None:
         sizes = group_size.values() if isinstance(group_size, Mapping) else [group_size]
         if not sizes or any(int(g) < 1 for g in sizes):
@@ -123,12 +104,13 @@ class TrainSink:
         self.auto_batch = auto_batch
         self.batch_order = batch_order
         self._on_discard = on_discard
-        # Rollouts that arrived without an error: if the sink later drops one, the admission
-        # gate must hear about it (it counted it as accepted), or replacements never get admitted.
-        self._arrived_clean: set[int] = set()
+        if offload_min_tokens < 0:
+            raise ValueError(f"offload_min_tokens must be >= 0, got {offload_min_tokens!r}")
+        self.offload_min_tokens = offload_min_tokens
         # Groups in a row that contributed nothing trainable (the loop's empty-batch guard).
         self.consecutive_empty_groups = 0
         self.group_size = group_size
+        self._fixed_group_size = 0 if isinstance(group_size, Mapping) else int(group_size)
         self.batch_size = int(batch_size)
         self.algorithm: Algorithm = (
             get_algorithm(algorithm) if isinstance(algorithm, str) else algorithm
@@ -180,33 +162,39 @@ class TrainSink:
         """Take one finished train episode; return a batch when ``batch_size`` are ready."""
         if not episode:
             raise ValueError("episode must hold at least one rollout, got an empty list")
+        pending = self._pending
+        full: list[int] = []
         for r in episode:
             if r.is_eval:
                 raise ValueError(
                     f"eval rollout (env={r.env!r}, group_id={r.group_id}) sent to the train "
                     "sink; route is_eval episodes to the eval sink"
                 )
-        self._arrived_clean.update(id(r) for r in episode if not r.has_error and r.trainable)
-        touched: list[int] = []
-        for r in episode:
-            group = self._pending.setdefault(r.group_id, [])
+            group = pending.get(r.group_id)
+            if group is None:
+                group = pending[r.group_id] = []
             group.append(r)
-            if r.group_id not in touched:
-                touched.append(r.group_id)
-        for gid in touched:
-            group = self._pending[gid]
-            size = self.group_size_for(group[0].env)
+            size = self._fixed_group_size or self.group_size_for(r.env)
             if len(group) > size:
                 raise ValueError(
-                    f"group {gid} (env {group[0].env!r}) received {len(group)} rollouts but its "
+                    f"group {r.group_id} (env {r.env!r}) received {len(group)} rollouts but its "
                     f"group_size is {size}"
                 )
             if len(group) == size:
-                group = self._pending.pop(gid)
-                # One worker-thread hop per group, not per rollout: the hop costs more than
-                # tokenizing a short trace, and nothing needs a rollout's sample earlier.
-                await asyncio.to_thread(self._tokenize, group)
-                self._process_group(group)
+                full.append(r.group_id)
+        for gid in full:
+            group = pending.pop(gid)
+            # Whatever arrived clean counted as accepted at the gate; nothing between the
+            # dispatcher and here changes a rollout's flags, so count it now, before tokenizing.
+            arrived_clean = sum(not r.errors and r.trainable for r in group)
+            todo = [r for r in group if not r.errors and r.trainable]
+            if sum(map(len, (r.token_ids for r in todo))) >= self.offload_min_tokens:
+                # Big groups go to a worker thread so the event loop keeps dispatching; small
+                # ones are converted inline: the thread hop costs more loop time than they do.
+                arrays = await asyncio.to_thread(self._tokenize, todo)
+            else:
+                arrays = self._tokenize(todo)
+            self._process_group(group, arrays, arrived_clean)
         return self.take_batch() if self.auto_batch else None
 
     @property
@@ -218,32 +206,38 @@ class TrainSink:
         if n and self._on_discard is not None:
             self._on_discard(n)
 
-    def _tokenize(self, episode: Episode) -> None:
-        # Runs on a worker thread: touches only the episode's own rollouts.
-        for r in episode:
-            if r.has_error or not r.trainable:
-                continue
-            try:
-                r.samples = [trace_to_sample(r, self.temperature)]
-            except ValueError as exc:
-                r.capture_error(exc)
+    def _tokenize(self, todo: list[Rollout]) -> GroupArrays | None:
+        # May run on a worker thread: touches only these rollouts.
+        arrays = group_to_samples(todo, self.temperature) if todo else None
+        if arrays is None:
+            for r in todo:
+                try:
+                    r.samples = [trace_to_sample(r, self.temperature)]
+                except ValueError as exc:
+                    r.capture_error(exc)
+        return arrays
 
     def _flag(self, r: Rollout, reason: str) -> None:
         flag(r, reason)
         self._window_counts[reason] += 1
 
-    def _process_group(self, group: list[Rollout]) -> None:
+    def _process_group(
+        self, group: list[Rollout], arrays: GroupArrays | None, arrived_clean: int
+    ) -> None:
         self._window.extend(group)
         self._window_groups += 1
-        self._totals["groups_seen"] += 1
-        self._totals["rollouts_seen"] += len(group)
-        self._totals["errors"] += sum(r.has_error for r in group)
-        survivors = [r for r in group if not (r.has_error or not r.trainable or r.filtered)]
-        for r in survivors:
-            lp = r.samples[0].logprobs[r.samples[0].loss_mask]
-            if not np.isfinite(lp).all():
-                self._flag(r, "non_finite_logprob")
-        survivors = [r for r in survivors if not r.filtered]
+        totals, counts = self._totals, self._window_counts
+        errors = sum(1 for r in group if r.errors)
+        totals["groups_seen"] += 1
+        totals["rollouts_seen"] += len(group)
+        totals["errors"] += errors
+        survivors = [r for r in group if not (r.errors or not r.trainable or r.filtered)]
+        if arrays is None or not arrays.finite_logprobs().all():
+            for r in survivors:
+                lp = r.samples[0].logprobs[r.samples[0].loss_mask]
+                if not np.isfinite(lp).all():
+                    self._flag(r, "non_finite_logprob")
+            survivors = [r for r in survivors if not r.filtered]
 
         rewards = np.array([r.reward for r in survivors], np.float64)
         try:
@@ -261,28 +255,30 @@ class TrainSink:
                 f"algorithm {self.algorithm.name!r} returned advantages of shape {adv.shape} "
                 f"for {rewards.shape[0]} rewards"
             )
-        for r, a in zip(survivors, adv, strict=True):
-            r.advantage = float(a)
-            s = r.samples[0]
-            s.advantages[s.loss_mask] = a
+        for r, a in zip(survivors, adv.tolist(), strict=True):
+            r.advantage = a
+        if arrays is not None and len(survivors) == len(arrays.rollouts):
+            arrays.fan_out(adv)  # survivors are exactly the converted rollouts, in order
+        else:
+            for r, a in zip(survivors, adv, strict=True):
+                s = r.samples[0]
+                s.advantages[s.loss_mask] = a
 
         signal = len(survivors) >= 2 and float(np.ptp(rewards)) > self.zero_variance_atol
         if signal:
             self._window_signal += 1
-            self._totals["groups_with_signal"] += 1
+            totals["groups_with_signal"] += 1
         elif self.dynamic_sampling:
             for r in survivors:
                 self._flag(r, "zero_variance")
         candidates = [r for r in survivors if not r.filtered]
         for reason, n in apply_filters(self.pre_filters, candidates).items():
-            self._window_counts[reason] += n
+            counts[reason] += n
         ready = [r for r in candidates if not r.filtered]
         self._ready.extend(ready)
         self.consecutive_empty_groups = 0 if ready else self.consecutive_empty_groups + 1
-        arrived_clean = sum(id(r) in self._arrived_clean for r in group)
-        self._arrived_clean.difference_update(id(r) for r in group)
         self._report_discards(arrived_clean - len(ready))
-        self._totals["filtered"] += sum(r.filtered for r in group)
+        totals["filtered"] += sum(1 for r in group if r.filtered)
 
     # ------------------------------------------------------------------ batching
 
@@ -348,7 +344,9 @@ class TrainSink:
             "train/groups_with_signal": float(with_signal),
             "train/trainable_samples": float(len(samples)),
             "train/tokens": float(sum(len(s) for s in samples)),
-            "train/loss_tokens": float(sum(s.num_loss_tokens for s in samples)),
+            "train/loss_tokens": float(
+                np.count_nonzero(np.concatenate([s.loss_mask for s in samples])) if samples else 0
+            ),
             "train/ready_carryover": float(len(self._ready)),
         }
         if rewards.size:

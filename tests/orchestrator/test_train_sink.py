@@ -237,19 +237,83 @@ def test_swappable_algorithm_and_temperature_fanout():
     np.testing.assert_allclose(b2.samples[0].temperatures, 1.0)
 
 
-def test_tokenization_runs_off_the_event_loop(monkeypatch):
+def test_big_groups_tokenize_off_the_event_loop_small_ones_inline(monkeypatch):
     threads = []
-    real = ts.trace_to_sample
+    real = ts.group_to_samples
 
-    def spy(r, t=None):
+    def spy(rs, t=None):
         threads.append(threading.get_ident())
-        return real(r, t)
+        return real(rs, t)
 
-    monkeypatch.setattr(ts, "trace_to_sample", spy)
-    sink = TrainSink(group_size=2, batch_size=2)
+    monkeypatch.setattr(ts, "group_to_samples", spy)
     main = threading.get_ident()
-    feed(sink, group(0, [0.0, 1.0]))
-    assert threads and main not in threads
+    # 2 rollouts x 5 tokens = 10 tokens: at the threshold -> worker thread.
+    feed(TrainSink(group_size=2, batch_size=2, offload_min_tokens=10), group(0, [0.0, 1.0]))
+    assert len(threads) == 1 and threads[0] != main
+    feed(TrainSink(group_size=2, batch_size=2, offload_min_tokens=11), group(0, [0.0, 1.0]))
+    assert len(threads) == 2 and threads[1] == main
+    with pytest.raises(ValueError, match="offload_min_tokens"):
+        TrainSink(group_size=2, batch_size=2, offload_min_tokens=-1)
+
+
+def test_group_conversion_matches_per_rollout_reference():
+    from jaxrl_orch.orchestrator.samples import group_to_samples
+
+    rng = np.random.default_rng(1)
+    rs = []
+    for i in range(5):
+        n = int(rng.integers(0, 9))
+        mask = rng.random(n) < 0.6
+        lps = rng.normal(size=n)
+        lps[~mask] = np.nan  # garbage on non-model tokens must not leak into the sample
+        rs.append(
+            Rollout(
+                env="t", group_id=0, episode_id=i, example={},
+                token_ids=rng.integers(0, 1000, n).tolist(), loss_mask=mask.tolist(),
+                logprobs=lps.tolist(), versions=rng.integers(-1, 5, n).tolist(),
+                temperature=float(i) / 4,
+            )
+        )  # fmt: skip
+    refs = [trace_to_sample(r) for r in rs]
+    arrays = group_to_samples(rs)
+    for r, ref in zip(rs, refs, strict=True):
+        [s] = r.samples
+        for f in ("token_ids", "loss_mask", "logprobs", "advantages", "temperatures", "versions"):
+            got, want = getattr(s, f), getattr(ref, f)
+            assert got.dtype == want.dtype, f
+            np.testing.assert_array_equal(got, want, err_msg=f)
+    assert arrays.finite_logprobs().all()
+    adv = np.arange(5, dtype=np.float32) - 2
+    arrays.fan_out(adv)
+    for r, a in zip(rs, adv, strict=True):
+        s = r.samples[0]
+        np.testing.assert_array_equal(s.advantages, np.where(s.loss_mask, a, 0).astype(np.float32))
+    rs[3].logprobs[0] = float("inf")
+    rs[3].loss_mask[0] = True
+    assert group_to_samples(rs).finite_logprobs().tolist() == [True, True, True, False, True]
+    rs[2].versions.append(1)  # misaligned: the group declines, the per-rollout path names it
+    assert group_to_samples(rs) is None
+
+
+def test_misaligned_trace_becomes_error_rollout_others_still_trained():
+    sink = TrainSink(group_size=3, batch_size=2)
+    g = group(0, [0.0, 1.0, 0.5])
+    g[2].logprobs.append(0.0)
+    [batch] = feed(sink, g)
+    assert g[2].has_error and "misaligned" in g[2].errors[0] and g[2].samples == []
+    assert len(batch.samples) == 2
+    np.testing.assert_allclose([g[0].advantage, g[1].advantage], [-0.5, 0.5])
+    np.testing.assert_allclose(g[1].samples[0].advantages, [0, 0, 0.5, 0.5, 0.5])
+
+
+def test_non_finite_model_logprob_is_flagged_and_excluded_from_baseline():
+    sink = TrainSink(group_size=3, batch_size=2)
+    g = group(0, [0.0, 1.0, 9.0])
+    g[2].logprobs[3] = float("nan")
+    [batch] = feed(sink, g)
+    assert g[2].filter_reasons == ["non_finite_logprob"] and g[2].advantage is None
+    np.testing.assert_allclose([g[0].advantage, g[1].advantage], [-0.5, 0.5])
+    assert batch.trained == g[:2]
 
 
 def test_bad_inputs_raise_clear_errors():
