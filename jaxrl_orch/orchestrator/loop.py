@@ -122,17 +122,38 @@ class StepRecord:
     metrics: dict[str, float]
 
 
-def _percentiles(values: Sequence[float], prefix: str) -> dict[str, float]:
-    if not values:
+def _summaries(series: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """``<name>_{max,mean,p50,p95,p99}`` of equal-length series, all in one NumPy pass (a step
+    summarises five series; one ``percentile`` call each cost more than the rest of a step)."""
+    names = list(series)
+    a = np.array([series[k] for k in names], np.float64).reshape(len(names), -1)
+    if not names or a.shape[1] == 0:
         return {}
-    a = np.asarray(values, np.float64)
+    stats = np.concatenate(
+        (a.max(axis=1)[None], a.mean(axis=1)[None], np.percentile(a, [50, 95, 99], axis=1))
+    ).tolist()
     return {
-        f"{prefix}_max": float(a.max()),
-        f"{prefix}_mean": float(a.mean()),
-        f"{prefix}_p50": float(np.percentile(a, 50)),
-        f"{prefix}_p95": float(np.percentile(a, 95)),
-        f"{prefix}_p99": float(np.percentile(a, 99)),
+        f"{name}_{stat}": stats[j][i]
+        for i, name in enumerate(names)
+        for j, stat in enumerate(("max", "mean", "p50", "p95", "p99"))
     }
+
+
+def _head_versions(rollouts: Sequence[Rollout]) -> list[int]:
+    """``Rollout.head_version`` of each rollout, read off its sample's versions in one pass.
+
+    A sample holds ``NO_VERSION`` off the model's tokens, so the oldest non-negative version of
+    the sample is the trace's head. Rollouts without exactly one non-empty sample fall back to
+    the property."""
+    if not rollouts or any(len(r.samples) != 1 or not len(r.samples[0]) for r in rollouts):
+        return [r.head_version for r in rollouts]
+    v = np.concatenate([r.samples[0].versions for r in rollouts])
+    big = np.iinfo(v.dtype).max
+    starts = np.cumsum([0] + [len(r.samples[0]) for r in rollouts[:-1]])
+    heads = np.minimum.reduceat(np.where(v >= 0, v, big), starts).tolist()
+    return [
+        h if h != big else r.policy_version_at_start for h, r in zip(heads, rollouts, strict=True)
+    ]
 
 
 class Orchestrator:
@@ -230,6 +251,7 @@ class Orchestrator:
         self.age_histogram: Counter[int] = Counter()
         self._empty_batches = 0
         self._tasks: list[asyncio.Task] = []
+        self._failed: asyncio.Task | None = None
         self._pace_since: float | None = None
         self._parked_s = {"hold": 0.0, "pace": 0.0}
         self._admitted_at_last_ship = 0
@@ -269,6 +291,8 @@ class Orchestrator:
             asyncio.create_task(self.watcher.start(), name="watcher"),
             asyncio.create_task(self.logger.start(), name="logger"),
         ]
+        for t in self._tasks:
+            t.add_done_callback(self._task_finished)
         self._last_ship_time = self.clock()
         if self.config.eval_at_start:
             self._schedule_eval(self.step - 1)
@@ -293,25 +317,42 @@ class Orchestrator:
 
     def _check_tasks(self) -> None:
         self.dispatcher.check()
-        for t in self._tasks:
-            if t.done() and not t.cancelled() and t.exception() is not None:
-                raise t.exception()
+        if self._failed is not None:
+            raise self._failed.exception()
+
+    def _task_finished(self, task: asyncio.Task) -> None:
+        # A done-callback, so the main loop's per-episode check is one attribute read.
+        if self._failed is None and not task.cancelled() and task.exception() is not None:
+            self._failed = task
 
     # ------------------------------------------------------------------ main loop
 
     async def main_loop(self) -> None:
+        q = self.dispatcher.out_q
         while not self.stopped.is_set():
             self._check_tasks()
-            episode = await self._next_episode()
+            episode = q.get_nowait() if q.qsize() else await self._next_episode()
             if episode is not None:
                 self._route(episode)
                 if not episode[0].is_eval:
                     await self.train_sink.add(episode)
                     self._check_signal()
-            self._check_tasks()
-            await self._try_ship()
+            if self._ship_due():
+                self._check_tasks()
+                await self._try_ship()
             if self.draining and self._drained():
                 self.stopped.set()
+
+    def _ship_due(self) -> bool:
+        """Whether ``_try_ship`` has anything to do (it is skipped for most episodes)."""
+        cfg = self.config
+        if self.draining:
+            return False
+        return (
+            self.step > cfg.max_steps
+            or (not cfg.bench and self.policy.version < self.step - 1 - cfg.lag)
+            or self.train_sink.ready_count >= cfg.batch_size
+        )
 
     async def _next_episode(self) -> list[Rollout] | None:
         q = self.dispatcher.out_q
@@ -435,18 +476,18 @@ class Orchestrator:
             await self._ship(batch)
 
     def _stamp_ages(self, rollouts: Sequence[Rollout], step: int, now: float) -> None:
-        for r in rollouts:
+        for r, head in zip(rollouts, _head_versions(rollouts), strict=True):
             r.shipped_at = now
             if r.live_policy:
-                r.off_policy_steps = (step - 1) - r.head_version
+                r.off_policy_steps = (step - 1) - head
             for s in r.samples:
                 s.off_policy_steps = r.off_policy_steps
 
     def _drop_stale(self, batch: TrainBatch) -> None:
         bound = self.config.max_staleness
         keep, dropped = [], 0
-        for r in batch.trained:
-            if r.live_policy and (self.step - 1) - r.head_version > bound:
+        for r, head in zip(batch.trained, _head_versions(batch.trained), strict=True):
+            if r.live_policy and (self.step - 1) - head > bound:
                 dropped += 1
             else:
                 keep.append(r)
@@ -487,17 +528,26 @@ class Orchestrator:
         live = [r for r in batch.trained if r.live_policy and r.off_policy_steps is not None]
         ages = [r.off_policy_steps for r in live]
         self.age_histogram.update(ages)
-        in_flight = [r.metrics["orch/landed_version"] - r.head_version for r in live]
-        in_queue = [(batch.step - 1) - r.metrics["orch/landed_version"] for r in live]
+        last = batch.step - 1
+        landed = [r.metrics["orch/landed_version"] for r in live]
         m: dict[str, float] = {
             "step": float(batch.step),
             "orch/version": float(self.policy.version),
         }
-        m.update(_percentiles(ages, "orch/age"))
-        m.update(_percentiles(in_flight, "orch/age_in_flight"))
-        m.update(_percentiles(in_queue, "orch/age_in_queue"))
-        m.update(_percentiles([r.finished_at - r.admitted_at for r in live], "orch/in_flight_s"))
-        m.update(_percentiles([now - r.finished_at for r in live], "orch/in_queue_s"))
+        m.update(
+            _summaries(
+                {
+                    "orch/age": ages,
+                    # head = last - age: versions spent in flight, then waiting in the queue
+                    "orch/age_in_flight": [
+                        v - (last - a) for v, a in zip(landed, ages, strict=True)
+                    ],
+                    "orch/age_in_queue": [last - v for v in landed],
+                    "orch/in_flight_s": [r.finished_at - r.admitted_at for r in live],
+                    "orch/in_queue_s": [now - r.finished_at for r in live],
+                }
+            )
+        )
         admitted = self.gate.admitted_total - self._admitted_at_last_ship
         self._admitted_at_last_ship = self.gate.admitted_total
         m["orch/admitted"] = float(admitted)
