@@ -58,11 +58,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Generator, Mapping
 from typing import Any
 
 from jaxrl_orch.types import (
@@ -94,8 +93,39 @@ def _per_env(name: str, value: Any, envs: Mapping[str, Any], kind: type) -> dict
     return out
 
 
-async def _reraise(exc: Exception) -> Any:
-    raise exc
+class _Resume:
+    """Finishes, under a Task, a coroutine whose first step already ran eagerly.
+
+    It relays what the coroutine yields to the Task and what the Task sends or throws back, as
+    ``yield from`` would; only the first yield was produced before the Task existed."""
+
+    __slots__ = ("_coro", "_pending")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], pending: Any) -> None:
+        self._coro, self._pending = coro, pending
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, pending = self._coro, self._pending
+        while True:
+            try:
+                sent = yield pending
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # cancellation included: the coroutine decides
+                try:
+                    pending = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    pending = coro.send(sent)
+                except StopIteration as stop:
+                    return stop.value
+
+
+async def _finish_started(coro: Coroutine[Any, Any, Any], pending: Any) -> Any:
+    return await _Resume(coro, pending)
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,6 +139,7 @@ class _Group:
     is_eval: bool
     eval_step: int | None = None
     client: InferenceClient | None = None
+    whole: bool = False  # the env runs the whole group in one call (``run_group``)
     unscheduled: int = 0
     running: int = 0
 
@@ -227,6 +258,11 @@ class RolloutDispatcher:
         self._paused = False
         self._wake.set()
 
+    def notify(self) -> None:
+        """Capacity may have grown behind the dispatcher's back (the sink discarded rollouts the
+        gate had accepted): run a fill pass now rather than at the next poll."""
+        self._wake.set()
+
     def stop_admitting_train(self) -> None:
         """The drain: no new train rollouts from now on; eval and in-flight work continue."""
         self._train_admitting = False
@@ -330,14 +366,19 @@ class RolloutDispatcher:
         if self._run_task is not None:
             raise RuntimeError("RolloutDispatcher.start() called twice")
         self._run_task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
         watch = asyncio.create_task(self._watch_policy(), name="dispatcher-policy-watch")
         try:
             while not self._stopping:
                 self._on_version()
                 self._fill()
                 if not self._done and not self._wake.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+                    # A timer, not wait_for: wait_for wraps the wait in a Task every pass.
+                    timer = loop.call_later(self.poll_interval_s, self._wake.set)
+                    try:
+                        await self._wake.wait()
+                    finally:
+                        timer.cancel()
                 self._wake.clear()
                 done, self._done = self._done, []
                 for task in done:
@@ -391,10 +432,10 @@ class RolloutDispatcher:
                 return
 
     def _schedule_eval_one(self) -> bool | None:
-        """True: launched one; False: no eval work; None: eval work waits for permits."""
+        """True: launched some; False: no eval work; None: eval work waits for permits."""
         for g in self._eval_groups.values():
             if g.unscheduled:
-                return self._launch(g) or None
+                return self._launch(g, self.permits) > 0 or None
         if not self._eval_pending:
             return False
         env, example, step = self._eval_pending[0]
@@ -404,14 +445,14 @@ class RolloutDispatcher:
         self._eval_pending.popleft()
         g = self._open(env, example, self.eval_group_size, is_eval=True, eval_step=step)
         self._eval_groups[g.group_id] = g
-        return self._launch(g)
+        return self._launch(g, self.permits) > 0
 
     def _schedule_train_one(self) -> bool:
         if not self._train_admitting:
             return False
         for g in self._groups.values():
             if g.unscheduled:
-                return self._launch(g)
+                return self._launch(g, min(self.permits, self.capacity_fn())) > 0
         env = self._next_train_env()
         if env is None:
             return False
@@ -419,7 +460,8 @@ class RolloutDispatcher:
         # A fresh group opens only when the gate has room for all of it: a group half-admitted
         # when the gate closes would wait for the next version to finish, and its early rollouts
         # would age in the sink past the bound (the gate's promise is per group, like AReaL's).
-        if (size if self._runs_groups(env) else 1) > self.permits or size > self.capacity_fn():
+        capacity = self.capacity_fn()
+        if (size if self._runs_groups(env) else 1) > self.permits or size > capacity:
             return False
         try:
             example = self.sources[env].next_example()
@@ -429,7 +471,7 @@ class RolloutDispatcher:
             return False
         g = self._open(env, example, size, is_eval=False)
         self._groups[g.group_id] = g
-        return self._launch(g)
+        return self._launch(g, min(self.permits, capacity)) > 0
 
     def _next_train_env(self) -> str | None:
         for _ in range(len(self.envs)):
@@ -446,17 +488,18 @@ class RolloutDispatcher:
         sampling = (self.eval_sampling or self.sampling[env]) if is_eval else self.sampling[env]
         gid, version = self._next_group_id, self.policy.version
         self._next_group_id += 1
+        whole = self._runs_groups(env, eval_=is_eval)
         return _Group(
-            gid, env, example, size, sampling, version, is_eval, eval_step, unscheduled=size
+            gid, env, example, size, sampling, version, is_eval, eval_step, None, whole, size
         )
 
-    def _launch(self, g: _Group) -> bool:
-        """Start the next rollout (or the whole group) of ``g``; False if it may not start now."""
-        env = (self.eval_envs if g.is_eval else self.envs)[g.env]
-        whole = self._runs_groups(g.env, eval_=g.is_eval)
-        n = g.unscheduled if whole else 1
-        if n > self.permits or (not g.is_eval and n > self.capacity_fn()):
-            return False
+    def _launch(self, g: _Group, limit: int) -> int:
+        """Admit and start up to ``limit`` rollouts of ``g`` (all of it, or none, for an env
+        that runs whole groups); returns how many started. One admission covers them all:
+        admitting k at once leaves the gate exactly where k single admissions would."""
+        n = g.unscheduled if g.whole else min(g.unscheduled, limit)
+        if n <= 0 or n > limit:
+            return 0
         if g.is_eval:
             self.eval_admitted_total += n
         else:
@@ -464,26 +507,49 @@ class RolloutDispatcher:
             self.admitted_total += n
         if g.client is None:
             g.client = self.pool.select()
+        env = (self.eval_envs if g.is_eval else self.envs)[g.env]
         ids = self._new_episode_ids(n)
-        example = dict(g.example)  # envs may mutate theirs; the group keeps the original
-        try:
-            if whole:
-                coro = env.run_group(
-                    g.client, example, group_id=g.group_id, episode_ids=ids, sampling=g.sampling
-                )
-            else:
-                coro = env.run(
-                    g.client, example, group_id=g.group_id, episode_id=ids[0], sampling=g.sampling
-                )
-        except Exception as exc:  # an env failing before its coroutine exists: same fate
-            coro = _reraise(exc)
         self.permits -= n
         g.unscheduled -= n
         g.running += n
-        task = asyncio.ensure_future(coro)
-        self._inflight[task] = _Flight(g, ids, self.clock())
+        now = self.clock()
+        if g.whole:
+            self._start(g, ids, now, env.run_group, "episode_ids", ids)
+        else:
+            for eid in ids:
+                self._start(g, [eid], now, env.run, "episode_id", eid)
+        return n
+
+    def _start(self, g: _Group, ids: list[int], now: float, run, id_kw: str, id_val) -> None:
+        """Run one unit of work eagerly up to its first suspension (as Python 3.12's eager
+        tasks do). Work that finishes without suspending (an env that awaits nothing real)
+        is emitted at once: it needs no Task, so nothing could cancel it or wait on it. Work
+        that suspends continues under a Task, which cancellation and ``stop()`` act on."""
+        example = dict(g.example)  # envs may mutate theirs; the group keeps the original
+        try:
+            coro = run(
+                g.client, example, group_id=g.group_id, sampling=g.sampling, **{id_kw: id_val}
+            )
+        except Exception as exc:  # an env failing before its coroutine exists: same fate
+            self._finish(g, ids, now, None, exc)
+            return
+        if not asyncio.iscoroutine(coro):  # another awaitable: no first step to take here
+            task = asyncio.ensure_future(coro)
+        else:
+            try:
+                pending = coro.send(None)
+            except StopIteration as stop:
+                self._finish(g, ids, now, stop.value)
+                return
+            except asyncio.CancelledError:
+                self._finish(g, ids, now, None, None, "rollout task was cancelled")
+                return
+            except Exception as exc:
+                self._finish(g, ids, now, None, exc)
+                return
+            task = asyncio.ensure_future(_finish_started(coro, pending))
+        self._inflight[task] = _Flight(g, ids, now)
         task.add_done_callback(self._task_done)
-        return True
 
     def _task_done(self, task: asyncio.Task) -> None:
         self._done.append(task)
@@ -494,10 +560,6 @@ class RolloutDispatcher:
         flight = self._inflight.pop(task, None)
         if flight is None:
             return  # already handled (stop() and the loop can both see a task)
-        g, n = flight.group, len(flight.episode_ids)
-        self.permits += n
-        g.running -= n
-        rollouts: list[Rollout] = []
         error: BaseException | None = None
         cancel = flight.cancel_reason
         if task.done() and not task.cancelled():
@@ -507,8 +569,24 @@ class RolloutDispatcher:
         elif cancel is None:
             # Cancelled by someone else, or still running after stop()'s grace period.
             cancel = "rollout task was cancelled"
+        result = task.result() if cancel is None and error is None else None
+        self._finish(flight.group, flight.episode_ids, flight.admitted_at, result, error, cancel)
+
+    def _finish(
+        self,
+        g: _Group,
+        ids: list[int],
+        admitted_at: float,
+        result: Any,
+        error: BaseException | None = None,
+        cancel: str | None = None,
+    ) -> None:
+        """Return the permits of finished work and emit its rollouts, whatever its fate."""
+        n = len(ids)
+        self.permits += n
+        g.running -= n
+        rollouts: list[Rollout] = []
         if cancel is None and error is None:
-            result = task.result()
             rollouts = result if isinstance(result, list) else [result]
             if len(rollouts) != n or not all(isinstance(r, Rollout) for r in rollouts):
                 error = TypeError(
@@ -516,9 +594,7 @@ class RolloutDispatcher:
                     f"(expected {n} Rollout{'s' if n > 1 else ''})"
                 )
                 rollouts = []
-        if cancel is not None:
-            rollouts, error = [], None
-        self._emit(g, flight.episode_ids, rollouts, flight.admitted_at, self.clock(), error, cancel)
+        self._emit(g, ids, rollouts, admitted_at, self.clock(), error, cancel)
         if g.unscheduled == 0 and g.running == 0:
             (self._eval_groups if g.is_eval else self._groups).pop(g.group_id, None)
 
@@ -533,9 +609,10 @@ class RolloutDispatcher:
         cancel: str | None = None,
         admitted: bool = True,
     ) -> None:
-        if not rollouts:
+        if cancel is not None or not rollouts:
             temp = g.sampling.temperature
             rollouts = [Rollout(g.env, g.group_id, i, g.example, temperature=temp) for i in ids]
+        bad = 0
         for r, eid in zip(rollouts, ids, strict=True):
             r.env, r.group_id, r.episode_id, r.is_eval = g.env, g.group_id, eid, g.is_eval
             r.policy_version_at_start = g.version_at_start
@@ -547,12 +624,14 @@ class RolloutDispatcher:
                 r.trainable = False
             elif error is not None:
                 r.capture_error(error)
-            elif not r.has_error and r.num_turns == 0:
+            elif not r.errors and r.num_turns == 0:
                 r.errors.append("EmptyTrajectory: the environment returned a rollout with 0 turns")
                 r.trainable = False
-        bad = sum(r.has_error for r in rollouts)
+            if r.errors:
+                bad += 1
         self.errors_total += bad
-        self.cancelled_total += len(rollouts) if cancel is not None else 0
+        if cancel is not None:
+            self.cancelled_total += len(rollouts)
         self.emitted_total += len(rollouts)
         self.out_q.put_nowait(rollouts)
         # Never-started placeholders were never admitted, so the gate must not hear of them.

@@ -329,31 +329,43 @@ class TrainSink:
             ) from None
 
     def _metrics(self, trained: list[Rollout], samples: list[Sample]) -> dict[str, float]:
+        # One pass over the window in plain Python: it is a few dozen rollouts, so NumPy calls
+        # (about 5 us each) would cost more than the arithmetic.
         window = self._window
-        errors = sum(r.has_error for r in window)
-        rewards = np.array(
-            [r.reward for r in window if not r.has_error and math.isfinite(r.reward)], np.float64
-        )
+        errors = untrainable = filtered = 0
+        rewards = []
+        for r in window:
+            if r.errors:
+                errors += 1
+            else:
+                if not r.trainable:
+                    untrainable += 1
+                if math.isfinite(r.reward):
+                    rewards.append(r.reward)
+            if r.filtered:
+                filtered += 1
+        masks = np.concatenate([s.loss_mask for s in samples]) if samples else np.zeros(0, bool)
         groups, with_signal = self._window_groups, self._window_signal
         m: dict[str, float] = {
             "train/rollouts_seen": float(len(window)),
             "train/errors": float(errors),
-            "train/untrainable": float(sum(not r.trainable and not r.has_error for r in window)),
-            "train/filtered": float(sum(r.filtered for r in window)),
+            "train/untrainable": float(untrainable),
+            "train/filtered": float(filtered),
             "train/groups_seen": float(groups),
             "train/groups_with_signal": float(with_signal),
             "train/trainable_samples": float(len(samples)),
-            "train/tokens": float(sum(len(s) for s in samples)),
-            "train/loss_tokens": float(
-                np.count_nonzero(np.concatenate([s.loss_mask for s in samples])) if samples else 0
-            ),
+            "train/tokens": float(masks.size),
+            "train/loss_tokens": float(np.count_nonzero(masks)),
             "train/ready_carryover": float(len(self._ready)),
         }
-        if rewards.size:
-            m["train/reward_mean"] = float(rewards.mean())
-            m["train/reward_std"] = float(rewards.std())
+        if rewards:
+            mean = math.fsum(rewards) / len(rewards)
+            m["train/reward_mean"] = mean
+            m["train/reward_std"] = math.sqrt(
+                math.fsum((x - mean) ** 2 for x in rewards) / len(rewards)
+            )
         if trained:
-            m["train/batch_reward_mean"] = float(np.mean([r.reward for r in trained]))
+            m["train/batch_reward_mean"] = math.fsum(r.reward for r in trained) / len(trained)
         if groups:
             m["train/effective_group_rate"] = with_signal / groups
         for reason, n in sorted(self._window_counts.items()):
