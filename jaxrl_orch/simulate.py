@@ -90,25 +90,29 @@ class SimEngine:
         return self
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion:
-        loop = asyncio.get_running_loop()
-        if self.active == 0:
-            self.idle_s += loop.time() - self._idle_since
-        self.active += 1
-        try:
-            policy = self.policy_ref[0]
-            n = sampling.max_tokens
-            first = policy.version
-            latency = self.draw()
-            if latency > 0:  # an instant engine (fixed:0) answers without a loop turn
-                await asyncio.sleep(latency)
-            last = policy.version
-        finally:
-            self.active -= 1
+        n = sampling.max_tokens
+        policy = self.policy_ref[0]
+        first = last = policy.version
+        latency = self.draw()
+        if latency > 0:
+            loop = asyncio.get_running_loop()
             if self.active == 0:
-                self._idle_since = loop.time()
-        versions = [first] * (n // 2) + [last] * (n - n // 2)
+                self.idle_s += loop.time() - self._idle_since
+            self.active += 1
+            try:
+                await asyncio.sleep(latency)
+                last = policy.version
+            finally:
+                self.active -= 1
+                if self.active == 0:
+                    self._idle_since = loop.time()
+        # else: an instant engine answers without a loop turn and occupies it for no time,
+        # so the idle interval in progress is not interrupted.
+        half = n // 2
         # Token values never matter to the orchestrator; only their count and versions do.
-        return Completion(list(range(3, 3 + n)), [-1.0] * n, versions, "length")
+        return Completion(
+            list(range(3, 3 + n)), [-1.0] * n, [first] * half + [last] * (n - half), "length"
+        )
 
 
 class SimEnv:

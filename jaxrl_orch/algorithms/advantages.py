@@ -61,8 +61,9 @@ def _as_rewards(rewards: np.ndarray) -> np.ndarray:
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim != 1:
         raise ValueError(f"rewards must be a 1-D array of one group's rewards, got shape {r.shape}")
-    bad = np.flatnonzero(~np.isfinite(r))
-    if bad.size:
+    finite = np.isfinite(r)
+    if not finite.all():
+        bad = np.flatnonzero(~finite)
         raise NonFiniteRewardError(bad.tolist(), r[bad].tolist())
     return r
 

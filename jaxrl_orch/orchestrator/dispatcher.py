@@ -514,42 +514,76 @@ class RolloutDispatcher:
         g.running += n
         now = self.clock()
         if g.whole:
-            self._start(g, ids, now, env.run_group, "episode_ids", ids)
-        else:
-            for eid in ids:
-                self._start(g, [eid], now, env.run, "episode_id", eid)
+            coro = self._call(g, ids, now, env.run_group, ids)
+            if coro is not None:
+                result = self._start(g, ids, now, coro)
+                if result is not None:
+                    self._finish(g, ids, now, result)
+            return n
+        # Per-rollout env: rollouts that finish during their eager first step are settled
+        # together (one clock read, one gate report), each still its own episode on out_q.
+        done_ids: list[int] = []
+        done: list[Rollout] = []
+        for eid in ids:
+            coro = self._call(g, [eid], now, env.run, eid)
+            if coro is None:
+                continue
+            result = self._start(g, [eid], now, coro)
+            if result is None:
+                continue
+            if isinstance(result, Rollout):
+                done_ids.append(eid)
+                done.append(result)
+            else:
+                self._finish(g, [eid], now, result)  # a wrong type: its own error path
+        if done:
+            self.permits += len(done)
+            g.running -= len(done)
+            self._emit(g, done_ids, done, now, self.clock(), each=True)
+            self._close_if_done(g)
         return n
 
-    def _start(self, g: _Group, ids: list[int], now: float, run, id_kw: str, id_val) -> None:
-        """Run one unit of work eagerly up to its first suspension (as Python 3.12's eager
-        tasks do). Work that finishes without suspending (an env that awaits nothing real)
-        is emitted at once: it needs no Task, so nothing could cancel it or wait on it. Work
-        that suspends continues under a Task, which cancellation and ``stop()`` act on."""
+    def _call(self, g: _Group, ids: list[int], now: float, run, id_arg) -> Any:
+        """The env's coroutine for this unit of work, or None if creating it already failed
+        (then it has been emitted as an error rollout)."""
         example = dict(g.example)  # envs may mutate theirs; the group keeps the original
         try:
-            coro = run(
-                g.client, example, group_id=g.group_id, sampling=g.sampling, **{id_kw: id_val}
+            if g.whole:
+                return run(
+                    g.client, example, group_id=g.group_id, episode_ids=id_arg, sampling=g.sampling
+                )
+            return run(
+                g.client, example, group_id=g.group_id, episode_id=id_arg, sampling=g.sampling
             )
         except Exception as exc:  # an env failing before its coroutine exists: same fate
             self._finish(g, ids, now, None, exc)
-            return
+            return None
+
+    def _start(self, g: _Group, ids: list[int], now: float, coro: Any) -> Any:
+        """Run one unit of work eagerly up to its first suspension (as Python 3.12's eager
+        tasks do) and return its result if it finished cleanly without suspending (an env
+        that awaits nothing real): such work needs no Task, since nothing could cancel it or
+        wait on it. Work that suspends continues under a Task, which cancellation and
+        ``stop()`` act on; work that failed has been emitted. Both return None."""
         if not asyncio.iscoroutine(coro):  # another awaitable: no first step to take here
             task = asyncio.ensure_future(coro)
         else:
             try:
                 pending = coro.send(None)
             except StopIteration as stop:
-                self._finish(g, ids, now, stop.value)
-                return
+                if stop.value is None:  # not a rollout: the error path names it
+                    self._finish(g, ids, now, None)
+                return stop.value
             except asyncio.CancelledError:
                 self._finish(g, ids, now, None, None, "rollout task was cancelled")
-                return
+                return None
             except Exception as exc:
                 self._finish(g, ids, now, None, exc)
-                return
+                return None
             task = asyncio.ensure_future(_finish_started(coro, pending))
         self._inflight[task] = _Flight(g, ids, now)
         task.add_done_callback(self._task_done)
+        return None
 
     def _task_done(self, task: asyncio.Task) -> None:
         self._done.append(task)
@@ -595,6 +629,9 @@ class RolloutDispatcher:
                 )
                 rollouts = []
         self._emit(g, ids, rollouts, admitted_at, self.clock(), error, cancel)
+        self._close_if_done(g)
+
+    def _close_if_done(self, g: _Group) -> None:
         if g.unscheduled == 0 and g.running == 0:
             (self._eval_groups if g.is_eval else self._groups).pop(g.group_id, None)
 
@@ -608,7 +645,10 @@ class RolloutDispatcher:
         error: BaseException | None = None,
         cancel: str | None = None,
         admitted: bool = True,
+        each: bool = False,
     ) -> None:
+        """Restamp and queue finished rollouts: one episode, or one episode per rollout
+        (``each``: several single-rollout units that finished together)."""
         if cancel is not None or not rollouts:
             temp = g.sampling.temperature
             rollouts = [Rollout(g.env, g.group_id, i, g.example, temperature=temp) for i in ids]
@@ -633,7 +673,11 @@ class RolloutDispatcher:
         if cancel is not None:
             self.cancelled_total += len(rollouts)
         self.emitted_total += len(rollouts)
-        self.out_q.put_nowait(rollouts)
+        if each:
+            for r in rollouts:
+                self.out_q.put_nowait([r])
+        else:
+            self.out_q.put_nowait(rollouts)
         # Never-started placeholders were never admitted, so the gate must not hear of them.
         if not g.is_eval and admitted:
             ok = len(rollouts) - bad

@@ -57,24 +57,21 @@ def trace_to_sample(rollout: Rollout, temperature: float | None = None) -> Sampl
 
 @dataclasses.dataclass(eq=False)
 class GroupArrays:
-    """The shared buffers behind one group's samples (``rollouts[i]`` owns ``[starts[i],
-    ends[i])``). Only rollouts that were converted are listed."""
+    """The shared buffers behind one group's samples. Only rollouts that were converted are
+    listed."""
 
     rollouts: list[Rollout]
-    starts: np.ndarray  # int64
-    ends: np.ndarray  # int64
+    lengths: list[int]  # tokens per rollout, in order: rollout i owns the i-th stretch
     loss_mask: np.ndarray  # bool, all tokens of the group
     logprobs: np.ndarray  # float32
     advantages: np.ndarray  # float32; every sample's ``advantages`` is a view into it
 
-    def finite_logprobs(self) -> np.ndarray:
-        """Per rollout: True when all its log-probs (model tokens; others are 0) are finite."""
-        bad = np.concatenate(([0], np.cumsum(~np.isfinite(self.logprobs))))
-        return bad[self.ends] == bad[self.starts]
+    def all_logprobs_finite(self) -> bool:
+        return bool(np.isfinite(self.logprobs).all())
 
     def fan_out(self, advantages: np.ndarray) -> None:
         """Write one advantage per listed rollout onto its model tokens (0 elsewhere)."""
-        per_token = np.repeat(np.asarray(advantages, np.float32), self.ends - self.starts)
+        per_token = np.repeat(np.asarray(advantages, np.float32), self.lengths)
         np.multiply(per_token, self.loss_mask, out=self.advantages)
 
 
@@ -84,12 +81,12 @@ def group_to_samples(
     """Give every rollout in ``rollouts`` its one ``Sample`` (``rollout.samples``), converting
     the group in one pass. Returns the shared buffers, or None when some trace could not be
     converted with the others: then the caller converts per rollout (``trace_to_sample``)."""
-    lens = []
+    lens: list[int] = []
     toks: list[int] = []
     mask: list[bool] = []
     lps: list[float] = []
     vers: list[int] = []
-    temps = []
+    temps: list[float] = []
     for r in rollouts:
         n = len(r.token_ids)
         if not n == len(r.loss_mask) == len(r.logprobs) == len(r.versions):
@@ -100,6 +97,7 @@ def group_to_samples(
         lps += r.logprobs
         vers += r.versions
         temps.append(r.temperature if temperature is None else temperature)
+    total = len(toks)
     try:
         tok_a = np.array(toks, np.int32)
         mask_a = np.array(mask, bool)
@@ -107,25 +105,18 @@ def group_to_samples(
         ver_a = np.array(vers, np.int64)
     except (ValueError, TypeError, OverflowError):
         return None
-    total = len(toks)
-    if any(a.shape != (total,) for a in (tok_a, mask_a, lp_a, ver_a)):
+    if not tok_a.shape == mask_a.shape == lp_a.shape == ver_a.shape == (total,):
         return None  # nested or ragged entries: let the per-rollout path name the culprit
     lp_a[~mask_a] = 0.0
     ver_a = np.where(mask_a, ver_a, NO_VERSION).astype(np.int32)
-    len_a = np.array(lens, np.int64)
-    ends = np.cumsum(len_a)
-    starts = ends - len_a
-    temp_a = np.repeat(np.array(temps, np.float32), len_a)
+    temp_a = np.repeat(np.array(temps, np.float32), lens)
     adv_a = np.zeros(total, np.float32)
-    for r, a, b in zip(rollouts, starts.tolist(), ends.tolist(), strict=True):
+    a = 0
+    for r, n in zip(rollouts, lens, strict=True):
+        b = a + n
+        # Positional, in the field order of ``Sample``.
         r.samples = [
-            Sample(
-                token_ids=tok_a[a:b],
-                loss_mask=mask_a[a:b],
-                logprobs=lp_a[a:b],
-                advantages=adv_a[a:b],
-                temperatures=temp_a[a:b],
-                versions=ver_a[a:b],
-            )
+            Sample(tok_a[a:b], mask_a[a:b], lp_a[a:b], adv_a[a:b], temp_a[a:b], ver_a[a:b])
         ]
-    return GroupArrays(list(rollouts), starts, ends, mask_a, lp_a, adv_a)
+        a = b
+    return GroupArrays(list(rollouts), lens, mask_a, lp_a, adv_a)

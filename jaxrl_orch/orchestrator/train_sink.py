@@ -232,7 +232,7 @@ class TrainSink:
         totals["rollouts_seen"] += len(group)
         totals["errors"] += errors
         survivors = [r for r in group if not (r.errors or not r.trainable or r.filtered)]
-        if arrays is None or not arrays.finite_logprobs().all():
+        if arrays is None or not arrays.all_logprobs_finite():
             for r in survivors:
                 lp = r.samples[0].logprobs[r.samples[0].loss_mask]
                 if not np.isfinite(lp).all():
@@ -264,7 +264,10 @@ class TrainSink:
                 s = r.samples[0]
                 s.advantages[s.loss_mask] = a
 
-        signal = len(survivors) >= 2 and float(np.ptp(rewards)) > self.zero_variance_atol
+        reward_list = rewards.tolist()  # max/min of a few floats: cheaper than np.ptp
+        signal = (
+            len(survivors) >= 2 and max(reward_list) - min(reward_list) > self.zero_variance_atol
+        )
         if signal:
             self._window_signal += 1
             totals["groups_with_signal"] += 1

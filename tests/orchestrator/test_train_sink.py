@@ -282,7 +282,7 @@ def test_group_conversion_matches_per_rollout_reference():
             got, want = getattr(s, f), getattr(ref, f)
             assert got.dtype == want.dtype, f
             np.testing.assert_array_equal(got, want, err_msg=f)
-    assert arrays.finite_logprobs().all()
+    assert arrays.all_logprobs_finite()
     adv = np.arange(5, dtype=np.float32) - 2
     arrays.fan_out(adv)
     for r, a in zip(rs, adv, strict=True):
@@ -290,7 +290,7 @@ def test_group_conversion_matches_per_rollout_reference():
         np.testing.assert_array_equal(s.advantages, np.where(s.loss_mask, a, 0).astype(np.float32))
     rs[3].logprobs[0] = float("inf")
     rs[3].loss_mask[0] = True
-    assert group_to_samples(rs).finite_logprobs().tolist() == [True, True, True, False, True]
+    assert not group_to_samples(rs).all_logprobs_finite()
     rs[2].versions.append(1)  # misaligned: the group declines, the per-rollout path names it
     assert group_to_samples(rs) is None
 
