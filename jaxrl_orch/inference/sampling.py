@@ -14,6 +14,12 @@ Semantics (one rule per fact, DESIGN.md section 3):
   cannot see the truncation, so a renormalised value would not be comparable. For greedy
   slots the log-prob is taken at ``T = 1`` (``log_softmax(logits)``).
 
+Cost: the truncation mask needs a full sort of every row, which on XLA:CPU costs more than the
+rest of sampling together (2.0 of 2.7 ms for 32 x 262 logits, measured). RL rollouts usually
+sample untruncated (the trainer's log-probs must match), so the mask runs under a ``lax.cond``
+only when some row of the batch asks for top-k or top-p; untruncated batches skip the sort.
+Both branches give identical tokens for untruncated rows (the mask keeps every token there).
+
 Everything here is a pure jnp function meant to run inside the engine's jitted decode step;
 it never touches the host and never branches in Python on array values.
 """
@@ -58,7 +64,14 @@ def sample_tokens(
     greedy = temperature <= 0.0
     temp = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
     scaled = logits / temp[:, None]
-    keep = _truncation_mask(scaled, top_k, top_p.astype(jnp.float32))
+    top_p = top_p.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    truncating = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    keep = jax.lax.cond(
+        truncating,
+        lambda: _truncation_mask(scaled, top_k, top_p),
+        lambda: jnp.ones(scaled.shape, bool),
+    )
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],)))(
         jax.random.split(key, batch)
     )

@@ -87,3 +87,22 @@ def test_top_k_one_is_argmax_and_tiny_top_p_keeps_the_head(sample):
     np.testing.assert_array_equal(
         np.asarray(tokens)[:, [0, 1, 3]], np.tile(ROWS.argmax(1)[[0, 1, 3]], (64, 1))
     )
+
+
+def test_untruncated_batch_takes_the_fast_path_with_the_same_draws(sample):
+    """No row truncates -> the sort is skipped (lax.cond); each row's draws must equal the ones
+    it gets when another row of the same batch forces the truncating branch."""
+    keys = jax.random.split(jax.random.key(3), 4000)
+    temp = np.array([1.0, 0.7, 1.3, 0.5], np.float32)
+    plain_k, plain_p = np.zeros(4, np.int32), np.ones(4, np.float32)
+    fast, fast_lp = map(np.asarray, sample(ROWS, keys, temp, plain_k, plain_p))
+    forced_k = plain_k.copy()
+    forced_k[3] = 2  # only row 3 truncates; rows 0-2 still keep every token
+    slow, slow_lp = map(np.asarray, sample(ROWS, keys, temp, forced_k, plain_p))
+    np.testing.assert_array_equal(fast[:, :3], slow[:, :3])
+    np.testing.assert_allclose(fast_lp[:, :3], slow_lp[:, :3], atol=1e-6)
+    assert set(np.unique(slow[:, 3])) <= set(np.argsort(-ROWS[3])[:2])
+    for row in range(4):
+        ref = ref_distribution(ROWS[row].astype(np.float64), temp[row], 0, 1.0)
+        counts = np.bincount(fast[:, row], minlength=ROWS.shape[1]) / len(keys)
+        np.testing.assert_allclose(counts, ref, atol=0.035)
