@@ -82,7 +82,7 @@ class GRPO:
         r = _as_rewards(rewards)
         if r.size <= 1:
             return np.zeros(r.shape, np.float32)
-        adv = r - r.mean()
+        adv = r - r.sum() / r.size  # np.mean's arithmetic without its Python overhead
         if self.normalize_std:
             adv = adv / (r.std(ddof=self.ddof) + self.eps)
         return adv.astype(np.float32)
