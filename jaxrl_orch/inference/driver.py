@@ -13,6 +13,12 @@ that prefix into each of the group's slots as slots come free (prefix sharing), 
 ``generate`` and routes every valid token to its slot's request. A slot whose request finishes
 (stop token, max tokens, cache full) or is cancelled is refilled before the next generate.
 
+Narrow decoding: when the engine offers ``decode_widths`` with ``generate(..., width=w)`` and
+``move_slot``, each call runs only the narrowest width holding every running request, after
+packing requests at or above it into free lower slots (refills always take the lowest free
+slot, so packing is rare: a drain moves at most ``slots - 1`` requests). A near-empty batch then
+costs a fraction of a full step instead of a full one (the tail of every finite batch).
+
 Invariants:
 - ``swap_params`` takes effect at the next ``generate`` call; every token carries the version
   of the params of the call that produced it. KV already in the cache is kept (no re-prefill);
@@ -114,6 +120,12 @@ class InferenceDriver:
         self._pass_sampling = _accepts(engine.insert, "sampling")
         self._max_stop = getattr(engine, "max_stop_tokens", None)
         self._pass_version = _accepts(engine.generate, "version")
+        # Narrow decoding needs both halves of the extension: width-limited generate calls and
+        # a way to pack running requests below the width.
+        widths = getattr(engine, "decode_widths", None)
+        narrow = widths and _accepts(engine.generate, "width") and hasattr(engine, "move_slot")
+        self._widths = tuple(sorted(int(w) for w in widths)) if narrow else (self._n_slots,)
+        self._width = self._n_slots
         self._cv = threading.Condition()
         self._pending: collections.deque[_Group] = collections.deque()
         self._slots: list[_Seq | None] = [None] * self._n_slots
@@ -229,6 +241,7 @@ class InferenceDriver:
             "inference/prefill_s": self._prefill_s,  # cumulative seconds in prefill
             "inference/decode_s": self._decode_s,  # cumulative seconds in generate
             "inference/version": float(self._version),
+            "inference/decode_width": float(self._width),  # slots the last generate ran
         }
 
     # ------------------------------------------------------------------ loop thread
@@ -351,8 +364,26 @@ class InferenceDriver:
         )
         return int(np.asarray(data.tokens).reshape(-1)[0]), lp
 
+    def _narrow(self) -> dict[str, int]:
+        """Pick the narrowest decode width holding every running request, packing requests
+        that sit at or above it into free slots below it. ``generate`` kwargs to use."""
+        running = [i for i, s in enumerate(self._slots) if s is not None]
+        width = next(w for w in self._widths if w >= len(running))
+        if width == self._n_slots:
+            self._width = width
+            return {}
+        free = (i for i in range(width) if self._slots[i] is None)
+        for src in running:
+            if src >= width:
+                dst = next(free)
+                self._decode_state = self.engine.move_slot(self._decode_state, src, dst)
+                self._slots[dst], self._slots[src] = self._slots[src], None
+        self._width = width
+        return {"width": width}
+
     def _step(self) -> None:
         kwargs = {"version": self._version} if self._pass_version else {}
+        kwargs.update(self._narrow())
         version = self._version
         t0 = time.perf_counter()
         state = self._decode_state
@@ -360,7 +391,7 @@ class InferenceDriver:
         result = result.convert_to_numpy()  # the one host round trip per call
         self._decode_s += time.perf_counter() - t0
         produced = 0
-        for slot, seq in enumerate(self._slots):
+        for slot, seq in enumerate(self._slots[: self._width]):
             if seq is None:
                 continue
             data = result.get_result_at_slot(slot)

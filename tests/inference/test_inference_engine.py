@@ -156,7 +156,8 @@ def test_swap_mid_generation_versions_and_logprobs(engine, params):
     finally:
         drv.stop()
     assert out.versions == [0] * 9 + [1] * 6  # 3 calls x 3 steps ran under version 0
-    assert engine._generate_fn._cache_size() == 1  # swapping params never recompiles
+    # swapping params never recompiles
+    assert all(fn._cache_size() == 1 for fn in engine._generate_fns.values())
 
     # Reference: old tokens' KV stays in the cache (no re-prefill); later queries use new
     # params. Replayed token by token with the plain cached forward of each params set.
@@ -238,11 +239,88 @@ def test_requests_with_new_sampling_settings_never_recompile(engine, driver):
     driver.submit(PROMPTS[0], settings[0])[0].result(timeout=120)  # compiles the 8-token bucket
 
     def compiled():
-        fns = [engine._generate_fn, *engine._insert_fns.values(), *engine._prefill_fns.values()]
+        fns = [
+            *engine._generate_fns.values(),
+            *engine._insert_fns.values(),
+            *engine._prefill_fns.values(),
+        ]
         return [fn._cache_size() for fn in fns]
 
     before = compiled()
     for sp in settings:
         driver.submit(PROMPTS[1], sp)[0].result(timeout=120)
     assert compiled() == before
-    assert engine._generate_fn._cache_size() == 1
+    assert all(fn._cache_size() == 1 for fn in engine._generate_fns.values())
+
+
+@pytest.fixture(scope="module")
+def engine4():
+    return DecodeEngine(
+        CFG, max_concurrent_decodes=4, max_target_length=48, max_prefill_length=16, steps_per_call=2
+    )
+
+
+def test_drain_narrows_the_decode_width_and_moved_requests_match_full_forward(engine4):
+    params = engine4.load_params(seed=0)
+    assert engine4.decode_widths == (4, 2, 1)
+    widths, moves = [], []
+
+    class Recording:
+        """Forwards to the engine; records the widths and slot moves the driver asks for."""
+
+        def __getattr__(self, name):
+            return getattr(engine4, name)
+
+        def generate(self, params, decode_state, *, version=0, width=None):
+            widths.append(width)
+            return engine4.generate(params, decode_state, version=version, width=width)
+
+        def move_slot(self, decode_state, src, dst):
+            moves.append((src, dst))
+            return engine4.move_slot(decode_state, src, dst)
+
+    drv = InferenceDriver(Recording(), params, 0, prefix_cache_size=0)
+    lengths = [3, 7, 2, 14]  # slot 3 outlives slot 0: packed into it once 2 requests remain
+    futs = [
+        drv.submit(p, SamplingParams(temperature=0.0, max_tokens=n))[0]
+        for p, n in zip(PROMPTS, lengths, strict=True)
+    ]
+    drv.start()  # after every submission: all four start together in slots 0-3
+    try:
+        outs = [f.result(timeout=120) for f in futs]
+    finally:
+        drv.stop()
+    # 2 steps per call: 4 run until 2 remain (slots 1, 3), then slot 1 alone at width 1.
+    assert widths == [None, None, 2, 2, 1, 1, 1] and moves == [(3, 0)]
+    for prompt, n, out in zip(PROMPTS, lengths, outs, strict=True):
+        ref = completion_logits(engine4, params, prompt, out)
+        assert len(out.token_ids) == n
+        np.testing.assert_array_equal(out.token_ids, ref.argmax(-1))
+        np.testing.assert_allclose(
+            out.logprobs, log_softmax(ref)[np.arange(n), out.token_ids], 1e-5
+        )
+
+
+def test_narrow_generate_leaves_upper_slots_untouched_and_validates(engine4):
+    params = engine4.load_params(seed=0)
+    state = engine4.init_decode_state()
+    prefix, _ = engine4.prefill(params=params, padded_tokens=np.ones(8, np.int32), true_length=5)
+    for slot in range(4):
+        state = engine4.insert(prefix, state, slot, sampling=SamplingParams(temperature=0.0))
+    before = jax.tree.map(np.asarray, state)
+    state, result = engine4.generate(params, state, width=2)
+    after = jax.tree.map(np.asarray, state)
+    assert np.asarray(result.data).shape[0] == 2
+    assert np.all(np.asarray(result.data)[:, 2:4] == 1)  # both narrow slots made 2 tokens
+    np.testing.assert_array_equal(after["pos"], before["pos"] + [2, 2, 0, 0])
+    np.testing.assert_array_equal(after["cache"]["k"][:, 2:], before["cache"]["k"][:, 2:])
+    state = engine4.move_slot(state, 0, 3)
+    moved = jax.tree.map(np.asarray, state)
+    np.testing.assert_array_equal(moved["cache"]["v"][:, 3], after["cache"]["v"][:, 0])
+    assert moved["pos"][3] == after["pos"][0] and list(moved["active"]) == [False, True, True, True]
+    with pytest.raises(ValueError, match=r"decode_widths=\(4, 2, 1\), got 3"):
+        engine4.generate(params, state, width=3)
+    with pytest.raises(ValueError, match="src slot must be in"):
+        engine4.move_slot(state, 4, 0)
+    with pytest.raises(ValueError, match="largest is max_concurrent_decodes=4"):
+        DecodeEngine(CFG, max_concurrent_decodes=4, decode_widths=(2, 1))
