@@ -256,13 +256,17 @@ def test_requests_with_new_sampling_settings_never_recompile(engine, driver):
 @pytest.fixture(scope="module")
 def engine4():
     return DecodeEngine(
-        CFG, max_concurrent_decodes=4, max_target_length=48, max_prefill_length=16, steps_per_call=2
+        CFG,
+        max_concurrent_decodes=4,
+        max_target_length=48,
+        max_prefill_length=16,
+        steps_per_call=2,
+        decode_widths=(4, 1),  # each width is one more compile of the decode program
     )
 
 
 def test_drain_narrows_the_decode_width_and_moved_requests_match_full_forward(engine4):
     params = engine4.load_params(seed=0)
-    assert engine4.decode_widths == (4, 2, 1)
     widths, moves = [], []
 
     class Recording:
@@ -280,19 +284,20 @@ def test_drain_narrows_the_decode_width_and_moved_requests_match_full_forward(en
             return engine4.move_slot(decode_state, src, dst)
 
     drv = InferenceDriver(Recording(), params, 0, prefix_cache_size=0)
-    lengths = [3, 7, 2, 14]  # slot 3 outlives slot 0: packed into it once 2 requests remain
+    prompts = [*PROMPTS[:2], [7] * 6, PROMPTS[3]]  # one prefill bucket: fewer compiles
+    lengths = [3, 7, 2, 14]  # slot 3 outlives the rest: packed into slot 0 once alone
     futs = [
         drv.submit(p, SamplingParams(temperature=0.0, max_tokens=n))[0]
-        for p, n in zip(PROMPTS, lengths, strict=True)
+        for p, n in zip(prompts, lengths, strict=True)
     ]
     drv.start()  # after every submission: all four start together in slots 0-3
     try:
         outs = [f.result(timeout=120) for f in futs]
     finally:
         drv.stop()
-    # 2 steps per call: 4 run until 2 remain (slots 1, 3), then slot 1 alone at width 1.
-    assert widths == [None, None, 2, 2, 1, 1, 1] and moves == [(3, 0)]
-    for prompt, n, out in zip(PROMPTS, lengths, outs, strict=True):
+    # 2 steps per call: full width while 2+ requests run (4 calls), then slot 3 alone.
+    assert widths == [None] * 4 + [1] * 3 and moves == [(3, 0)]
+    for prompt, n, out in zip(prompts, lengths, outs, strict=True):
         ref = completion_logits(engine4, params, prompt, out)
         assert len(out.token_ids) == n
         np.testing.assert_array_equal(out.token_ids, ref.argmax(-1))
@@ -308,19 +313,20 @@ def test_narrow_generate_leaves_upper_slots_untouched_and_validates(engine4):
     for slot in range(4):
         state = engine4.insert(prefix, state, slot, sampling=SamplingParams(temperature=0.0))
     before = jax.tree.map(np.asarray, state)
-    state, result = engine4.generate(params, state, width=2)
+    state, result = engine4.generate(params, state, width=1)
     after = jax.tree.map(np.asarray, state)
-    assert np.asarray(result.data).shape[0] == 2
-    assert np.all(np.asarray(result.data)[:, 2:4] == 1)  # both narrow slots made 2 tokens
-    np.testing.assert_array_equal(after["pos"], before["pos"] + [2, 2, 0, 0])
-    np.testing.assert_array_equal(after["cache"]["k"][:, 2:], before["cache"]["k"][:, 2:])
+    assert np.asarray(result.data).shape[0] == 1
+    assert np.all(np.asarray(result.data)[0, 2:4] == 1)  # the narrow slot made 2 tokens
+    np.testing.assert_array_equal(after["pos"], before["pos"] + [2, 0, 0, 0])
+    np.testing.assert_array_equal(after["cache"]["k"][:, 1:], before["cache"]["k"][:, 1:])
     state = engine4.move_slot(state, 0, 3)
     moved = jax.tree.map(np.asarray, state)
     np.testing.assert_array_equal(moved["cache"]["v"][:, 3], after["cache"]["v"][:, 0])
     assert moved["pos"][3] == after["pos"][0] and list(moved["active"]) == [False, True, True, True]
-    with pytest.raises(ValueError, match=r"decode_widths=\(4, 2, 1\), got 3"):
+    with pytest.raises(ValueError, match=r"decode_widths=\(4, 1\), got 3"):
         engine4.generate(params, state, width=3)
     with pytest.raises(ValueError, match="src slot must be in"):
         engine4.move_slot(state, 4, 0)
     with pytest.raises(ValueError, match="largest is max_concurrent_decodes=4"):
         DecodeEngine(CFG, max_concurrent_decodes=4, decode_widths=(2, 1))
+    assert DecodeEngine(CFG, max_concurrent_decodes=32).decode_widths == (32, 16, 8, 4)
