@@ -8,9 +8,18 @@ What it owns
 Scheduling (one ``start()`` task, driven by the orchestrator loop)
     Each pass fills free permits, then sleeps until a rollout finishes, something wakes it
     (resume, eval scheduled, policy version advanced) or ``poll_interval_s`` passes (the gate's
-    capacity may change behind its back). Completions are collected through task done-callbacks
-    rather than ``asyncio.wait`` over the whole in-flight set, so a pass costs O(finished), not
-    O(in flight). Per pass: pending eval work first (finite and step-aligned; while it waits
+    capacity may change behind its back; the loop also calls ``notify()`` when the sink frees
+    gate slots). Each rollout's coroutine is started eagerly (``eager.start_eagerly``): one that
+    finishes without suspending (an env that awaits nothing real, e.g. an instant engine) is
+    emitted on the spot and never gets a Task; one that suspends continues under a Task, and
+    only those are "in flight" for cancellation, ``stop()`` and ``oldest_train_version()``.
+    Rollouts of one group are admitted together (one ``capacity_fn``/``on_admit`` call for as
+    many as may start), and those that finish eagerly are settled together, each still its own
+    episode. Since eager rollouts return their permits at once, a pass admits at most
+    ``max_inflight`` rollouts and then yields one loop turn, so an instant env cannot starve the
+    loop. Completions of Tasks are collected through done-callbacks rather than
+    ``asyncio.wait`` over the in-flight set, so a pass costs O(finished), not O(in flight).
+    Per pass: pending eval work first (finite and step-aligned; while it waits
     for permits, train work does not take them), then train work, envs taking turns (one
     ``Source`` per env; a single source only with a single env), continuing open groups
     (oldest first) before opening a fresh one, so a group's rollouts land close together on
@@ -61,9 +70,10 @@ import collections
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Coroutine, Generator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from jaxrl_orch.orchestrator.eager import start_eagerly
 from jaxrl_orch.types import (
     Environment,
     Episode,
@@ -91,41 +101,6 @@ def _per_env(name: str, value: Any, envs: Mapping[str, Any], kind: type) -> dict
             want = "an int >= 1" if kind is int else f"a {kind.__name__}"
             raise ValueError(f"{name} for env {env!r} must be {want}, got {v!r}")
     return out
-
-
-class _Resume:
-    """Finishes, under a Task, a coroutine whose first step already ran eagerly.
-
-    It relays what the coroutine yields to the Task and what the Task sends or throws back, as
-    ``yield from`` would; only the first yield was produced before the Task existed."""
-
-    __slots__ = ("_coro", "_pending")
-
-    def __init__(self, coro: Coroutine[Any, Any, Any], pending: Any) -> None:
-        self._coro, self._pending = coro, pending
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro, pending = self._coro, self._pending
-        while True:
-            try:
-                sent = yield pending
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:  # cancellation included: the coroutine decides
-                try:
-                    pending = coro.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-            else:
-                try:
-                    pending = coro.send(sent)
-                except StopIteration as stop:
-                    return stop.value
-
-
-async def _finish_started(coro: Coroutine[Any, Any, Any], pending: Any) -> Any:
-    return await _Resume(coro, pending)
 
 
 @dataclasses.dataclass(eq=False)
@@ -379,6 +354,8 @@ class RolloutDispatcher:
                         await self._wake.wait()
                     finally:
                         timer.cancel()
+                else:
+                    await asyncio.sleep(0)  # one loop turn between passes, always
                 self._wake.clear()
                 done, self._done = self._done, []
                 for task in done:
@@ -424,7 +401,14 @@ class RolloutDispatcher:
         return any(g.unscheduled for g in self._eval_groups.values())
 
     def _fill(self) -> None:
+        # Rollouts that finish eagerly hand their permits straight back, so permits alone no
+        # longer end a pass: one pass admits at most ``max_inflight``, then yields a loop turn
+        # (the main loop drains out_q) and the next pass follows at once.
+        budget = self.admitted_total + self.eval_admitted_total + self.max_inflight
         while self.permits > 0 and not self._paused and not self._stopping:
+            if self.admitted_total + self.eval_admitted_total >= budget:
+                self._wake.set()
+                return
             launched = self._schedule_eval_one()
             if launched is None:
                 return  # eval work waits for permits; train must not take them first
@@ -569,18 +553,17 @@ class RolloutDispatcher:
             task = asyncio.ensure_future(coro)
         else:
             try:
-                pending = coro.send(None)
-            except StopIteration as stop:
-                if stop.value is None:  # not a rollout: the error path names it
-                    self._finish(g, ids, now, None)
-                return stop.value
+                task, result = start_eagerly(coro)
             except asyncio.CancelledError:
                 self._finish(g, ids, now, None, None, "rollout task was cancelled")
                 return None
             except Exception as exc:
                 self._finish(g, ids, now, None, exc)
                 return None
-            task = asyncio.ensure_future(_finish_started(coro, pending))
+            if task is None:
+                if result is None:  # not a rollout: the error path names it
+                    self._finish(g, ids, now, None)
+                return result
         self._inflight[task] = _Flight(g, ids, now)
         task.add_done_callback(self._task_done)
         return None

@@ -41,12 +41,11 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from jaxrl_orch.orchestrator.dispatcher import RolloutDispatcher
 from jaxrl_orch.orchestrator.eval_sink import EvalSink
 from jaxrl_orch.orchestrator.gate import ResumeBurstError, StalenessGate
 from jaxrl_orch.orchestrator.logger import PeriodicLogger
+from jaxrl_orch.orchestrator.step_stats import head_versions, summaries
 from jaxrl_orch.orchestrator.store import RolloutStore
 from jaxrl_orch.orchestrator.train_sink import TrainSink
 from jaxrl_orch.orchestrator.watcher import WeightWatcher
@@ -121,64 +120,6 @@ class StepRecord:
 
     step: int
     metrics: dict[str, float]
-
-
-_QUANTILES = np.array([0.50, 0.95, 0.99])
-
-
-def _summaries(series: Mapping[str, Sequence[float]]) -> dict[str, float]:
-    """``<name>_{max,mean,p50,p95,p99}`` of equal-length series, all in one sorted array.
-
-    Percentiles are NumPy's default (linear interpolation between closest ranks), computed
-    here directly: ``np.percentile`` costs more per call than the rest of a step."""
-    names = list(series)
-    a = np.array([series[k] for k in names], np.float64).reshape(len(names), -1)
-    n = a.shape[1]
-    if not names or n == 0:
-        return {}
-    # Before sorting, so the sum runs in np.mean's order; np.mean is this plus Python overhead.
-    mean = a.sum(axis=1, keepdims=True) / n
-    a.sort(axis=1)
-    idx = _QUANTILES * (n - 1)
-    lo = np.floor(idx).astype(np.intp)
-    hi = np.minimum(lo + 1, n - 1)
-    t = idx - lo
-    below, above = a[:, lo], a[:, hi]
-    diff = above - below
-    # NumPy's lerp: interpolate from the nearer end, so a tie (below == above) is exact.
-    q = np.where(t >= 0.5, above - diff * (1 - t), below + diff * t)
-    stats = np.concatenate((a[:, -1:], mean, q), axis=1).tolist()
-    return {
-        f"{name}_{stat}": stats[i][j]
-        for i, name in enumerate(names)
-        for j, stat in enumerate(("max", "mean", "p50", "p95", "p99"))
-    }
-
-
-_NO_HEAD = np.iinfo(np.int32).max
-
-
-def _head_versions(rollouts: Sequence[Rollout]) -> list[int]:
-    """``Rollout.head_version`` of each rollout, read off its sample's versions in one pass.
-
-    A sample holds ``NO_VERSION`` off the model's tokens, so the oldest non-negative version of
-    the sample is the trace's head. Rollouts without exactly one non-empty sample fall back to
-    the property."""
-    versions = []
-    for r in rollouts:
-        if len(r.samples) != 1:
-            return [r.head_version for r in rollouts]
-        versions.append(r.samples[0].versions)
-    lengths = [v.shape[0] for v in versions]
-    if not versions or 0 in lengths:
-        return [r.head_version for r in rollouts]
-    v = np.concatenate(versions)
-    starts = np.cumsum(lengths) - lengths
-    heads = np.minimum.reduceat(np.where(v >= 0, v, _NO_HEAD), starts).tolist()
-    return [
-        h if h != _NO_HEAD else r.policy_version_at_start
-        for h, r in zip(heads, rollouts, strict=True)
-    ]
 
 
 class Orchestrator:
@@ -361,28 +302,20 @@ class Orchestrator:
         q = self.dispatcher.out_q
         while not self.stopped.is_set():
             self._check_tasks()
-            if q.qsize():
-                # Take what is already queued in one run (the dispatcher emits in bursts), and
-                # stop at the first episode after which there is something to ship.
-                while q.qsize():
-                    await self._take(q.get_nowait())
-                    if self._ship_due():
-                        break
-            else:
-                episode = await self._next_episode()
-                if episode is not None:
-                    await self._take(episode)
+            episode = q.get_nowait() if q.qsize() else await self._next_episode()
+            while episode is not None:
+                self._route(episode)
+                if not episode[0].is_eval:
+                    await self.train_sink.add(episode)
+                    self._check_signal()
+                # The dispatcher emits in bursts: take what is already queued in one run, up to
+                # the first episode after which there is something to ship.
+                episode = q.get_nowait() if q.qsize() and not self._ship_due() else None
             if self._ship_due():
                 self._check_tasks()
                 await self._try_ship()
             if self.draining and self._drained():
                 self.stopped.set()
-
-    async def _take(self, episode: list[Rollout]) -> None:
-        self._route(episode)
-        if not episode[0].is_eval:
-            await self.train_sink.add(episode)
-            self._check_signal()
 
     def _ship_due(self) -> bool:
         """Whether ``_try_ship`` has anything to do (it is skipped for most episodes)."""
@@ -517,7 +450,7 @@ class Orchestrator:
             await self._ship(batch)
 
     def _stamp_ages(self, rollouts: Sequence[Rollout], step: int, now: float) -> None:
-        for r, head in zip(rollouts, _head_versions(rollouts), strict=True):
+        for r, head in zip(rollouts, head_versions(rollouts), strict=True):
             r.shipped_at = now
             if r.live_policy:
                 r.off_policy_steps = (step - 1) - head
@@ -527,7 +460,7 @@ class Orchestrator:
     def _drop_stale(self, batch: TrainBatch) -> None:
         bound = self.config.max_staleness
         keep, dropped = [], 0
-        for r, head in zip(batch.trained, _head_versions(batch.trained), strict=True):
+        for r, head in zip(batch.trained, head_versions(batch.trained), strict=True):
             if r.live_policy and (self.step - 1) - head > bound:
                 dropped += 1
             else:
@@ -576,7 +509,7 @@ class Orchestrator:
             "orch/version": float(self.policy.version),
         }
         m.update(
-            _summaries(
+            summaries(
                 {
                     "orch/age": ages,
                     # head = last - age: versions spent in flight, then waiting in the queue

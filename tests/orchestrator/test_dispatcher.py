@@ -83,7 +83,10 @@ class ScriptedEnv:
 
     async def _run(self, group_id, episode_id, example, sampling):
         delay, outcome = self.script(group_id, episode_id)
-        await asyncio.sleep(1e9 if outcome == "hang" else delay)
+        if outcome == "hang":
+            await asyncio.sleep(1e9)
+        elif delay is not None:  # None: finish without ever suspending (an instant engine)
+            await asyncio.sleep(delay)
         if outcome == "raise":
             raise RuntimeError(f"env blew up on episode {episode_id}")
         if outcome == "bad_type":
@@ -189,7 +192,9 @@ def test_every_dispatched_rollout_emitted_exactly_once(
     plan: dict[tuple[int, int], tuple[float, str]] = {}
 
     def script(g, e):
-        return plan.setdefault((g, e), (rng.uniform(0, 3), rng.choice(outcomes)))
+        # Delays: none at all (finishes in its eager first step), one bare loop turn, or real.
+        delay = rng.choice([None, 0.0, rng.uniform(0, 3), rng.uniform(0, 3)])
+        return plan.setdefault((g, e), (delay, rng.choice(outcomes)))
 
     async def scenario(loop):
         env = ScriptedEnv(script=script)
@@ -576,3 +581,101 @@ def test_fresh_group_opens_only_when_the_gate_has_room_for_all_of_it():
     assert run_virtual(lambda loop: scenario(loop, 3)) == 0
     assert run_virtual(lambda loop: scenario(loop, 4)) == 4
     assert run_virtual(lambda loop: scenario(loop, 7)) == 4
+
+
+def test_rollouts_that_never_suspend_are_emitted_in_the_same_pass_without_tasks():
+    async def scenario(loop):
+        # Episodes 0-3 finish in their first step; the rest suspend once on the engine.
+        env = ScriptedEnv(script=lambda g, e: (None if e < 4 else 1.0, "ok"))
+        d, gate, _ = make(loop, env, max_inflight=6, group_size=2)
+        tasks_before = len(asyncio.all_tasks())
+        d._fill()  # one scheduling pass, no loop turn
+        instant = drain(d)
+        assert [len(ep) for ep in instant] == [1, 1, 1, 1]  # still one episode per rollout
+        assert [r.episode_id for ep in instant for r in ep] == [0, 1, 2, 3]
+        assert all(not r.has_error and r.group_id in (0, 1) for ep in instant for r in ep)
+        # Instant ones gave their permits back at once; the pass stopped at max_inflight
+        # admissions, and the two that suspended are still running.
+        assert (gate.accepted, gate.running, gate.admitted) == (4, 2, 6)
+        assert d.inflight == 2 and len(asyncio.all_tasks()) == tasks_before + 2
+        assert d.oldest_train_version() == 0
+        runner = asyncio.create_task(d.start())
+        await until(loop, lambda: d.out_q.qsize() >= 2)  # the suspended ones land as usual
+        await d.stop()
+        await runner
+        return d, gate
+
+    d, gate = run_virtual(scenario)
+    assert d.permits == d.max_inflight and gate.running == 0
+    assert gate.accepted + gate.rejected == gate.admitted == d.emitted_total
+
+
+def test_instant_failures_and_bad_results_become_error_rollouts():
+    outcomes = {0: "raise", 1: "empty", 2: "bad_type", 3: "sync_raise"}
+
+    async def scenario(loop):
+        env = ScriptedEnv(script=lambda g, e: (None, outcomes.get(e, "ok")))
+        d, gate, _ = make(
+            loop,
+            env,
+            source=CountingSource(limit=3),
+            gate=FakeGate(6),
+            group_size=2,
+            max_inflight=6,
+        )
+        d._fill()
+        return drain(d), d, gate
+
+    episodes, d, gate = run_virtual(scenario)
+    rollouts = {r.episode_id: r for ep in episodes for r in ep}
+    assert sorted(rollouts) == list(range(6))
+    assert "RuntimeError" in rollouts[0].errors[0]
+    assert "EmptyTrajectory" in rollouts[1].errors[0]
+    assert "TypeError" in rollouts[2].errors[0] and "expected 1 Rollout" in rollouts[2].errors[0]
+    assert "KeyError" in rollouts[3].errors[0]
+    assert not rollouts[4].has_error and not rollouts[5].has_error
+    assert (gate.accepted, gate.rejected, gate.running) == (2, 4, 0)
+    assert d.permits == d.max_inflight
+
+
+def test_notify_runs_a_fill_pass_without_waiting_for_the_poll():
+    from jaxrl_orch.orchestrator.gate import StalenessGate
+
+    async def scenario(loop):
+        env = ScriptedEnv(script=lambda g, e: (None, "ok"))
+        gate = StalenessGate(max_staleness=0, batch_size=2, max_concurrent=8)
+        d, _, _ = make(loop, env, gate=gate, group_size=2)
+        d.poll_interval_s = 1e6
+        runner = asyncio.create_task(d.start())
+        await until(loop, lambda: d.out_q.qsize() == 2)
+        t0 = loop.time()
+        gate.on_discard(2)  # what the sink reports when it drops a flat group
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert d.out_q.qsize() == 2  # asleep: nothing told it
+        d.notify()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert d.out_q.qsize() == 4 and loop.time() == t0
+        await d.stop()
+        await runner
+
+    run_virtual(scenario)
+
+
+def test_an_instant_env_cannot_starve_the_event_loop():
+    async def scenario(loop):
+        env = ScriptedEnv(script=lambda g, e: (None, "ok"))
+        d, _, _ = make(loop, env, max_inflight=3, group_size=1)  # no gate bound, endless source
+        runner = asyncio.create_task(d.start())
+        sizes = []
+        for _ in range(4):
+            await asyncio.sleep(0)
+            sizes.append(d.out_q.qsize())
+        # Control came back every turn, and each pass admitted at most max_inflight.
+        assert 0 < sizes[0] <= 3 and sizes[-1] > sizes[0]
+        assert all(b - a <= 3 for a, b in zip(sizes, sizes[1:], strict=False))
+        await d.stop()
+        await runner
+
+    run_virtual(scenario)
