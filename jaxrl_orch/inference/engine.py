@@ -133,6 +133,7 @@ class DecodeEngine:
             "stop": self._replicated,
         }
         self._init_fn: Any = None
+        self._init_state_fn: Any = None
         self._prefill_fns: dict[int, Any] = {}
         self._insert_fns: dict[int, Any] = {}
         self._generate_fns: dict[int, Any] = {}
@@ -191,25 +192,26 @@ class DecodeEngine:
         return jax.device_put(state, self.param_shardings)
 
     def init_decode_state(self) -> dict[str, Any]:
+        if self._init_state_fn is None:  # compiled once: a driver restart must not recompile
+            self._init_state_fn = jax.jit(self._build_state, out_shardings=self._state_shardings)
+        return self._init_state_fn()
+
+    def _build_state(self) -> dict[str, Any]:
         b = self._slots
-
-        def build() -> dict[str, Any]:
-            zeros = lambda dt: jnp.zeros((b,), dt)
-            return {
-                "cache": init_cache(self.config, b, self.max_target_length, self.cache_dtype),
-                "tokens": zeros(jnp.int32),
-                "pos": zeros(jnp.int32),
-                "active": zeros(bool),
-                "generated": zeros(jnp.int32),
-                "max_tokens": zeros(jnp.int32),
-                "temperature": zeros(jnp.float32),
-                "top_k": zeros(jnp.int32),
-                "top_p": jnp.ones((b,), jnp.float32),
-                "stop": jnp.full((b, self.max_stop_tokens), -1, jnp.int32),
-                "rng": jax.random.PRNGKey(self._seed),
-            }
-
-        return jax.jit(build, out_shardings=self._state_shardings)()
+        zeros = lambda dt: jnp.zeros((b,), dt)
+        return {
+            "cache": init_cache(self.config, b, self.max_target_length, self.cache_dtype),
+            "tokens": zeros(jnp.int32),
+            "pos": zeros(jnp.int32),
+            "active": zeros(bool),
+            "generated": zeros(jnp.int32),
+            "max_tokens": zeros(jnp.int32),
+            "temperature": zeros(jnp.float32),
+            "top_k": zeros(jnp.int32),
+            "top_p": jnp.ones((b,), jnp.float32),
+            "stop": jnp.full((b, self.max_stop_tokens), -1, jnp.int32),
+            "rng": jax.random.PRNGKey(self._seed),
+        }
 
     # ------------------------------------------------------------------ prefill / insert
 

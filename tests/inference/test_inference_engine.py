@@ -251,6 +251,9 @@ def test_requests_with_new_sampling_settings_never_recompile(engine, driver):
         driver.submit(PROMPTS[1], sp)[0].result(timeout=120)
     assert compiled() == before
     assert all(fn._cache_size() == 1 for fn in engine._generate_fns.values())
+    init_fn = engine._init_state_fn  # a fresh decode state (a driver restart) reuses it too
+    engine.init_decode_state()
+    assert engine._init_state_fn is init_fn and init_fn._cache_size() == 1
 
 
 @pytest.fixture(scope="module")
