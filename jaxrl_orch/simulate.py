@@ -122,18 +122,19 @@ class SimEnv:
         self.rng = rng
 
     async def run(self, client, example, *, group_id, episode_id, sampling) -> Rollout:
-        prompt = list(example["prompt_ids"])
+        prompt = example["prompt_ids"]
         c = await client.generate(prompt, sampling)
+        p, n = len(prompt), len(c.token_ids)
         return Rollout(
             env=self.name,
             group_id=group_id,
             episode_id=episode_id,
             example=example,
-            token_ids=prompt + c.token_ids,
-            loss_mask=[False] * len(prompt) + [True] * len(c.token_ids),
-            logprobs=[0.0] * len(prompt) + c.logprobs,
-            versions=[-1] * len(prompt) + c.versions,
-            reward=float(self.rng.random()),
+            token_ids=[*prompt, *c.token_ids],
+            loss_mask=[False] * p + [True] * n,
+            logprobs=[0.0] * p + c.logprobs,
+            versions=[-1] * p + c.versions,
+            reward=self.rng.random(),
             num_turns=1,
             temperature=sampling.temperature,
         )

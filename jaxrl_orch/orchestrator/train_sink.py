@@ -64,9 +64,10 @@ from jaxrl_orch.algorithms.filters import Filter, apply_filters, flag
 from jaxrl_orch.orchestrator.samples import GroupArrays, group_to_samples, trace_to_sample
 from jaxrl_orch.types import Algorithm, Episode, Rollout, Sample, TrainBatch
 
-# How many recent cohorts ``trained_rollouts`` keeps for the store; the loop persists a batch
-# before it asks the sink for the next one, so a handful covers any hold it may wait out.
-_COHORT_HISTORY = 16
+# How many recent cohorts ``trained_rollouts`` keeps. The loop persists ``TrainBatch.trained``
+# itself, so this is for inspection only; every cohort kept holds a batch of rollouts and their
+# sample arrays alive (and, long-lived, they make the garbage collector's full passes frequent).
+_COHORT_HISTORY = 2
 _BATCH_ORDERS = ("arrival", "oldest")
 
 
@@ -227,11 +228,16 @@ class TrainSink:
         self._window.extend(group)
         self._window_groups += 1
         totals, counts = self._totals, self._window_counts
-        errors = sum(1 for r in group if r.errors)
+        survivors = []
+        errors = 0
+        for r in group:
+            if r.errors:
+                errors += 1
+            elif r.trainable and not r.filtered:
+                survivors.append(r)
         totals["groups_seen"] += 1
         totals["rollouts_seen"] += len(group)
         totals["errors"] += errors
-        survivors = [r for r in group if not (r.errors or not r.trainable or r.filtered)]
         if arrays is None or not arrays.all_logprobs_finite():
             for r in survivors:
                 lp = r.samples[0].logprobs[r.samples[0].loss_mask]
@@ -274,10 +280,11 @@ class TrainSink:
         elif self.dynamic_sampling:
             for r in survivors:
                 self._flag(r, "zero_variance")
-        candidates = [r for r in survivors if not r.filtered]
-        for reason, n in apply_filters(self.pre_filters, candidates).items():
-            counts[reason] += n
-        ready = [r for r in candidates if not r.filtered]
+        ready = [r for r in survivors if not r.filtered]
+        if self.pre_filters:
+            for reason, n in apply_filters(self.pre_filters, ready).items():
+                counts[reason] += n
+            ready = [r for r in ready if not r.filtered]
         self._ready.extend(ready)
         self.consecutive_empty_groups = 0 if ready else self.consecutive_empty_groups + 1
         self._report_discards(arrived_clean - len(ready))
