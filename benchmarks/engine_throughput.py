@@ -1,24 +1,36 @@
 """Generated tokens/s: continuous-batching driver vs a static-batch baseline, one run, one model.
 
-Workload (long tail, the RL access pattern): P prompts x G samples; prompt lengths uniform in
-[16, 64] bytes; each sample's completion length is log-normal (median 40, sigma 1) clipped to
-[1, max_new] and forced through per-request ``max_tokens`` (no stop ids), so both sides
-generate exactly the same number of tokens. Sampling at temperature 1.
+Workload (long tail, the RL access pattern): P prompts x G samples (default 64 x 4, the issue's
+figure); prompt lengths uniform in [16, 64] bytes; each sample's completion length is
+log-normal (median 40, sigma 1) clipped to [1, max_new = 256] and forced through per-request
+``max_tokens`` (no stop ids), so both sides generate exactly the same number of tokens.
+Sampling at temperature 1, no top-k/top-p (what RL rollouts use). small-byte model, 32 slots.
 
 - engine: ``InferenceDriver`` over ``DecodeEngine`` -- all groups submitted at once, each
-  prompt prefilled once and inserted into its G slots, finished slots refilled at once.
-- static: the same engine object (same compiled programs), driven like ``model.generate``:
-  batches of ``slots`` sequences, every sequence prefilled separately, decode until the
-  longest in the batch is done, no refill.
+  prompt prefilled once and inserted into its G slots, finished slots refilled at once, and the
+  decode width narrowed (32 -> 16 -> 8 -> 4 slots) once fewer requests remain (the drain).
+- static: the same engine object and the same compiled full-width decode program, driven like
+  ``model.generate``: batches of ``slots`` sequences, every sequence prefilled separately,
+  decode until the longest in the batch is done, no refill.
 
-Both sides are warmed up (every prefill bucket and the decode step compiled) before timing.
-``achieved_gflops`` counts useful forward FLOPs of the engine run only: 2 x matmul params per
-generated and per prefilled token plus causal attention (4 x layers x heads x head_dim x
-context per token); ``matmul_peak_gflops`` is a big f32 matmul timed in the same process.
+Why the ratio depends on P: the long tail hurts static batching in every batch (a batch runs
+as long as its longest member), while continuous batching pays for it once, in the drain at
+the end of the finite workload when the last requests run alone. A real RL step streams many
+groups, so the drain is a smaller share there than in 64 x 4; ``--prompts 128`` or ``256``
+measures that regime (same length distribution and slots). Narrowing the width is what lets
+64 x 4 pass 3: at full width the drain alone capped it near 2.8 (a step-count simulation).
+
+Both sides are warmed up (every prefill bucket, insert, decode width and slot move compiled)
+before timing. ``achieved_gflops`` counts useful forward FLOPs of the engine run only: 2 x
+matmul params per generated and per prefilled token plus causal attention (4 x layers x heads
+x head_dim x context per token); ``matmul_peak_gflops`` is a big f32 matmul timed in the same
+process. ``decode_step_*`` time one full-width decode call (every slot busy, context at half the
+cache) against the same useful-FLOP count: how close one decode step gets to the matmul peak.
 Prints one JSON line with ``--json``; ``--repeats N`` alternates the two sides N times and sums
 (this machine is shared and noisy). Usage:
-    python benchmarks/engine_throughput.py --json            # 64 x 4, small-byte, 32 slots
-    python benchmarks/engine_throughput.py --json --quick    # 16 x 4, tiny-byte, 16 slots
+    python benchmarks/engine_throughput.py --json --repeats 2   # 64 x 4, small-byte, 32 slots
+    python benchmarks/engine_throughput.py --json --prompts 256 # the streaming regime
+    python benchmarks/engine_throughput.py --json --quick       # 16 x 4, tiny-byte, 16 slots
 """
 
 from __future__ import annotations
@@ -106,10 +118,8 @@ def _timed(fn) -> float:
 
 
 def forward_flops(cfg, work, prefilled_tokens: int) -> float:
-    d, hd = cfg.d_model, cfg.head_dim
-    per_layer = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2 + 3 * d * cfg.d_ff
-    matmul = cfg.n_layers * per_layer + d * cfg.vocab_size  # lm head
-    attn_per_ctx = 4 * cfg.n_layers * cfg.n_heads * hd
+    matmul = _matmul_params(cfg)
+    attn_per_ctx = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim
     flops = 2.0 * matmul * prefilled_tokens
     for prompt, sps in work:
         for sp in sps:
@@ -119,17 +129,74 @@ def forward_flops(cfg, work, prefilled_tokens: int) -> float:
     return flops
 
 
+def warm_up(engine: DecodeEngine, params) -> None:
+    """Compile everything either side can touch (prefill buckets, inserts, every decode width,
+    slot moves) so no compile lands inside a timed run."""
+    state = engine.init_decode_state()
+    bucket = 8
+    while True:
+        prefix, _ = engine.prefill(
+            params=params, padded_tokens=np.ones(bucket, np.int32), true_length=bucket
+        )
+        state = engine.insert(prefix, state, 0, sampling=SamplingParams(max_tokens=2))
+        if bucket >= engine.max_prefill_length:
+            break
+        bucket = min(2 * bucket, engine.max_prefill_length)
+    for width in engine.decode_widths:
+        state, result = engine.generate(params, state, width=width)
+        result.convert_to_numpy()
+    state = engine.move_slot(state, 1, 0)
+    jax.block_until_ready(state)
+
+
+def decode_step(engine: DecodeEngine, params, cfg, context: int) -> tuple[float, float]:
+    """One full-width decode call with every slot at ``context``: (seconds per step, useful
+    FLOPs per step), best of 5 calls."""
+    state = engine.init_decode_state()
+    prompt = np.ones(engine.max_prefill_length, np.int32)
+    prefix, _ = engine.prefill(params=params, padded_tokens=prompt, true_length=prompt.size)
+    prefix["pos"] = np.int32(context)  # the attention mask is what sets the attended context
+    never = SamplingParams(temperature=1.0, max_tokens=10**6)
+    for slot in range(engine.max_concurrent_decodes):
+        state = engine.insert(prefix, state, slot, sampling=never)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        state, result = engine.generate(params, state)
+        result.convert_to_numpy()
+        best = min(best, time.perf_counter() - t0)
+    k = engine.steps_per_call
+    ctx = context + 5 * k // 2  # mean context over the timed calls
+    per_token = 2.0 * _matmul_params(cfg) + 4.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * ctx
+    return best / k, per_token * engine.max_concurrent_decodes
+
+
+def _matmul_params(cfg) -> int:
+    d, hd = cfg.d_model, cfg.head_dim
+    per_layer = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2 + 3 * d * cfg.d_ff
+    return cfg.n_layers * per_layer + d * cfg.vocab_size  # + lm head
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print only the JSON result line")
     ap.add_argument("--quick", action="store_true", help="16 x 4 on tiny-byte, 16 slots")
-    ap.add_argument("--steps-per-call", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=None, help="prompt groups (default 64)")
+    ap.add_argument("--samples", type=int, default=4, help="samples per prompt (G)")
+    ap.add_argument("--slots", type=int, default=None, help="decode slots (default 32)")
+    ap.add_argument("--steps-per-call", type=int, default=4, help="decode steps per host call")
     ap.add_argument("--repeats", type=int, default=1, help="alternate static/engine N times")
     args = ap.parse_args()
     if args.quick:
-        model, prompts, group, slots, max_new = "tiny-byte", 16, 4, 16, 128
+        model, prompts, slots, max_new = "tiny-byte", 16, 16, 128
     else:
-        model, prompts, group, slots, max_new = "small-byte", 64, 4, 32, 256
+        model, prompts, slots, max_new = "small-byte", 64, 32, 256
+    prompts = args.prompts or prompts
+    slots = args.slots or slots
+    group = args.samples
+    for name, value in (("prompts", prompts), ("samples", group), ("slots", slots)):
+        if value < 1:
+            raise SystemExit(f"--{name} must be >= 1, got {value}")
     cfg = get_config(model)
     engine = DecodeEngine(
         cfg,
@@ -139,8 +206,7 @@ def main() -> None:
         steps_per_call=args.steps_per_call,
     )
     params = engine.load_params(seed=0)
-    warm = [(p, [SamplingParams(max_tokens=2)]) for p in ([1] * 8, [1] * 20, [1] * 40)]
-    run_engine(engine, params, warm)  # compiles every prefill bucket, insert and generate
+    warm_up(engine, params)
     work = workload(prompts, group, max_new)
     expected = sum(sp.max_tokens for _, sps in work for sp in sps)
 
@@ -157,6 +223,7 @@ def main() -> None:
             f"both sides must generate {expected} tokens; engine {engine_tokens}, "
             f"static {static_tokens}"
         )
+    step_s, step_flops = decode_step(engine, params, cfg, context=(64 + max_new) // 2)
     peak = matmul_peak_gflops()
     prefilled = sum(len(p) for p, _ in work)  # once per group on the engine side
     result = {
@@ -167,7 +234,12 @@ def main() -> None:
             args.repeats * forward_flops(cfg, work, prefilled) / engine_s / 1e9, 2
         ),
         "matmul_peak_gflops": round(peak, 1),
+        "decode_step_ms": round(step_s * 1e3, 2),
+        "decode_step_gflops": round(step_flops / step_s / 1e9, 2),
+        "decode_step_peak_fraction": round(step_flops / step_s / 1e9 / peak, 3),
         "model": model,
+        "prompts": prompts,
+        "samples": group,
         "tokens_per_side": expected,
         "engine_prefills": prefills,
         "static_prefills": prompts * group,
