@@ -15,6 +15,7 @@ Pure host NumPy: no state, no asyncio, no imports of orchestrator components.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -22,6 +23,18 @@ import numpy as np
 from jaxrl_orch.types import Rollout
 
 _QUANTILES = np.array([0.50, 0.95, 0.99])
+_STATS = ("max", "mean", "p50", "p95", "p99")
+
+
+@functools.lru_cache(maxsize=64)
+def _ranks(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For ``n`` sorted values: the ranks each quantile falls between, its fraction ``t`` and
+    ``t >= 0.5`` (a batch has the same size step after step, so this is computed once)."""
+    idx = _QUANTILES * (n - 1)
+    lo = np.floor(idx).astype(np.intp)
+    hi = np.minimum(lo + 1, n - 1)
+    t = idx - lo
+    return lo, hi, t, t >= 0.5
 
 
 def summaries(series: Mapping[str, Sequence[float]]) -> dict[str, float]:
@@ -37,19 +50,16 @@ def summaries(series: Mapping[str, Sequence[float]]) -> dict[str, float]:
     # Before sorting, so the sum runs in np.mean's order; np.mean is this plus Python overhead.
     mean = a.sum(axis=1, keepdims=True) / n
     a.sort(axis=1)
-    idx = _QUANTILES * (n - 1)
-    lo = np.floor(idx).astype(np.intp)
-    hi = np.minimum(lo + 1, n - 1)
-    t = idx - lo
+    lo, hi, t, upper = _ranks(n)
     below, above = a[:, lo], a[:, hi]
     diff = above - below
     # NumPy's lerp: interpolate from the nearer end, so a tie (below == above) is exact.
-    q = np.where(t >= 0.5, above - diff * (1 - t), below + diff * t)
+    q = np.where(upper, above - diff * (1 - t), below + diff * t)
     stats = np.concatenate((a[:, -1:], mean, q), axis=1).tolist()
     return {
         f"{name}_{stat}": stats[i][j]
         for i, name in enumerate(names)
-        for j, stat in enumerate(("max", "mean", "p50", "p95", "p99"))
+        for j, stat in enumerate(_STATS)
     }
 
 
