@@ -103,12 +103,21 @@ class FlatEnv(SimEnv):
         return r
 
 
-def _run(env_cls=SimEnv, *, train_time=1.0, publish=True, steps=12, start_step=1, **cfg_kw):
+def _run(
+    env_cls=SimEnv,
+    *,
+    train_time=1.0,
+    publish=True,
+    steps=12,
+    start_step=1,
+    latency="uniform:0.5:1.5",
+    **cfg_kw,
+):
     async def main():
         loop = asyncio.get_running_loop()
         rng = np.random.default_rng(0)
         policy_ref = []
-        engine = SimEngine("uniform:0.5:1.5", policy_ref, rng)
+        engine = SimEngine(latency, policy_ref, rng)
         publisher = InProcessPublisher()
         trainer = SimTrainer(publisher, train_time)
         if not publish:
@@ -190,3 +199,14 @@ def test_bad_config_values_are_named():
         OrchestratorConfig(max_steps=1, batch_size=4, group_size=2, age_policy="yolo")
     with pytest.raises(ValueError, match=r"batch_size \(6\) must be a multiple of group_size"):
         OrchestratorConfig(max_steps=1, batch_size=6, group_size=4)
+
+
+def test_slots_freed_by_discarded_flat_groups_are_refilled_at_once():
+    """An instant engine, S=0: half the groups are flat and discarded by dynamic sampling. The
+    sink's discard wakes the dispatcher, so replacements start at once instead of at its next
+    poll (0.5 s): every step ships the moment the previous version lands."""
+    orch, _ = _run(HalfFlatEnv, steps=5, max_staleness=0, latency="fixed:0")
+    assert [rec.step for rec in orch.history] == [1, 2, 3, 4, 5]
+    assert orch.history[0].metrics["orch/step_s"] == 0.0
+    assert [rec.metrics["orch/step_s"] for rec in orch.history[1:]] == pytest.approx([1.0] * 4)
+    assert all(rec.metrics["train/groups_seen"] > 4 for rec in orch.history)  # flat ones replaced
