@@ -10,7 +10,9 @@ and is deterministic for a seed.
 Simulated engine: each rollout takes one latency draw (``fixed:X``, ``uniform:A:B`` or
 ``lognormal:MU:SIGMA`` seconds); its tokens carry the policy version of the moment they were
 "decoded" (first half at the start, second half at the end, so weights swapped mid-rollout
-show up per token as in the real engine). Rewards are random draws, so groups carry signal.
+show up per token as in the real engine). A zero latency (``fixed:0``) is an instant engine: it
+answers without suspending, so the rollout finishes in the dispatcher's eager first step (the
+overhead benchmark runs this way). Rewards are random draws, so groups carry signal.
 Simulated trainer: steps run one at a time, ``--train-time`` seconds each, then publish the
 new version to the in-process weight publisher; ``--transfer-time`` is the engine reload.
 
