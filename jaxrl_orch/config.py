@@ -18,6 +18,7 @@ class TrainConfig:
     model: str = "tiny-byte"
     tokenizer: str = "byte"  # "byte", or a tokenizer.json path / directory holding one
     env: str = "reverse_text"
+    instruction: str | None = None  # None: the env's default instruction
     dataset: str = "jaxrl_reverse_text"
     data_dir: str | None = None
     seed: int = 0
@@ -40,6 +41,8 @@ class TrainConfig:
     eps_low: float = 0.2
     eps_high: float = 0.28
     loss_norm: str = "token"
+    minibatches: int = 1  # optimizer steps per RL batch (the batch split into this many parts)
+    ppo_epochs: int = 1  # passes over the batch per RL step
     kl_beta: float = 0.0
     # packing / shapes
     row_len: int = 512  # three or four samples a row
@@ -66,9 +69,21 @@ class TrainConfig:
 
         if self.age_policy not in AGE_POLICIES:
             raise ValueError(f"age_policy must be one of {AGE_POLICIES}, got {self.age_policy!r}")
-        for name in ("rl_steps", "prompts_per_step", "group_size", "sft_batch_size"):
+        for name in (
+            "rl_steps",
+            "prompts_per_step",
+            "group_size",
+            "sft_batch_size",
+            "minibatches",
+            "ppo_epochs",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_new_tokens >= self.row_len:
+            raise ValueError(
+                f"TrainConfig.max_new_tokens ({self.max_new_tokens}) must be < row_len "
+                f"({self.row_len}): a rollout is its prompt plus up to max_new_tokens tokens"
+            )
         if self.sft_steps < 0 or self.max_staleness < 0:
             raise ValueError("TrainConfig.sft_steps and max_staleness must be >= 0")
 

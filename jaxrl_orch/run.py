@@ -77,7 +77,8 @@ class Experiment:
         self.decode_mesh, self.trainer_mesh = make_meshes(
             decode_shape, trainer_shape, colocated=self.colocated
         )
-        self.env = make_env(cfg.env, tokenizer=self.tokenizer)
+        env_kwargs = {} if cfg.instruction is None else {"instruction": cfg.instruction}
+        self.env = make_env(cfg.env, tokenizer=self.tokenizer, **env_kwargs)
         self.train_source = make_source(
             cfg.dataset, split="train", data_dir=cfg.data_dir, seed=cfg.seed
         )
@@ -117,6 +118,9 @@ class Experiment:
         step = StepConfig(
             kind=kind,
             chunk_rows=cfg.chunk_rows,
+            # The warm-up takes one plain step per batch; minibatches/epochs are RL settings.
+            minibatches=cfg.minibatches if kind == "rl" else 1,
+            ppo_epochs=cfg.ppo_epochs if kind == "rl" else 1,
             loss=PolicyLossConfig(
                 eps_low=cfg.eps_low, eps_high=cfg.eps_high, norm=cfg.loss_norm, kl_beta=cfg.kl_beta
             ),

@@ -32,3 +32,16 @@ def test_unknown_binding_is_named():
         load_config([], ["TrainConfig.no_such_setting = 1"])
     with pytest.raises(ValueError, match="missing.gin"):
         load_config(["missing.gin"], [])
+
+
+@pytest.mark.parametrize(
+    "binding, message",
+    [
+        ("TrainConfig.max_new_tokens = 512", r"max_new_tokens \(512\) must be < row_len \(512\)"),
+        ("TrainConfig.minibatches = 0", r"minibatches must be >= 1, got 0"),
+        ("TrainConfig.ppo_epochs = -1", r"ppo_epochs must be >= 1, got -1"),
+    ],
+)
+def test_bad_values_are_named_with_what_is_allowed(binding, message):
+    with pytest.raises(ValueError, match=message):
+        load_config([], [binding])

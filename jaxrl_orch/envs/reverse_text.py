@@ -8,9 +8,11 @@ sentence "In 1891 the community inaugurated its own cemetery": a perfect reversa
 one dropped letter ~0.99, an unreversed year 0.98, the words in reverse order but spelled
 forwards 0.40.
 
-Prompts are kept short on purpose: the bundled model is a tiny byte-level model with a small
-context: the default instruction is 29 bytes and corpus sentences are 20-47 characters, so
-with ChatML byte tokens every bundled prompt is at most 96 tokens.
+Prompts are kept short on purpose: the bundled model is a tiny byte-level model that pays for
+every prompt byte in each train and decode step. The default instruction is 29 bytes and corpus
+sentences are 20-47 characters, so with the byte chat template every bundled prompt is at most
+80 tokens (59 with the embedded config's ``instruction="Reverse:"``, where the SFT warm-up
+teaches the answer tags instead).
 
 Example schema: ``{"text": str}`` (the sentence to reverse). Driven by the dispatcher through
 ``SingleTurnEnv.run``; never raises on a malformed completion.

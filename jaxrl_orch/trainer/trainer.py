@@ -155,6 +155,7 @@ class Trainer:
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
         self._busy = False
+        self._truncated = 0
         self._last: dict[str, float] = {}
 
     # ------------------------------------------------------------------ publishing
@@ -171,16 +172,29 @@ class Trainer:
     # ------------------------------------------------------------------ stepping
 
     def pack(self, batch: TrainBatch) -> PackedBatch:
-        """Pack a batch's samples into rows the step accepts (row count padded, see docstring)."""
+        """Pack a batch's samples into rows the step accepts (row count padded, see docstring).
+
+        RL samples longer than ``row_len`` keep their first ``row_len`` tokens (their tail is
+        not trained on; ``truncated_samples`` counts them) instead of failing a run mid-way on
+        one long rollout; SFT samples are data the user controls, so they still raise.
+        """
         if not batch.samples:
             raise ValueError(f"TrainBatch step {batch.step} has no samples; nothing to train on")
+        truncate = self.step_cfg.kind == "rl"
+        self._truncated = sum(len(s) > self.row_len for s in batch.samples) if truncate else 0
         packed = pack_samples(
-            batch.samples, self.row_len, num_rows=self.num_rows, pad_id=self.pad_id
+            batch.samples,
+            self.row_len,
+            num_rows=self.num_rows,
+            pad_id=self.pad_id,
+            truncate=truncate,
         )
         mult = self.step_cfg.rows_multiple
         if packed.num_rows % mult:
             rows = -(-packed.num_rows // mult) * mult
-            packed = pack_samples(batch.samples, self.row_len, num_rows=rows, pad_id=self.pad_id)
+            packed = pack_samples(
+                batch.samples, self.row_len, num_rows=rows, pad_id=self.pad_id, truncate=truncate
+            )
         return packed
 
     def train_packed(self, packed: PackedBatch) -> dict[str, float]:
@@ -216,6 +230,7 @@ class Trainer:
         self._busy = True
         try:
             metrics = self.train_packed(self.pack(batch))
+            metrics["truncated_samples"] = float(self._truncated)
             self.version = batch.step
             metrics["version"] = float(self.version)
             self._last = metrics

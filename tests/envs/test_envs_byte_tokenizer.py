@@ -23,13 +23,13 @@ def run(env, client, example):
     )
 
 
-def test_every_bundled_reverse_prompt_fits_96_tokens(btok):
+def test_every_bundled_reverse_prompt_fits_80_tokens(btok):
     env = ReverseTextEnv(btok)
     lengths = [len(env.prompt_ids({"text": s})) for s in read_corpus()]
-    assert max(lengths) <= 96
+    assert max(lengths) <= 80
     ids = env.prompt_ids({"text": "abc"})
-    assert ids[0] == btok.token_to_id("<|im_start|>")  # specials are single control ids
-    assert btok.decode(ids).endswith("abc<|im_end|>\n<|im_start|>assistant\n")
+    assert ids[0] == btok.token_to_id("<|user|>")  # specials are single control ids
+    assert btok.decode(ids).endswith("abc<|im_end|><|assistant|>")
 
 
 def test_both_stop_ids_requested_and_stripped_before_scoring(btok, scripted):

@@ -59,13 +59,13 @@ def test_byte_specials_and_vocab():
 def test_chat_template_layout_and_special_ids():
     tok = ByteTokenizer()
     text = tok.apply_chat_template(CHAT)
-    assert text == (
-        "<|im_start|>system\nReverse the text.<|im_end|>\n"
-        "<|im_start|>user\nhéllo ✓<|im_end|>\n<|im_start|>assistant\n"
-    )
-    assert not tok.apply_chat_template(CHAT, add_generation_prompt=False).endswith("assistant\n")
+    assert text == ("<|system|>Reverse the text.<|im_end|><|user|>héllo ✓<|im_end|><|assistant|>")
+    assert not tok.apply_chat_template(CHAT, add_generation_prompt=False).endswith("<|assistant|>")
     ids = tok.encode(text)
-    assert ids.count(tok.token_to_id("<|im_start|>")) == 3 and ids.count(tok.eos_id) == 2
+    roles = [tok.token_to_id(f"<|{r}|>") for r in ("system", "user", "assistant")]
+    assert [i for i in ids if i in roles] == roles and ids.count(tok.eos_id) == 2
+    # Each turn costs exactly two control ids around its UTF-8 bytes.
+    assert len(ids) == len(b"Reverse the text.") + len("héllo ✓".encode()) + 5
     with pytest.raises(ValueError, match="allowed roles"):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
     with pytest.raises(ValueError, match="'role' and 'content'"):

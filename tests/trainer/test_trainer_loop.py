@@ -105,3 +105,23 @@ def test_background_submit_publishes_in_order_with_colocation_hooks(sft_trainer)
         with pytest.raises(RuntimeError):
             sft_trainer.stop()
     assert sft_trainer.version == v0 + 3
+
+
+def test_rl_pack_truncates_overlong_rollouts_and_sft_pack_refuses(tiny_config):
+    from conftest import make_sample
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    rng = np.random.default_rng(3)
+    samples = [make_sample(rng, 20), make_sample(rng, 40), make_sample(rng, 33)]
+    rl = Trainer(tiny_config, mesh, row_len=32, step=step_lib.StepConfig(kind="rl"), seed=0)
+    packed = rl.pack(TrainBatch(step=1, samples=samples, rollouts=[]))
+    # Two samples over 32 tokens keep their first 32; nothing else about them changes.
+    assert rl._truncated == 2
+    row, start, n = packed.placement[1]
+    kept = packed.tokens[row, start : start + n]
+    assert n == 32 and np.array_equal(kept, samples[1].token_ids[:32])
+    metrics = rl.train_step(TrainBatch(step=1, samples=samples, rollouts=[]))
+    assert metrics["truncated_samples"] == 2.0 and np.isfinite(metrics["loss"])
+    sft = Trainer(tiny_config, mesh, row_len=32, step=step_lib.StepConfig(kind="sft"), seed=0)
+    with pytest.raises(ValueError, match="more than row_len=32"):
+        sft.pack(TrainBatch(step=1, samples=samples, rollouts=[]))
