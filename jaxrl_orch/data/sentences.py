@@ -4,7 +4,7 @@ The corpus is synthetic on purpose: it is ours to ship, it is reproducible bit f
 ``(count, seed)``, and its sentences have the shape of seed 003's example ("In 1891 the
 community inaugurated its own cemetery"): a short clause of subject, verb, object, with an
 optional year or place, 20 to 47 characters long, so that with the default reverse-text
-instruction and the ChatML byte tokenizer every prompt is at most 96 tokens (mean ~89).
+instruction and the byte chat template every prompt is at most 80 tokens (mean ~72).
 
 Grammar: one of five templates (year-first, year-last, adjective subject, place, pluperfect
 "By YEAR ...") filled from small hand-written word lists with ``random.Random(seed)``;

@@ -1,4 +1,4 @@
-"""The envs with the project's real ByteTokenizer (ChatML specials, two stop ids)."""
+"""The envs with the project's real ByteTokenizer (byte chat template specials, two stop ids)."""
 
 import asyncio
 
