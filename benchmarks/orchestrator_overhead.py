@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import json
 import pstats
 import time
@@ -77,10 +78,13 @@ def measure(steps: int, batch: int, group: int, repeats: int) -> dict[str, float
     n = steps * batch
     orch, base = [], []
     for _ in range(repeats):  # interleaved so both see the same machine state
+        # Each side starts with no garbage left by the other (its own collections still count).
+        gc.collect()
         t0, c0 = time.perf_counter(), time.process_time()
         result = asyncio.run(run_scenario(sc))
         orch.append((time.perf_counter() - t0, time.process_time() - c0))
         assert result["steps"] == steps, result
+        gc.collect()
         base.append(asyncio.run(_baseline(n)))
     per, base_us = (min(x[0] for x in orch) / n * 1e6, min(x[0] for x in base) / n * 1e6)
     cpu, cpu_base = (min(x[1] for x in orch) / n * 1e6, min(x[1] for x in base) / n * 1e6)
