@@ -6,7 +6,8 @@ JSONL metrics writer) and, if present, ``WORKDIR/summary.json`` (end-of-run fact
 ``age_histogram`` as ``{age (str): count}``, ``max_staleness``), and writing next to them:
 
 - ``reward.png``: ``train/reward_mean`` per step, plus every ``eval/<env>/reward_mean``
-  (greedy, solid) and ``eval/<env>/sampled_reward_mean`` (dashed) curve;
+  (greedy, solid) and ``eval/<env>/sampled_reward_mean`` or ``eval/<env>@t<T>/reward_mean``
+  (sampled, dashed) curve;
 - ``age_hist.png``: the observed off-policy head-age histogram from the summary, with the
   configured bound ``max_staleness`` drawn as a vertical line;
 - ``timeline.png``: one stacked bar per training step of ``time/generate_s``,
@@ -145,7 +146,8 @@ def _plot_reward(records: Sequence[dict], path: Path) -> str | None:
         ax.plot(train_x, train_y, color="0.6", lw=1, label="train reward (sampled)")
     for key in eval_keys:
         xs, ys = _series(records, key)
-        style = "--" if key.endswith("/sampled_reward_mean") else "-"
+        sampled = key.endswith("/sampled_reward_mean") or "@t" in key  # env@t<T>: sampled view
+        style = "--" if sampled else "-"
         ax.plot(xs, ys, style, marker="o", ms=3, label=key)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
@@ -254,6 +256,12 @@ def _eval_before_after(summary: dict, evals: Sequence[dict]) -> list[str]:
         f"- eval reward before RL: **{_fmt(summary.get('eval_reward_before_rl'))}**",
         f"- eval reward final: **{_fmt(summary.get('eval_reward_final'))}**",
     ]
+    if summary.get("eval_sampled_reward_final") is not None:
+        t = _fmt(summary.get("eval_temperature"))
+        lines.append(
+            f"- sampled eval reward (T={t}): {_fmt(summary.get('eval_sampled_reward_before_rl'))}"
+            f" before RL -> {_fmt(summary.get('eval_sampled_reward_final'))} final"
+        )
     for key in _eval_keys(evals):
         xs, ys = _series(evals, key)
         if ys:

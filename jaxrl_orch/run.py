@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxrl_orch.algorithms.losses import PolicyLossConfig
 from jaxrl_orch.config import TrainConfig
 from jaxrl_orch.data.sources import make_source
-from jaxrl_orch.envs.base import make_env
+from jaxrl_orch.envs.base import AtTemperature, make_env
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
@@ -86,6 +86,10 @@ class Experiment:
             cfg.dataset, split="train", data_dir=cfg.data_dir, seed=cfg.seed + 1
         )
         self.eval_source = make_source(
+            cfg.dataset, split="eval", data_dir=cfg.data_dir, shuffle=False
+        )
+        # The same held-out examples again, sampled at the training temperature.
+        self.sampled_eval_source = make_source(
             cfg.dataset, split="eval", data_dir=cfg.data_dir, shuffle=False
         )
         if not hasattr(self.env, "reference_completion") and cfg.sft_steps:
@@ -247,8 +251,8 @@ class Experiment:
             reload_fn=reload,
             algorithm=cfg.algorithm,
             sink_kwargs={"dynamic_sampling": cfg.dynamic_sampling},
-            eval_envs={name: self.env},
-            eval_sources={name: self.eval_source},
+            eval_envs={name: self.env, self.sampled_eval: AtTemperature(self.env, cfg.temperature)},
+            eval_sources={name: self.eval_source, self.sampled_eval: self.sampled_eval_source},
             eval_num_examples=cfg.eval_examples,
             eval_sampling=greedy,
             writers=[
@@ -325,19 +329,31 @@ class Experiment:
 
         return on_step
 
+    @property
+    def sampled_eval(self) -> str:
+        """Eval-env name of the held-out set sampled at the training temperature."""
+        return f"{self.env.name}@t{self.cfg.temperature:g}"
+
     def _rl_summary(self, orch: Orchestrator, trainer: Trainer, start: int, secs: float) -> dict:
-        key = f"eval/{self.env.name}/reward_mean"
-        evals = {b.step: b.metrics[key] for b in orch.eval_history if key in b.metrics}
+        def curve(env: str) -> dict[int, float]:
+            key = f"eval/{env}/reward_mean"
+            return {b.step: b.metrics[key] for b in orch.eval_history if key in b.metrics}
+
+        evals, sampled = curve(self.env.name), curve(self.sampled_eval)
+        # Written once at step 0 so a resumed run still reports the warm-up's numbers.
         before_path = self.workdir / "eval_before_rl.json"
         if 0 in evals:
-            before_path.write_text(json.dumps({"reward": evals[0]}))
-        before = json.loads(before_path.read_text())["reward"] if before_path.exists() else None
+            before_path.write_text(json.dumps({"reward": evals[0], "sampled": sampled.get(0)}))
+        before = json.loads(before_path.read_text()) if before_path.exists() else {}
         rewards = [r.metrics.get("train/reward_mean") for r in orch.history]
         rewards = [x for x in rewards if x is not None]
         return {
-            "eval_reward_before_rl": before,
+            "eval_reward_before_rl": before.get("reward"),
             "eval_reward_final": evals[max(evals)] if evals else None,
             "eval_rewards": {str(k): v for k, v in sorted(evals.items())},
+            "eval_temperature": self.cfg.temperature,
+            "eval_sampled_reward_before_rl": before.get("sampled"),
+            "eval_sampled_reward_final": sampled[max(sampled)] if sampled else None,
             "rl_steps": trainer.version,
             "rl_steps_this_run": trainer.version - (start - 1),
             "resumed_from_step": start - 1 if start > 1 else None,

@@ -65,6 +65,9 @@ def _write_workdir(
                 {
                     "eval_reward_before_rl": 0.123,
                     "eval_reward_final": 0.8765,
+                    "eval_temperature": 1.0,
+                    "eval_sampled_reward_before_rl": 0.0456,
+                    "eval_sampled_reward_final": 0.789,
                     "rl_steps": 8,
                     "wall_seconds": 321.5,
                     "max_staleness": 2,
@@ -94,6 +97,7 @@ def test_full_report_writes_all_plots_and_numbers(tmp_path):
 
     md = (workdir / "report.md").read_text()
     assert "0.123" in md and "0.8765" in md
+    assert "sampled eval reward (T=1): 0.0456 before RL -> 0.789 final" in md
     assert "RL steps: 8" in md
     assert "321.5 s" in md
     for name in names - {"report.md"}:

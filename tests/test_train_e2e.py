@@ -52,9 +52,12 @@ def _run(workdir: Path, *params: str, devices: int = 1, timeout: float = 600):
     )
 
 
+def _all_rows(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _rl_rows(workdir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "train/reward_mean" in r]
+    return [r for r in _all_rows(workdir) if "train/reward_mean" in r]
 
 
 def _checkpoints(workdir: Path) -> list[int]:
@@ -72,6 +75,10 @@ def test_split_placement_run_writes_metrics_checkpoints_and_report(tmp_path):
     assert summary["rl_steps"] == 3 and summary["resumed_from_step"] is None
     assert [r["step"] for r in _rl_rows(wd)] == [1, 2, 3]
     assert set(summary["eval_rewards"]) == {"0", "2", "3"}
+    # The same held-out set is also sampled at the training temperature, on the same schedule.
+    sampled = [r for r in _all_rows(wd) if "eval/reverse_text@t1/reward_mean" in r]
+    assert [r["step"] for r in sampled] == [0, 2, 3]
+    assert summary["eval_sampled_reward_final"] == sampled[-1]["eval/reverse_text@t1/reward_mean"]
     assert _checkpoints(wd)[-1] == 3
     assert sorted(p.name for p in (wd / "rollouts").iterdir())[:1] == ["step_00000001.jsonl"]
     for name in ("report.md", "reward.png", "age_hist.png", "timeline.png", "config.gin"):

@@ -10,6 +10,8 @@ What this module owns
   to *score* it, build the ``Rollout``. Subclasses supply ``build_messages`` and ``score``.
 - ``check_reward``: a reward must be a finite float. NaN/inf raises (the dispatcher turns the
   exception into an error rollout) instead of silently poisoning the group's advantages.
+- ``AtTemperature(env, t)``: a view of an env that always samples at temperature ``t`` (the
+  sampled eval next to the greedy one).
 - ``make_env(name, **kwargs)``: the registry of bundled environments (plus ``register_env``
   for user ones).
 
@@ -242,6 +244,33 @@ def turn_metrics(completions: Sequence[Completion]) -> dict[str, float]:
         "truncated": float(last == "length"),
         "cancelled": float(any(c.finish_reason == "cancelled" for c in completions)),
     }
+
+
+class AtTemperature:
+    """A view of ``env`` whose rollouts always sample at ``temperature``, whatever sampling the
+    caller passes (its other fields are kept). Used to evaluate one env twice in one eval pass:
+    greedy for the headline number and at the training temperature for the sampled reward.
+    Everything but ``run`` is the wrapped env's own."""
+
+    def __init__(self, env: Any, temperature: float) -> None:
+        ok = isinstance(temperature, int | float) and math.isfinite(temperature)
+        if not ok or temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        self.env = env
+        self.temperature = float(temperature)
+
+    def __getattr__(self, name: str) -> Any:
+        # A whole-group ``run_group`` of the wrapped env would bypass the fixed temperature, so
+        # the view runs rollout by rollout.
+        if name == "run_group":
+            raise AttributeError(f"{type(self).__name__} runs rollouts one by one (no run_group)")
+        if name == "env":  # not set yet (copy/pickle): do not recurse
+            raise AttributeError(name)
+        return getattr(self.env, name)
+
+    async def run(self, client: Any, example: dict[str, Any], **kw: Any) -> Rollout:
+        kw["sampling"] = dataclasses.replace(kw["sampling"], temperature=self.temperature)
+        return await self.env.run(client, example, **kw)
 
 
 # --------------------------------------------------------------------------- registry

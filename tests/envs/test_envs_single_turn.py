@@ -222,3 +222,23 @@ def test_reference_completions_score_one():
     assert rt.score(rt.reference_completion(ex), ex)[0] == 1.0
     ex = {"question": "12+7", "answer": 19}
     assert ar.score(ar.reference_completion(ex), ex)[0] == 1.0
+
+
+def test_at_temperature_view_overrides_only_the_temperature(tok, scripted):
+    from jaxrl_orch.envs.base import AtTemperature
+
+    env = ReverseTextEnv(tok)
+    view = AtTemperature(env, 1.0)
+    client = scripted(f"<answer>{TRUTH}</answer>")
+    greedy = SamplingParams(temperature=0.0, max_tokens=77, top_k=5)
+    r = run(view, client, {"text": SEED_SENTENCE}, sampling=greedy)
+    sent = client.samplings[0]
+    assert (sent.temperature, sent.max_tokens, sent.top_k) == (1.0, 77, 5)
+    assert r.reward == 1.0 and r.temperature == 1.0
+    assert view.name == env.name and view.prompt_ids({"text": "ab"}) == env.prompt_ids(
+        {"text": "ab"}
+    )
+    assert not hasattr(view, "run_group")
+    for bad in (-0.5, float("nan"), "1"):
+        with pytest.raises(ValueError, match="finite number >= 0"):
+            AtTemperature(env, bad)
