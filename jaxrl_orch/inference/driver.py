@@ -123,7 +123,12 @@ class InferenceDriver:
         # Narrow decoding needs both halves of the extension: width-limited generate calls and
         # a way to pack running requests below the width.
         widths = getattr(engine, "decode_widths", None)
-        narrow = widths and _accepts(engine.generate, "width") and hasattr(engine, "move_slot")
+        narrow = (
+            widths
+            and max(widths) == self._n_slots
+            and _accepts(engine.generate, "width")
+            and hasattr(engine, "move_slot")
+        )
         self._widths = tuple(sorted(int(w) for w in widths)) if narrow else (self._n_slots,)
         self._width = self._n_slots
         self._cv = threading.Condition()

@@ -1,16 +1,17 @@
 """DecodeEngine: the Transformer behind JetStream's Engine methods, with RL extras.
 
 Owns the device side of decoding: params placement on the decode mesh, the fixed-shape decode
-state (KV cache + per-slot token, position, counters and sampling parameters) and three jitted
-programs: ``prefill`` (one prompt -> a prefix KV), ``insert`` (prefix -> slot) and ``generate``
-(``steps_per_call`` decode steps for every slot in one ``lax.scan``, one host round trip), plus
+state (layout and slot operations in ``decode_state``) and three jitted programs: ``prefill``
+(one prompt -> a prefix KV), ``insert`` (prefix -> slot) and ``generate`` (``steps_per_call``
+decode steps for every slot in one ``lax.scan``, one host round trip), plus
 ``move_slot`` for drivers that narrow the decode width.
 
 Decode width: a step's cost is nearly proportional to the number of slots it runs (attention
 reads every slot's cache; measured 2.9 / 6.3 / 11.4 / 16.5 ms per step at 4 / 8 / 16 / 32 slots
 of small-byte), so ``generate(..., width=w)`` runs only slots ``[0, w)`` for w in
 ``decode_widths`` (default: the slot count and its halvings down to 1/8 of it, one compiled
-program each). Rows at or beyond w are not touched.
+program each). Rows at or beyond w are not touched. A narrow step is only faster: it is the
+same per-slot computation, so tokens and log-probs do not depend on the width.
 
 Contract details (see ``engine_api`` for the result layout):
 - ``prefill`` computes the prompt's KV but samples nothing: the slot's first generate step
@@ -49,6 +50,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_orch.inference import decode_state as dstate  # the JetStream args are named decode_state
 from jaxrl_orch.inference.engine_api import ResultTokens
 from jaxrl_orch.inference.sampling import sample_tokens
 from jaxrl_orch.models.tokenizer import ByteTokenizer
@@ -61,8 +63,6 @@ from jaxrl_orch.models.transformer import (
 )
 from jaxrl_orch.types import SamplingParams
 from sharding.rules import DECODE_RULES, resolve_shardings
-
-_SLOT_FIELDS = ("token", "pos", "max_tokens", "temperature", "top_k", "top_p", "stop")
 
 
 class DecodeEngine:
@@ -96,7 +96,11 @@ class DecodeEngine:
                 f"max_prefill_length={max_prefill_length} must be <= "
                 f"max_target_length={max_target_length} (the prompt has to fit the cache)"
             )
-        widths = _default_widths(max_concurrent_decodes) if decode_widths is None else decode_widths
+        widths = (
+            dstate.default_widths(max_concurrent_decodes)
+            if decode_widths is None
+            else decode_widths
+        )
         widths = tuple(sorted({int(w) for w in widths}, reverse=True))
         if not widths or widths[0] != max_concurrent_decodes or widths[-1] < 1:
             raise ValueError(
@@ -138,7 +142,7 @@ class DecodeEngine:
         self._insert_fns: dict[int, Any] = {}
         self._generate_fns: dict[int, Any] = {}
         self._move_fn = jax.jit(
-            self._move_impl, donate_argnums=(0,), out_shardings=self._state_shardings
+            dstate.move, donate_argnums=(0,), out_shardings=self._state_shardings
         )
 
     # ------------------------------------------------------------------ JetStream properties
@@ -193,25 +197,17 @@ class DecodeEngine:
 
     def init_decode_state(self) -> dict[str, Any]:
         if self._init_state_fn is None:  # compiled once: a driver restart must not recompile
-            self._init_state_fn = jax.jit(self._build_state, out_shardings=self._state_shardings)
+            build = functools.partial(
+                dstate.build,
+                self.config,
+                self._slots,
+                self.max_target_length,
+                self.cache_dtype,
+                self.max_stop_tokens,
+                self._seed,
+            )
+            self._init_state_fn = jax.jit(build, out_shardings=self._state_shardings)
         return self._init_state_fn()
-
-    def _build_state(self) -> dict[str, Any]:
-        b = self._slots
-        zeros = lambda dt: jnp.zeros((b,), dt)
-        return {
-            "cache": init_cache(self.config, b, self.max_target_length, self.cache_dtype),
-            "tokens": zeros(jnp.int32),
-            "pos": zeros(jnp.int32),
-            "active": zeros(bool),
-            "generated": zeros(jnp.int32),
-            "max_tokens": zeros(jnp.int32),
-            "temperature": zeros(jnp.float32),
-            "top_k": zeros(jnp.int32),
-            "top_p": jnp.ones((b,), jnp.float32),
-            "stop": jnp.full((b, self.max_stop_tokens), -1, jnp.int32),
-            "rng": jax.random.PRNGKey(self._seed),
-        }
 
     # ------------------------------------------------------------------ prefill / insert
 
@@ -281,26 +277,9 @@ class DecodeEngine:
         fn = self._insert_fns.get(length)
         if fn is None:
             fn = self._insert_fns[length] = jax.jit(
-                self._insert_impl, donate_argnums=(0,), out_shardings=self._state_shardings
+                dstate.insert, donate_argnums=(0,), out_shardings=self._state_shardings
             )
         return fn(decode_state, prefix["cache"], fields, np.int32(slot))
-
-    @staticmethod
-    def _insert_impl(state: dict[str, Any], cache: Any, fields: dict[str, Any], slot: jax.Array):
-        state = dict(state)
-        state["cache"] = jax.tree.map(
-            lambda dst, src: jax.lax.dynamic_update_slice(
-                dst, src.astype(dst.dtype), (0, slot, 0, 0, 0)
-            ),
-            state["cache"],
-            cache,
-        )
-        for name in _SLOT_FIELDS:
-            key = {"token": "tokens"}.get(name, name)
-            state[key] = state[key].at[slot].set(fields[name])
-        state["active"] = state["active"].at[slot].set(True)
-        state["generated"] = state["generated"].at[slot].set(0)
-        return state
 
     def move_slot(self, decode_state: dict[str, Any], src: int, dst: int) -> dict[str, Any]:
         """Move the request in slot ``src`` (KV rows and per-slot fields) to slot ``dst``;
@@ -309,22 +288,6 @@ class DecodeEngine:
             if not 0 <= slot < self._slots:
                 raise ValueError(f"{name} slot must be in [0, {self._slots}), got {slot}")
         return self._move_fn(decode_state, np.int32(src), np.int32(dst))
-
-    @staticmethod
-    def _move_impl(state: dict[str, Any], src: jax.Array, dst: jax.Array) -> dict[str, Any]:
-        moved = {"rng": state["rng"]}
-        for name, value in state.items():
-            if name == "rng":
-                continue
-            axis = 1 if name == "cache" else 0
-
-            def move(x: jax.Array, axis: int = axis) -> jax.Array:
-                row = jax.lax.dynamic_slice_in_dim(x, src, 1, axis=axis)
-                return jax.lax.dynamic_update_slice_in_dim(x, row, dst, axis=axis)
-
-            moved[name] = jax.tree.map(move, value)
-        moved["active"] = moved["active"].at[src].set(moved["active"][src] & (src == dst))
-        return moved
 
     # ------------------------------------------------------------------ generate
 
@@ -369,27 +332,10 @@ class DecodeEngine:
     def _generate_impl(
         self, params: Any, full: dict[str, Any], version: jax.Array, *, width: int
     ) -> tuple[dict[str, Any], jax.Array]:
-        # The narrow scan carries a copy of the first `width` rows (one copy in, one out per
-        # call): cheaper than attending over empty rows once fewer than half the slots run.
-        state = {
-            name: value if name == "rng" else _rows(value, name, 0, width)
-            for name, value in full.items()
-        }
-        state, data = self._decode_steps(params, state, version)
-        if width == self._slots:
+        state, data = self._decode_steps(params, dstate.head(full, width), version)
+        if width == self._slots:  # head() of every slot is the state itself: no copy
             return state, data
-        merged = {"rng": state["rng"]}
-        for name, value in full.items():
-            if name != "rng":
-                axis = 1 if name == "cache" else 0
-                merged[name] = jax.tree.map(
-                    lambda dst, src, axis=axis: jax.lax.dynamic_update_slice_in_dim(
-                        dst, src, 0, axis=axis
-                    ),
-                    value,
-                    state[name],
-                )
-        return merged, data
+        return dstate.put_head(full, state), data
 
     def _decode_steps(self, params: Any, state: dict[str, Any], version: jax.Array):
         model = nnx.merge(self._graphdef, params)
@@ -448,20 +394,6 @@ class DecodeEngine:
         specs = cache_logical_specs()
         shapes = None if shape is None else {name: shape for name in specs}
         return resolve_shardings(specs, self._mesh, DECODE_RULES, shapes=shapes)
-
-
-def _default_widths(slots: int) -> tuple[int, ...]:
-    """``slots`` and its halvings down to ``slots // 8``: a drain narrows in 3 compiled steps."""
-    widths = [slots]
-    while widths[-1] % 2 == 0 and widths[-1] // 2 >= max(1, slots // 8):
-        widths.append(widths[-1] // 2)
-    return tuple(widths)
-
-
-def _rows(value: Any, name: str, start: int, size: int) -> Any:
-    """Slots ``[start, start + size)`` of one decode-state entry (the cache's slot axis is 1)."""
-    axis = 1 if name == "cache" else 0
-    return jax.tree.map(lambda x: jax.lax.slice_in_dim(x, start, start + size, axis=axis), value)
 
 
 def _shapes(abstract_state: Any) -> Any:

@@ -1,0 +1,134 @@
+"""The decode state's layout and the pure slot operations on it (build, insert, move, narrow).
+
+Owns: what one ``DecodeEngine`` decode state holds -- the KV cache
+``{"k", "v"}: [layers, slots, max_target_length, kv_heads, head_dim]`` and one row per slot of
+``tokens`` (last token), ``pos`` (its position), ``active``, ``generated`` and the request's
+sampling settings (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``stop [slots, m]``),
+plus one shared PRNG key ``rng`` -- and the jnp functions that move slot rows around in it.
+
+Invariants: every entry but ``rng`` has the slot axis (axis 1 for the cache, 0 otherwise), so
+slot operations treat them alike by name, never by shape (a 2-slot state and the 2-word key
+look the same). Functions here are pure and shape-static; ``DecodeEngine`` jits them with
+donation and explicit shardings. Nothing here knows about models, params or the driver.
+
+Narrow decoding (why ``head`` / ``put_head`` exist): a decode step's cost is nearly proportional
+to the slots it runs, so the engine can run only the first ``w`` slots. The narrow program
+carries a copy of those rows (one copy in, one out per call), cheaper than attending over idle
+rows once at most half the slots run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_orch.models.transformer import ModelConfig, init_cache
+
+# Per-request settings written by insert; "token" lands in the state's "tokens" entry.
+SLOT_FIELDS = ("token", "pos", "max_tokens", "temperature", "top_k", "top_p", "stop")
+
+
+def build(
+    config: ModelConfig,
+    slots: int,
+    max_target_length: int,
+    cache_dtype: Any,
+    max_stop_tokens: int,
+    seed: int,
+) -> dict[str, Any]:
+    """An empty decode state: every slot inactive, zeroed cache."""
+    zeros = lambda dt: jnp.zeros((slots,), dt)
+    return {
+        "cache": init_cache(config, slots, max_target_length, cache_dtype),
+        "tokens": zeros(jnp.int32),
+        "pos": zeros(jnp.int32),
+        "active": zeros(bool),
+        "generated": zeros(jnp.int32),
+        "max_tokens": zeros(jnp.int32),
+        "temperature": zeros(jnp.float32),
+        "top_k": zeros(jnp.int32),
+        "top_p": jnp.ones((slots,), jnp.float32),
+        "stop": jnp.full((slots, max_stop_tokens), -1, jnp.int32),
+        "rng": jax.random.PRNGKey(seed),
+    }
+
+
+def insert(
+    state: dict[str, Any], cache: Any, fields: dict[str, Any], slot: jax.Array
+) -> dict[str, Any]:
+    """Write a prefix's KV (``cache``, batch 1, any length) and its ``fields`` into ``slot``."""
+    state = dict(state)
+    state["cache"] = jax.tree.map(
+        lambda dst, src: jax.lax.dynamic_update_slice(
+            dst, src.astype(dst.dtype), (0, slot, 0, 0, 0)
+        ),
+        state["cache"],
+        cache,
+    )
+    for name in SLOT_FIELDS:
+        key = {"token": "tokens"}.get(name, name)
+        state[key] = state[key].at[slot].set(fields[name])
+    state["active"] = state["active"].at[slot].set(True)
+    state["generated"] = state["generated"].at[slot].set(0)
+    return state
+
+
+def move(state: dict[str, Any], src: jax.Array, dst: jax.Array) -> dict[str, Any]:
+    """Copy slot ``src``'s rows to ``dst``; ``src`` becomes inactive (unless it is ``dst``)."""
+    moved = {}
+    for name, value in state.items():
+        if name == "rng":
+            moved[name] = value
+            continue
+        axis = _slot_axis(name)
+
+        def copy_row(x: jax.Array, axis: int = axis) -> jax.Array:
+            row = jax.lax.dynamic_slice_in_dim(x, src, 1, axis=axis)
+            return jax.lax.dynamic_update_slice_in_dim(x, row, dst, axis=axis)
+
+        moved[name] = jax.tree.map(copy_row, value)
+    moved["active"] = moved["active"].at[src].set(moved["active"][src] & (src == dst))
+    return moved
+
+
+def head(state: dict[str, Any], width: int) -> dict[str, Any]:
+    """The state of slots ``[0, width)`` (``rng`` shared)."""
+    return {
+        name: value
+        if name == "rng"
+        else jax.tree.map(
+            lambda x, axis=_slot_axis(name): jax.lax.slice_in_dim(x, 0, width, axis=axis), value
+        )
+        for name, value in state.items()
+    }
+
+
+def put_head(state: dict[str, Any], narrow: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with its first slots replaced by ``narrow`` (from ``head``); ``rng`` from it."""
+    merged = {}
+    for name, value in state.items():
+        if name == "rng":
+            merged[name] = narrow[name]
+            continue
+        merged[name] = jax.tree.map(
+            lambda dst, src, axis=_slot_axis(name): jax.lax.dynamic_update_slice_in_dim(
+                dst, src, 0, axis=axis
+            ),
+            value,
+            narrow[name],
+        )
+    return merged
+
+
+def default_widths(slots: int) -> tuple[int, ...]:
+    """``slots`` and its halvings down to ``slots // 8``: a drain narrows in 3 compiled steps."""
+    widths = [slots]
+    while widths[-1] % 2 == 0 and widths[-1] // 2 >= max(1, slots // 8):
+        widths.append(widths[-1] // 2)
+    return tuple(widths)
+
+
+def _slot_axis(name: str) -> int:
+    return 1 if name == "cache" else 0
