@@ -27,7 +27,8 @@ x head_dim x context per token); ``matmul_peak_gflops`` is a big f32 matmul time
 process. ``decode_step_*`` time one full-width decode call (every slot busy, context at half the
 cache) against the same useful-FLOP count: how close one decode step gets to the matmul peak.
 Prints one JSON line with ``--json``; ``--repeats N`` alternates the two sides N times and sums
-(this machine is shared and noisy). Usage:
+(this machine is shared and noisy: ``ratio_per_repeat`` shows the spread, and ``ratio_cpu``
+compares process CPU seconds, which other jobs on the machine disturb less). Usage:
     python benchmarks/engine_throughput.py --json --repeats 2   # 64 x 4, small-byte, 32 slots
     python benchmarks/engine_throughput.py --json --prompts 256 # the streaming regime
     python benchmarks/engine_throughput.py --json --quick       # 16 x 4, tiny-byte, 16 slots
@@ -211,12 +212,21 @@ def main() -> None:
     expected = sum(sp.max_tokens for _, sps in work for sp in sps)
 
     static_tokens = engine_tokens = 0
-    static_s = engine_s = 0.0
+    static_s = engine_s = static_cpu = engine_cpu = 0.0
+    per_repeat = []
     for _ in range(args.repeats):  # alternate the two sides so machine noise hits both
+        cpu0 = time.process_time()
         tokens, seconds = run_static(engine, params, work)
-        static_tokens, static_s = static_tokens + tokens, static_s + seconds
-        tokens, seconds, prefills = run_engine(engine, params, work)
-        engine_tokens, engine_s = engine_tokens + tokens, engine_s + seconds
+        cpu1 = time.process_time()
+        static_tokens, static_s, static_cpu = (
+            static_tokens + tokens,
+            static_s + seconds,
+            static_cpu + cpu1 - cpu0,
+        )
+        tokens, e_seconds, prefills = run_engine(engine, params, work)
+        engine_cpu += time.process_time() - cpu1
+        engine_tokens, engine_s = engine_tokens + tokens, engine_s + e_seconds
+        per_repeat.append(round(seconds / e_seconds, 2))  # same tokens on both sides
     expected *= args.repeats
     if engine_tokens != expected or static_tokens != expected:
         raise RuntimeError(
@@ -234,6 +244,9 @@ def main() -> None:
             args.repeats * forward_flops(cfg, work, prefilled) / engine_s / 1e9, 2
         ),
         "matmul_peak_gflops": round(peak, 1),
+        "ratio_per_repeat": per_repeat,
+        # Process CPU seconds (all threads): less sensitive to other jobs on a shared machine.
+        "ratio_cpu": round(static_cpu / engine_cpu, 2),
         "decode_step_ms": round(step_s * 1e3, 2),
         "decode_step_gflops": round(step_flops / step_s / 1e9, 2),
         "decode_step_peak_fraction": round(step_flops / step_s / 1e9 / peak, 3),
