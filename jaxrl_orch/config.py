@@ -36,6 +36,7 @@ class TrainConfig:
     algorithm: str = "grpo_std"
     dynamic_sampling: bool = True  # drop flat groups and wait for groups with signal (DAPO)
     rl_learning_rate: float = 1e-3
+    rl_warmup_steps: int = 0  # linear LR warmup (fresh Adam moments on noisy policy gradients)
     temperature: float = 1.0
     max_new_tokens: int = 72
     eps_low: float = 0.2
@@ -84,8 +85,9 @@ class TrainConfig:
                 f"TrainConfig.max_new_tokens ({self.max_new_tokens}) must be < row_len "
                 f"({self.row_len}): a rollout is its prompt plus up to max_new_tokens tokens"
             )
-        if self.sft_steps < 0 or self.max_staleness < 0:
-            raise ValueError("TrainConfig.sft_steps and max_staleness must be >= 0")
+        for name in ("sft_steps", "max_staleness", "rl_warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def batch_size(self) -> int:

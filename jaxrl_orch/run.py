@@ -119,6 +119,7 @@ class Experiment:
 
     def _make_trainer(self, kind: str, lr: float, **kw: Any) -> Trainer:
         cfg = self.cfg
+        warmup = cfg.rl_warmup_steps if kind == "rl" else 0
         step = StepConfig(
             kind=kind,
             chunk_rows=cfg.chunk_rows,
@@ -135,7 +136,7 @@ class Experiment:
             row_len=cfg.row_len,
             num_rows=cfg.rows_per_batch,
             step=step,
-            optim=OptimConfig(learning_rate=lr),
+            optim=OptimConfig(learning_rate=lr, warmup_steps=warmup),
             seed=cfg.seed,
             pad_id=self.tokenizer.pad_id,
             **kw,
