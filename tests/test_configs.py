@@ -40,6 +40,7 @@ def test_unknown_binding_is_named():
         ("TrainConfig.max_new_tokens = 512", r"max_new_tokens \(512\) must be < row_len \(512\)"),
         ("TrainConfig.minibatches = 0", r"minibatches must be >= 1, got 0"),
         ("TrainConfig.ppo_epochs = -1", r"ppo_epochs must be >= 1, got -1"),
+        ("TrainConfig.rl_warmup_steps = -3", r"rl_warmup_steps must be >= 0, got -3"),
     ],
 )
 def test_bad_values_are_named_with_what_is_allowed(binding, message):
