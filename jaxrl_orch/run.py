@@ -119,7 +119,7 @@ class Experiment:
 
     def _make_trainer(self, kind: str, lr: float, **kw: Any) -> Trainer:
         cfg = self.cfg
-        warmup = cfg.rl_warmup_steps if kind == "rl" else 0
+        optim = optim_config(cfg, kind, lr)
         step = StepConfig(
             kind=kind,
             chunk_rows=cfg.chunk_rows,
@@ -136,7 +136,7 @@ class Experiment:
             row_len=cfg.row_len,
             num_rows=cfg.rows_per_batch,
             step=step,
-            optim=OptimConfig(learning_rate=lr, warmup_steps=warmup),
+            optim=optim,
             seed=cfg.seed,
             pad_id=self.tokenizer.pad_id,
             **kw,
@@ -369,6 +369,25 @@ class Experiment:
     def finish(self, summary: dict[str, Any]) -> None:
         (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         write_report(self.workdir)
+
+
+def optim_config(cfg: TrainConfig, kind: str, lr: float) -> OptimConfig:
+    """The optimizer schedule of a stage. RL: constant after ``rl_warmup_steps`` (its length is
+    open-ended: a resumed run continues the same schedule). SFT: the warm-up has a known length,
+    so warm up for ``sft_warmup_steps`` then anneal (cosine to 10% of the LR at ``sft_steps``);
+    on the embedded default this reaches a greedy eval reward of 0.74 after 200 steps where a
+    constant LR reached 0.43 (README, "Results")."""
+    if kind == "rl":
+        return OptimConfig(learning_rate=lr, warmup_steps=cfg.rl_warmup_steps)
+    if cfg.sft_steps > cfg.sft_warmup_steps:
+        return OptimConfig(
+            learning_rate=lr,
+            schedule="warmup_cosine",
+            warmup_steps=cfg.sft_warmup_steps,
+            total_steps=cfg.sft_steps,
+            end_lr_ratio=0.1,
+        )
+    return OptimConfig(learning_rate=lr, warmup_steps=cfg.sft_warmup_steps)
 
 
 class _Stopped(Exception):

@@ -37,7 +37,7 @@ def test_unknown_binding_is_named():
 @pytest.mark.parametrize(
     "binding, message",
     [
-        ("TrainConfig.max_new_tokens = 512", r"max_new_tokens \(512\) must be < row_len \(512\)"),
+        ("TrainConfig.max_new_tokens = 128", r"max_new_tokens \(128\) must be < row_len \(128\)"),
         ("TrainConfig.minibatches = 0", r"minibatches must be >= 1, got 0"),
         ("TrainConfig.ppo_epochs = -1", r"ppo_epochs must be >= 1, got -1"),
         ("TrainConfig.rl_warmup_steps = -3", r"rl_warmup_steps must be >= 0, got -3"),
@@ -46,3 +46,24 @@ def test_unknown_binding_is_named():
 def test_bad_values_are_named_with_what_is_allowed(binding, message):
     with pytest.raises(ValueError, match=message):
         load_config([], [binding])
+
+
+def test_stage_schedules_sft_anneals_rl_warms_up_then_holds():
+    import gin
+
+    from jaxrl_orch.config import TrainConfig
+    from jaxrl_orch.run import optim_config
+    from jaxrl_orch.trainer.step import make_schedule
+
+    gin.clear_config()  # bindings parsed by earlier tests would apply to TrainConfig(...) too
+    cfg = TrainConfig(sft_steps=100, sft_warmup_steps=10, rl_warmup_steps=5)
+    sft = make_schedule(optim_config(cfg, "sft", 3e-3))
+    assert float(sft(0)) == 0.0 and float(sft(10)) == pytest.approx(3e-3)
+    assert float(sft(100)) == pytest.approx(3e-4)  # annealed to 10% at the last warm-up step
+    assert float(sft(55)) < 3e-3
+    rl = make_schedule(optim_config(cfg, "rl", 3e-4))
+    assert float(rl(0)) == 0.0 and float(rl(5)) == pytest.approx(3e-4)
+    assert float(rl(10_000)) == pytest.approx(3e-4)  # open-ended: no decay
+    # A warm-up no longer than its ramp keeps the ramp and no decay.
+    short = make_schedule(optim_config(TrainConfig(sft_steps=2), "sft", 1e-3))
+    assert float(short(1)) == pytest.approx(1e-4)
