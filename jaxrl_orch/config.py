@@ -28,7 +28,7 @@ class TrainConfig:
     sft_learning_rate: float = 3e-3
     sft_warmup_steps: int = 10  # linear warmup, then cosine decay to 10% at sft_steps
     # RL
-    rl_steps: int = 40
+    rl_steps: int = 60
     prompts_per_step: int = 8
     group_size: int = 16
     max_staleness: int = 1
@@ -36,7 +36,7 @@ class TrainConfig:
     max_concurrent: int | None = None  # default: (max_staleness + 1) * batch
     algorithm: str = "grpo"  # mean-centred (seed 003); see README "Results" for grpo_std
     dynamic_sampling: bool = True  # drop flat groups and wait for groups with signal (DAPO)
-    rl_learning_rate: float = 3e-4
+    rl_learning_rate: float = 1e-4
     rl_warmup_steps: int = 10  # linear LR warmup (fresh Adam moments on noisy policy gradients)
     temperature: float = 1.0
     max_new_tokens: int = 68

@@ -17,6 +17,7 @@ engine is built with the restored weights, so no rollout can come from older one
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -34,7 +35,7 @@ from jaxrl_orch.envs.base import AtTemperature, make_env
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
-from jaxrl_orch.models.configs import get_config
+from jaxrl_orch.models.configs import ModelConfig, get_config
 from jaxrl_orch.models.tokenizer import load_tokenizer
 from jaxrl_orch.orchestrator.logger import ConsoleWriter, JsonlWriter, TensorBoardWriter
 from jaxrl_orch.orchestrator.loop import Orchestrator, OrchestratorConfig
@@ -56,7 +57,7 @@ class Experiment:
         self.cfg = cfg
         self.workdir = workdir
         self.tokenizer = load_tokenizer(cfg.tokenizer)
-        self.model_cfg = get_config(cfg.model)
+        self.model_cfg = model_config(cfg.model, self.tokenizer)
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.orch: Orchestrator | None = None
@@ -369,6 +370,20 @@ class Experiment:
     def finish(self, summary: dict[str, Any]) -> None:
         (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         write_report(self.workdir)
+
+
+def model_config(name: str, tokenizer: Any) -> ModelConfig:
+    """The named model, its logits limited to the ids ``tokenizer`` can produce (engine and
+    trainer share this config, so both see the same masked distribution). A tokenizer with
+    more ids than the model has rows is a mismatch and fails here, before any work."""
+    model_cfg = get_config(name)
+    n = tokenizer.output_vocab_size
+    if n > model_cfg.vocab_size:
+        raise ValueError(
+            f"tokenizer produces {n} ids but model {name!r} has vocab_size "
+            f"{model_cfg.vocab_size}; pick a model whose vocab covers the tokenizer"
+        )
+    return dataclasses.replace(model_cfg, output_vocab=n) if n < model_cfg.vocab_size else model_cfg
 
 
 def optim_config(cfg: TrainConfig, kind: str, lr: float) -> OptimConfig:

@@ -67,3 +67,17 @@ def test_stage_schedules_sft_anneals_rl_warms_up_then_holds():
     # A warm-up no longer than its ramp keeps the ramp and no decay.
     short = make_schedule(optim_config(TrainConfig(sft_steps=2), "sft", 1e-3))
     assert float(short(1)) == pytest.approx(1e-4)
+
+
+def test_model_config_limits_logits_to_the_tokenizers_ids():
+    from types import SimpleNamespace
+
+    from jaxrl_orch.models.tokenizer import ByteTokenizer
+    from jaxrl_orch.run import model_config
+
+    tok = ByteTokenizer()
+    cfg = model_config("tiny-byte", tok)
+    assert cfg.output_vocab == tok.output_vocab_size < cfg.vocab_size == tok.vocab_size
+    assert model_config("tiny-byte", SimpleNamespace(output_vocab_size=512)).output_vocab is None
+    with pytest.raises(ValueError, match="tokenizer produces 600 ids but model 'tiny-byte'"):
+        model_config("tiny-byte", SimpleNamespace(output_vocab_size=600))

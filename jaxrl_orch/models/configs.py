@@ -73,6 +73,10 @@ class ModelConfig:
     param_dtype: Any = jnp.float32
     qkv_bias: bool = False  # Qwen2: bias on the q, k and v projections
     rope_scaling: RopeScaling | None = None
+    # Ids >= output_vocab are padding rows of the vocab (shapes rounded up past what the
+    # tokenizer can produce): their logits are masked, so they are never sampled and hold no
+    # probability mass in any log-prob, engine or trainer. None: every id is a real output.
+    output_vocab: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
@@ -92,6 +96,11 @@ class ModelConfig:
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(
                 f"rope_theta and norm_eps must be > 0: {self.rope_theta}, {self.norm_eps}"
+            )
+        if self.output_vocab is not None and not 1 <= self.output_vocab <= self.vocab_size:
+            raise ValueError(
+                f"output_vocab must be in [1, vocab_size={self.vocab_size}] or None, "
+                f"got {self.output_vocab!r}"
             )
         # Normalise so that configs built with jnp.float32 vs "float32" compare and hash equal.
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))

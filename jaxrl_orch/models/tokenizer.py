@@ -2,6 +2,7 @@
 
 Owns text <-> id conversion for prompts and the chat template that wraps conversation turns.
 Both classes share one interface (``Tokenizer``): ``encode``, ``decode``, ``vocab_size``,
+``output_vocab_size`` (ids it can produce; a model's vocab may be padded past it),
 ``bos_id``, ``eos_id``, ``pad_id``, ``stop_ids`` and ``apply_chat_template``.
 
 - ``ByteTokenizer``: ids 0..255 are the UTF-8 bytes; special tokens follow (``SPECIAL_TOKENS``)
@@ -58,6 +59,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 @runtime_checkable
 class Tokenizer(Protocol):
     vocab_size: int
+    output_vocab_size: int
     bos_id: int | None
     eos_id: int
     pad_id: int
@@ -118,6 +120,8 @@ class ByteTokenizer:
 
     def __init__(self) -> None:
         self.vocab_size = BYTE_VOCAB_SIZE
+        # Ids the tokenizer can produce: bytes and specials; the reserved rest is padding.
+        self.output_vocab_size = 256 + len(SPECIAL_TOKENS)
         self._special_to_id = {tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)}
         self._id_to_special = {i: tok for tok, i in self._special_to_id.items()}
         # Longest first so a special that prefixes another can never shadow it.
@@ -200,6 +204,7 @@ class HFTokenizer:
     ) -> None:
         self._tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.output_vocab_size = self.vocab_size
         self.eos_id = self._resolve("eos", eos_token, _EOS_CANDIDATES)
         bos = self._resolve("bos", bos_token, _BOS_CANDIDATES, required=False)
         self.bos_id = bos

@@ -65,6 +65,8 @@ __all__ = [
 CACHE_AXES = ("layers", "cache_batch", "cache_length", "kv_heads", "head_dim")
 ACTIVATION_AXES = ("batch", "length", "embed")
 LOGITS_AXES = ("batch", "length", "vocab")
+# Logit of an id past ``ModelConfig.output_vocab`` (padding rows of the vocab).
+MASKED_LOGIT = -1e9
 
 _INIT = jax.nn.initializers.normal(stddev=0.02)  # HF initializer_range for these families
 
@@ -240,7 +242,14 @@ class Transformer(nnx.Module):
         else:
             w = self.lm_head[...].astype(dt)
             logits = jnp.einsum("...e,ev->...v", hidden, w, preferred_element_type=jnp.float32)
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        n_out = self.config.output_vocab
+        if n_out is not None and n_out < self.config.vocab_size:
+            # Finite, not -inf: probabilities are exactly 0 yet p * log p stays 0 (no NaN in
+            # entropies), and dividing by a sampling temperature cannot overflow.
+            real = jnp.arange(self.config.vocab_size) < n_out
+            logits = jnp.where(real, logits, MASKED_LOGIT)
+        return logits
 
     def hidden_states(
         self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None

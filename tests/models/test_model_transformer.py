@@ -302,3 +302,27 @@ def test_bad_inputs_raise_clear_errors():
         model(tokens, tokens, jnp.zeros((2, 3), jnp.int32))
     with pytest.raises(ValueError, match="cache"):
         model.forward_cached(tokens, tokens, init_cache(cfg, 3, 8))
+
+
+def test_output_vocab_masks_padding_rows_in_every_logprob():
+    from jaxrl_orch.algorithms.losses import logprobs_and_entropy
+
+    base = get_config("tiny-byte")
+    n = ByteTokenizer().output_vocab_size
+    full = tf.Transformer(base, rngs=nnx.Rngs(3))
+    masked = tf.Transformer(dataclasses.replace(base, output_vocab=n), rngs=nnx.Rngs(3))
+    tokens = jnp.array([[5, 72, 105, 260, 33]], jnp.int32)
+    pos = jnp.arange(5, dtype=jnp.int32)[None]
+    lf, lm = full(tokens, pos), masked(tokens, pos)
+    # Real ids keep their logits; the padding rows get no probability at any temperature.
+    np.testing.assert_array_equal(np.asarray(lm[..., :n]), np.asarray(lf[..., :n]))
+    for t in (1.0, 0.3):
+        temps = jnp.full((1, 5), t)
+        lp, ent = logprobs_and_entropy(lm, tokens, temps)
+        want = jax.nn.log_softmax(lf[..., :n] / t, axis=-1)
+        got = jnp.take_along_axis(want, tokens[..., None], axis=-1)[..., 0]
+        np.testing.assert_allclose(np.asarray(lp), np.asarray(got), atol=1e-5)
+        assert np.isfinite(np.asarray(ent)).all()
+        assert float(jax.nn.softmax(lm / t, axis=-1)[..., n:].sum()) == 0.0
+    with pytest.raises(ValueError, match="output_vocab must be in"):
+        dataclasses.replace(base, output_vocab=base.vocab_size + 1)
