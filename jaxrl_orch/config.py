@@ -23,7 +23,7 @@ class TrainConfig:
     data_dir: str | None = None
     seed: int = 0
     # SFT warm-up
-    sft_steps: int = 250
+    sft_steps: int = 300
     sft_batch_size: int = 64
     sft_learning_rate: float = 3e-3
     sft_warmup_steps: int = 10  # linear warmup, then cosine decay to 10% at sft_steps
