@@ -8,7 +8,10 @@ Owns the workdir layout::
     tb/                 TensorBoard events          summary.json, report.md, *.png
 
 Stages: ``validate`` (meshes, model, data: before any work), ``run`` = SFT (or restore it) then
-RL on an asyncio loop, ``finish`` (summary + report). RL checkpoints are taken on the trainer's
+RL on an asyncio loop, ``finish`` (summary + report). Eval runs the held-out split twice per
+eval step: greedy (``eval/<env>/...``, the headline) and at the training temperature
+(``eval/<env>@t<T>/...``). The model's logits are limited to the tokenizer's ids
+(``model_config``), identically for engine and trainer. RL checkpoints are taken on the trainer's
 worker thread inside its publish callback, i.e. between two optimizer steps, with the
 orchestrator's state fetched from the event loop; the last one after the drain. On resume the
 engine is built with the restored weights, so no rollout can come from older ones.
