@@ -47,7 +47,7 @@ class TrainConfig:
     ppo_epochs: int = 1  # passes over the batch per RL step
     kl_beta: float = 0.0
     # packing / shapes
-    row_len: int = 128  # one bundled reverse-text sample (<= 59 + 68 tokens) a row
+    row_len: int = 256  # one or two bundled reverse-text samples a row
     rows_per_batch: int | None = None  # None: as many as needed, rounded up to chunk_rows
     chunk_rows: int = 8
     # engine

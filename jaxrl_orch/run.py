@@ -98,6 +98,19 @@ class Experiment:
         )
         if not hasattr(self.env, "reference_completion") and cfg.sft_steps:
             raise ValueError(f"env {cfg.env!r} has no reference completion; set sft_steps=0")
+        if cfg.sft_steps:
+            self._check_sft_fits()
+
+    def _check_sft_fits(self, n: int = 64) -> None:
+        """Warm-up samples must fit a row (RL rollouts are truncated, reference answers are
+        not): check the first ``n`` held-out examples, which share the train split's shape."""
+        src = self.eval_source
+        longest = max(len(self._sft_sample(src.example_at(i))) for i in range(min(n, len(src))))
+        if longest > self.cfg.row_len:
+            raise ValueError(
+                f"an SFT warm-up sample has {longest} tokens but TrainConfig.row_len is "
+                f"{self.cfg.row_len}: raise row_len or shorten TrainConfig.instruction"
+            )
 
     def write_config(self, text: str) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -115,11 +128,12 @@ class Experiment:
         while True:
             batch = []
             for _ in range(self.cfg.sft_batch_size):
-                ex = self.sft_source.next_example()
-                prompt = self.env.prompt_ids(ex)
-                answer = self.tokenizer.encode(self.env.reference_completion(ex))
-                batch.append(sft_sample(prompt, [*answer, self.tokenizer.eos_id]))
+                batch.append(self._sft_sample(self.sft_source.next_example()))
             yield batch
+
+    def _sft_sample(self, ex: dict[str, Any]) -> Sample:
+        answer = self.tokenizer.encode(self.env.reference_completion(ex))
+        return sft_sample(self.env.prompt_ids(ex), [*answer, self.tokenizer.eos_id])
 
     def _make_trainer(self, kind: str, lr: float, **kw: Any) -> Trainer:
         cfg = self.cfg

@@ -94,6 +94,7 @@ def test_split_placement_run_writes_metrics_checkpoints_and_report(tmp_path):
         ("TrainConfig.trainer_mesh = (('fsdp', 16),)", "need"),
         ("TrainConfig.dataset = 'no_such_dataset'", "no_such_dataset"),
         ("TrainConfig.age_policy = 'yolo'", "yolo"),
+        ("TrainConfig.row_len = 96", "SFT warm-up sample has"),
     ],
 )
 def test_bad_config_fails_before_any_work_naming_the_value(tmp_path, param, needle):
