@@ -37,7 +37,7 @@ def test_unknown_binding_is_named():
 @pytest.mark.parametrize(
     "binding, message",
     [
-        ("TrainConfig.max_new_tokens = 128", r"max_new_tokens \(128\) must be < row_len \(128\)"),
+        ("TrainConfig.max_new_tokens = 256", r"max_new_tokens \(256\) must be < row_len \(256\)"),
         ("TrainConfig.minibatches = 0", r"minibatches must be >= 1, got 0"),
         ("TrainConfig.ppo_epochs = -1", r"ppo_epochs must be >= 1, got -1"),
         ("TrainConfig.rl_warmup_steps = -3", r"rl_warmup_steps must be >= 0, got -3"),
