@@ -155,7 +155,6 @@ class Trainer:
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
         self._busy = False
-        self._truncated = 0
         self._last: dict[str, float] = {}
 
     # ------------------------------------------------------------------ publishing
@@ -181,7 +180,6 @@ class Trainer:
         if not batch.samples:
             raise ValueError(f"TrainBatch step {batch.step} has no samples; nothing to train on")
         truncate = self.step_cfg.kind == "rl"
-        self._truncated = sum(len(s) > self.row_len for s in batch.samples) if truncate else 0
         packed = pack_samples(
             batch.samples,
             self.row_len,
@@ -230,7 +228,7 @@ class Trainer:
         self._busy = True
         try:
             metrics = self.train_packed(self.pack(batch))
-            metrics["truncated_samples"] = float(self._truncated)
+            metrics["truncated_samples"] = float(sum(len(s) > self.row_len for s in batch.samples))
             self.version = batch.step
             metrics["version"] = float(self.version)
             self._last = metrics
