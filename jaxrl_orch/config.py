@@ -19,7 +19,8 @@ class TrainConfig:
     tokenizer: str = "byte"  # "byte", or a tokenizer.json path / directory holding one
     env: str = "reverse_text"
     instruction: str | None = None  # None: the env's default instruction
-    dataset: str = "jaxrl_reverse_text"
+    dataset: str = "jaxrl_reverse_text"  # bundled, a prepared tfds name, or text:PATH / *.txt
+    eval_dataset: str | None = None  # None: the held-out split of `dataset`
     data_dir: str | None = None
     seed: int = 0
     # SFT warm-up

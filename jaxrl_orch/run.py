@@ -33,14 +33,19 @@ import jax.numpy as jnp
 
 from jaxrl_orch.algorithms.losses import PolicyLossConfig
 from jaxrl_orch.config import TrainConfig
-from jaxrl_orch.data.sources import make_source
+from jaxrl_orch.data.sources import make_source, text_file_path
 from jaxrl_orch.envs.base import AtTemperature, make_env
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.models.configs import ModelConfig, get_config
 from jaxrl_orch.models.tokenizer import load_tokenizer
-from jaxrl_orch.orchestrator.logger import ConsoleWriter, JsonlWriter, TensorBoardWriter
+from jaxrl_orch.orchestrator.logger import (
+    ConsoleWriter,
+    JsonlWriter,
+    ProgressWriter,
+    TensorBoardWriter,
+)
 from jaxrl_orch.orchestrator.loop import Orchestrator, OrchestratorConfig
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
 from jaxrl_orch.report import write_report
@@ -52,7 +57,13 @@ from jaxrl_orch.types import Sample, SamplingParams
 from sharding.mesh import make_meshes
 from sharding.reshard import reshard
 
-_CONSOLE_KEYS = ("train/reward_mean", "orch/age_max", "orch/step_s", "orch/admitted")
+_CONSOLE_KEYS = (
+    "train/reward_mean",
+    "eval/*/reward_mean",
+    "orch/age_max",
+    "orch/step_s",
+    "orch/admitted",
+)
 
 
 class Experiment:
@@ -83,18 +94,23 @@ class Experiment:
         )
         env_kwargs = {} if cfg.instruction is None else {"instruction": cfg.instruction}
         self.env = make_env(cfg.env, tokenizer=self.tokenizer, **env_kwargs)
+        # A text file is split in two unless a separate eval set is named: then all of it
+        # trains, and an eval text file is held out whole (datasets use their own splits).
+        train_split = "all" if cfg.eval_dataset and text_file_path(cfg.dataset) else "train"
         self.train_source = make_source(
-            cfg.dataset, split="train", data_dir=cfg.data_dir, seed=cfg.seed
+            cfg.dataset, split=train_split, data_dir=cfg.data_dir, seed=cfg.seed
         )
         self.sft_source = make_source(
-            cfg.dataset, split="train", data_dir=cfg.data_dir, seed=cfg.seed + 1
+            cfg.dataset, split=train_split, data_dir=cfg.data_dir, seed=cfg.seed + 1
         )
+        eval_name = cfg.eval_dataset or cfg.dataset
+        eval_split = "all" if cfg.eval_dataset and text_file_path(eval_name) else "eval"
         self.eval_source = make_source(
-            cfg.dataset, split="eval", data_dir=cfg.data_dir, shuffle=False
+            eval_name, split=eval_split, data_dir=cfg.data_dir, shuffle=False
         )
         # The same held-out examples again, sampled at the training temperature.
         self.sampled_eval_source = make_source(
-            cfg.dataset, split="eval", data_dir=cfg.data_dir, shuffle=False
+            eval_name, split=eval_split, data_dir=cfg.data_dir, shuffle=False
         )
         if not hasattr(self.env, "reference_completion") and cfg.sft_steps:
             raise ValueError(f"env {cfg.env!r} has no reference completion; set sft_steps=0")
@@ -171,11 +187,14 @@ class Experiment:
                 info["sft_restored"] = 1.0
             elif cfg.sft_steps:
                 t0 = time.perf_counter()
+                bar = ProgressWriter(cfg.sft_steps, desc="sft", postfix_keys=["sft/loss"])
+                console = ConsoleWriter(keys=["sft/loss"])
 
                 def log(i: int, m: dict[str, float]) -> None:
                     writer.write(i, m)
+                    bar.write(i, m)
                     if i % 25 == 0 or i == cfg.sft_steps:
-                        print(f"sft {i}/{cfg.sft_steps} loss {m['sft/loss']:.4f}", flush=True)
+                        console.write(i, m)
                     if self._stop.is_set():
                         raise _Stopped
 
@@ -183,6 +202,8 @@ class Experiment:
                     hist = run_sft(trainer, self._sft_batches(), cfg.sft_steps, on_step=log)
                 except _Stopped:
                     return None, info
+                finally:
+                    bar.close()
                 info["sft_seconds"] = time.perf_counter() - t0
                 info["sft_final_loss"] = hist[-1]["sft/loss"]
                 save_trainer(ckpt, trainer, cfg.sft_steps, {})
@@ -277,6 +298,11 @@ class Experiment:
             writers=[
                 JsonlWriter(self.workdir / "metrics.jsonl"),
                 ConsoleWriter(keys=_CONSOLE_KEYS),
+                ProgressWriter(
+                    cfg.rl_steps,
+                    initial=min(start_step - 1, cfg.rl_steps),
+                    postfix_keys=["train/reward_mean", "orch/age_max"],
+                ),
             ],
             gauge_writers=[
                 JsonlWriter(self.workdir / "gauges.jsonl"),

@@ -81,3 +81,28 @@ def test_model_config_limits_logits_to_the_tokenizers_ids():
     assert model_config("tiny-byte", SimpleNamespace(output_vocab_size=512)).output_vocab is None
     with pytest.raises(ValueError, match="tokenizer produces 600 ids but model 'tiny-byte'"):
         model_config("tiny-byte", SimpleNamespace(output_vocab_size=600))
+
+
+def test_a_text_file_dataset_is_split_or_paired_with_an_eval_file(tmp_path):
+    import gin
+
+    from jaxrl_orch.config import TrainConfig
+    from jaxrl_orch.data.sources import text_split_of
+    from jaxrl_orch.run import Experiment
+
+    gin.clear_config()
+    lines = [f"the harbour painted {i} walls" for i in range(120)]
+    corpus = tmp_path / "mine.txt"
+    corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    exp = Experiment(TrainConfig(dataset=f"text:{corpus}"), tmp_path / "a")
+    exp.validate()
+    held_out = [exp.eval_source.next_example()["text"] for _ in range(len(exp.eval_source))]
+    assert held_out and all(text_split_of(t) == "eval" for t in held_out)
+    assert len(exp.train_source) + len(exp.eval_source) == 120
+
+    other = tmp_path / "eval.txt"
+    other.write_text("one held out sentence\nand a second one\n", encoding="utf-8")
+    exp = Experiment(TrainConfig(dataset=str(corpus), eval_dataset=str(other)), tmp_path / "b")
+    exp.validate()
+    assert len(exp.eval_source) == len(exp.sampled_eval_source) == 2  # the whole eval file
+    assert len(exp.train_source) == len(exp.sft_source) == 120  # all of it trains now

@@ -93,6 +93,7 @@ def test_split_placement_run_writes_metrics_checkpoints_and_report(tmp_path):
         ("TrainConfig.no_such_setting = 1", "no_such_setting"),
         ("TrainConfig.trainer_mesh = (('fsdp', 16),)", "need"),
         ("TrainConfig.dataset = 'no_such_dataset'", "no_such_dataset"),
+        ("TrainConfig.dataset = 'text:/no/such/corpus.txt'", "corpus.txt"),
         ("TrainConfig.age_policy = 'yolo'", "yolo"),
         ("TrainConfig.row_len = 96", "SFT warm-up sample has"),
     ],

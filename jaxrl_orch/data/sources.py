@@ -11,8 +11,12 @@ What this module owns
   ``{example_key: record_key}`` and optional constant ``extra`` keys (e.g. ``{"env":
   "arithmetic"}`` so one shared source can route examples to several envs).
 - ``make_source(name, ...)``: a bundled dataset (``reverse_text``, ``arithmetic``; built on
-  first use by ``builders.prepare``) or any prepared tfds dataset by name + ``data_dir``.
-- ``TextFileSource(path)``: one example per non-empty line of a user text file.
+  first use by ``builders.prepare``), a user text file (``text:PATH``, or any name ending in
+  ``.txt``), or any prepared tfds dataset by name + ``data_dir``.
+- ``TextFileSource(path, split=...)``: one example per non-empty line of a user text file.
+  ``split="train"``/``"eval"`` divide the distinct lines by a hash of their text (about one in
+  ``TEXT_EVAL_BUCKETS`` goes to eval), so the two splits are disjoint by construction, a
+  repeated line lands on one side only, and adding lines never moves an existing one.
 
 Invariants
 - ``restore(state())`` in a fresh source over the same data yields exactly the examples the
@@ -29,6 +33,7 @@ source never touches the network or the model; it is not thread-safe (one dispat
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -169,6 +174,15 @@ def make_source(
     ``"my_set/config:1.0.0"``) and ``data_dir`` the directory it was prepared into; nothing is
     downloaded or built.
     """
+    text_path = text_file_path(name)
+    if text_path is not None:
+        # data_dir is for tfds datasets and does not apply here (a run may name both kinds).
+        if config is not None or fields is not None:
+            raise ValueError(
+                f"a text file dataset ({name!r}) takes no config or fields; each non-empty "
+                "line becomes one example {'text': line}"
+            )
+        return TextFileSource(text_path, split=split, seed=seed, shuffle=shuffle, extra=extra)
     bundled = {short for short in BUILDERS} | {cls.name for cls in BUILDERS.values()}
     if name in bundled:
         data = load_split(name, split, data_dir, config)
@@ -193,23 +207,57 @@ def make_source(
     )
 
 
+TEXT_PREFIX = "text:"
+TEXT_SPLITS = ("train", "eval", "all")
+TEXT_EVAL_BUCKETS = 10
+
+
+def text_file_path(name: str) -> Path | None:
+    """The path a dataset name refers to when it names a text file, else None."""
+    if name.startswith(TEXT_PREFIX):
+        return Path(name[len(TEXT_PREFIX) :])
+    return Path(name) if name.endswith(".txt") else None
+
+
+def text_split_of(line: str) -> str:
+    """``"eval"`` for about one line in ``TEXT_EVAL_BUCKETS`` (by CRC-32 of its text), else
+    ``"train"``; stable across runs, machines and Python versions."""
+    return "eval" if zlib.crc32(line.encode("utf-8")) % TEXT_EVAL_BUCKETS == 0 else "train"
+
+
 class TextFileSource(DatasetSource):
-    """One example ``{field: line}`` per non-empty line (stripped) of a UTF-8 text file."""
+    """One example ``{field: line}`` per non-empty line (stripped) of a UTF-8 text file.
+
+    ``split``: ``"all"`` keeps every line; ``"train"``/``"eval"`` keep the distinct lines that
+    ``text_split_of`` assigns to that side (see the module docstring).
+    """
 
     def __init__(
         self,
         path: str | Path,
         *,
+        split: str = "all",
         field: str = "text",
         seed: int = 0,
         shuffle: bool = True,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
+        if split not in TEXT_SPLITS:
+            raise ValueError(f"text file split must be one of {TEXT_SPLITS}, got {split!r}")
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"text file source {str(path)!r} does not exist")
         lines = [s.strip() for s in path.read_text(encoding="utf-8").splitlines()]
-        records = [{field: s} for s in lines if s]
-        if not records:
+        lines = [s for s in lines if s]
+        if not lines:
             raise ValueError(f"text file source {str(path)!r} has no non-empty lines")
-        super().__init__(records, seed=seed, shuffle=shuffle, extra=extra, name=str(path))
+        if split != "all":
+            lines = [s for s in dict.fromkeys(lines) if text_split_of(s) == split]
+            if not lines:
+                raise ValueError(
+                    f"text file source {str(path)!r} has no line in its {split!r} split (about "
+                    f"1 in {TEXT_EVAL_BUCKETS} distinct lines goes to 'eval'); add lines, or "
+                    "name a separate eval file with TrainConfig.eval_dataset"
+                )
+        records = [{field: s} for s in lines]
+        super().__init__(records, seed=seed, shuffle=shuffle, extra=extra, name=f"{path}:{split}")

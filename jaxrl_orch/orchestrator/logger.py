@@ -13,9 +13,11 @@ What it owns
     reload, tokenization not moved to a thread) shows up here as the overshoot.
 
     Writers (``types.MetricsWriter``: ``write(step, metrics)``, ``close()``):
-    ``ConsoleWriter`` one compact line per write; ``JsonlWriter`` one JSON object per line with
-    ``step`` and ``time`` (non-finite values become ``null``); ``TensorBoardWriter`` scalars via
-    tensorboardX. Values must be real numbers; anything else raises naming the key.
+    ``ConsoleWriter`` one compact line per write (chosen keys, ``*`` patterns allowed);
+    ``ProgressWriter`` a tqdm bar over the run's steps (on a terminal only; the console lines
+    go through ``tqdm.write`` so they never tear it); ``JsonlWriter`` one JSON object per line
+    with ``step`` and ``time`` (non-finite values become ``null``); ``TensorBoardWriter``
+    scalars via tensorboardX. Values must be real numbers; anything else raises naming the key.
 
 Driven by the orchestrator loop: ``start()`` as a task, ``stop()`` last in shutdown (it writes
 one final gauge snapshot and closes the writers, which the logger owns), ``check()``.
@@ -26,6 +28,7 @@ training in any way; a failing source or writer fails loudly rather than being s
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import json
 import math
 import numbers
@@ -34,6 +37,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
+
+from tqdm import tqdm
 
 from jaxrl_orch.types import MetricsWriter
 
@@ -53,21 +58,86 @@ def _clean(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 class ConsoleWriter:
-    """One compact line per write: ``step 12 | a/b=0.5 c/d=3``."""
+    """One compact line per write: ``step 12 | a/b=0.5 c/d=3``.
+
+    ``keys``: which metrics, in order; a key with ``*`` is a pattern (``"eval/*/reward_mean"``)
+    matching any metric of the write, sorted. ``None`` prints every metric.
+    """
 
     def __init__(self, stream: TextIO | None = None, keys: Sequence[str] | None = None) -> None:
         self.stream, self.keys = stream, list(keys) if keys is not None else None
 
+    def _chosen(self, m: dict[str, float]) -> list[str]:
+        if self.keys is None:
+            return sorted(m)
+        out: list[str] = []
+        for key in self.keys:
+            if "*" in key:
+                out += [k for k in sorted(m) if fnmatch.fnmatchcase(k, key) and k not in out]
+            elif key in m and key not in out:
+                out.append(key)
+        return out
+
     def write(self, step: int, metrics: dict[str, float]) -> None:
         m = _clean(metrics)
-        keys = self.keys if self.keys is not None else sorted(m)
-        body = " ".join(f"{k}={m[k]:.4g}" for k in keys if k in m)
+        body = " ".join(f"{k}={m[k]:.4g}" for k in self._chosen(m))
         if not body:
             return  # none of the chosen keys: no empty line
-        print(f"step {step} | {body}", file=self.stream or sys.stdout, flush=True)
+        stream = self.stream or sys.stdout
+        tqdm.write(f"step {step} | {body}", file=stream)  # clears and redraws any live bar
+        stream.flush()
 
     def close(self) -> None:
         pass
+
+
+class ProgressWriter:
+    """A progress bar over ``total`` steps, advanced to each write's step (never backwards:
+    eval rows repeat a step). ``postfix_keys`` are shown next to it when a write has them.
+
+    ``disable=None`` shows the bar only when ``stream`` is a terminal, so logs and captured
+    output get the console lines without carriage-return noise.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        initial: int = 0,
+        desc: str = "rl",
+        postfix_keys: Sequence[str] = (),
+        stream: TextIO | None = None,
+        disable: bool | None = None,
+    ) -> None:
+        if total < 0 or not 0 <= initial <= total:
+            raise ValueError(f"need 0 <= initial <= total, got initial={initial} total={total}")
+        self.postfix_keys = list(postfix_keys)
+        self.bar = tqdm(
+            total=total,
+            initial=initial,
+            desc=desc,
+            unit="step",
+            file=stream or sys.stderr,
+            disable=disable,
+            dynamic_ncols=True,
+        )
+
+    @property
+    def position(self) -> int:
+        return int(self.bar.n)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        m = _clean(metrics)
+        shown = {k.rsplit("/", 1)[-1]: f"{m[k]:.3g}" for k in self.postfix_keys if k in m}
+        if shown:
+            self.bar.set_postfix(shown, refresh=False)
+        if step > self.bar.n:
+            self.bar.update(step - self.bar.n)
+        elif shown:
+            self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 class JsonlWriter:

@@ -5,7 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from jaxrl_orch.data.sources import DatasetSource, EpochCursor, TextFileSource, make_source
+from jaxrl_orch.data.sources import (
+    DatasetSource,
+    EpochCursor,
+    TextFileSource,
+    make_source,
+    text_split_of,
+)
 from jaxrl_orch.types import Source
 
 
@@ -104,3 +110,37 @@ def test_text_file_source(tmp_path):
     (tmp_path / "blank.txt").write_text("\n  \n", encoding="utf-8")
     with pytest.raises(ValueError, match="blank.txt' has no non-empty lines"):
         TextFileSource(tmp_path / "blank.txt")
+    with pytest.raises(ValueError, match="'test'"):
+        TextFileSource(path, split="test")
+
+
+def test_text_file_splits_are_disjoint_stable_and_reachable_by_name(tmp_path):
+    lines = [f"sentence number {i}" for i in range(200)]
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(lines + lines[:20]) + "\n", encoding="utf-8")  # 20 repeats
+
+    def texts(src):
+        return {ex["text"] for ex in src.data}
+
+    train = make_source(f"text:{path}", split="train")
+    held_out = make_source(str(path), split="eval")  # a *.txt name needs no prefix
+    assert texts(train).isdisjoint(texts(held_out))
+    assert texts(train) | texts(held_out) == set(lines)  # every distinct line, once
+    assert len(train) + len(held_out) == 200
+    assert 8 <= len(held_out) <= 35  # about one in TEXT_EVAL_BUCKETS
+    assert all(text_split_of(t) == "eval" for t in texts(held_out))
+    # Appending lines never moves an existing line to the other side.
+    path.write_text("\n".join(lines + ["a new one", "and another"]) + "\n", encoding="utf-8")
+    assert texts(held_out) <= texts(make_source(str(path), split="eval"))
+    assert len(make_source(str(path), split="all")) == 202
+
+    tiny = tmp_path / "one.txt"
+    tiny.write_text("just one line\n", encoding="utf-8")
+    side = text_split_of("just one line")
+    empty = "eval" if side == "train" else "train"
+    with pytest.raises(ValueError, match=f"no line in its '{empty}' split.*eval_dataset"):
+        make_source(str(tiny), split=empty)
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        make_source(f"text:{tmp_path / 'nope.txt'}")
+    with pytest.raises(ValueError, match="takes no config or fields"):
+        make_source(str(path), fields={"text": "line"})

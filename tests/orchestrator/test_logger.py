@@ -18,6 +18,7 @@ from jaxrl_orch.orchestrator.logger import (
     JsonlWriter,
     LagMonitor,
     PeriodicLogger,
+    ProgressWriter,
     TensorBoardWriter,
 )
 
@@ -141,6 +142,50 @@ def test_console_writer_one_compact_line():
     w.write(12, {"b/y": 2.0, "a/x": 0.123456})
     w.write(13, {"a/x": 1})
     assert buf.getvalue() == "step 12 | a/x=0.1235 b/y=2\nstep 13 | a/x=1\n"
+
+
+def test_console_writer_keys_keep_order_and_expand_patterns():
+    buf = io.StringIO()
+    w = ConsoleWriter(stream=buf, keys=["train/r", "eval/*/reward_mean", "orch/age_max"])
+    w.write(3, {"orch/age_max": 1, "train/r": 0.5, "eval/b/reward_mean": 0.2, "eval/a/x": 9})
+    w.write(4, {"eval/a/reward_mean": 0.7, "eval/b/reward_mean": 0.1, "other": 5})
+    w.write(5, {"other": 5})  # nothing chosen: no line at all
+    assert buf.getvalue().splitlines() == [
+        "step 3 | train/r=0.5 eval/b/reward_mean=0.2 orch/age_max=1",
+        "step 4 | eval/a/reward_mean=0.7 eval/b/reward_mean=0.1",
+    ]
+
+
+def test_progress_writer_follows_steps_and_console_lines_do_not_tear_it():
+    bar_out, lines = io.StringIO(), io.StringIO()
+    bar = ProgressWriter(
+        5, initial=1, postfix_keys=["train/reward_mean"], stream=bar_out, disable=False
+    )
+    console = ConsoleWriter(stream=lines, keys=["train/reward_mean"])
+    for step, metrics in [
+        (2, {"train/reward_mean": 0.25}),
+        (2, {"eval/x": 1.0}),
+        (4, {"train/reward_mean": 0.5}),
+    ]:
+        bar.write(step, metrics)
+        console.write(step, metrics)
+    assert bar.position == 4  # an eval row at step 2 does not move it; resumed runs start at 1
+    bar.write(3, {})  # never backwards
+    assert bar.position == 4
+    bar.close()
+    text = bar_out.getvalue()
+    assert "4/5" in text and "reward_mean=0.5" in text
+    assert lines.getvalue() == "step 2 | train/reward_mean=0.25\nstep 4 | train/reward_mean=0.5\n"
+    with pytest.raises(ValueError, match="initial=6 total=5"):
+        ProgressWriter(5, initial=6)
+
+
+def test_progress_writer_is_silent_off_a_terminal():
+    out = io.StringIO()  # not a tty: disable=None turns the bar off
+    bar = ProgressWriter(3, stream=out)
+    bar.write(3, {"a": 1.0})
+    bar.close()
+    assert out.getvalue() == ""
 
 
 def _read_tfrecords(path):
