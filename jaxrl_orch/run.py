@@ -112,10 +112,23 @@ class Experiment:
         self.sampled_eval_source = make_source(
             eval_name, split=eval_split, data_dir=cfg.data_dir, shuffle=False
         )
+        if train_split == "all" and eval_split == "all":
+            self._check_held_out(cfg.dataset, eval_name)
         if not hasattr(self.env, "reference_completion") and cfg.sft_steps:
             raise ValueError(f"env {cfg.env!r} has no reference completion; set sft_steps=0")
         if cfg.sft_steps:
             self._check_sft_fits()
+
+    def _check_held_out(self, train_name: str, eval_name: str) -> None:
+        """Two user text files: an eval line that also trains would not be held out."""
+        train = {ex["text"] for ex in self.train_source.data}
+        shared = [ex["text"] for ex in self.eval_source.data if ex["text"] in train]
+        if shared:
+            raise ValueError(
+                f"{len(shared)} of {len(self.eval_source)} lines of eval_dataset {eval_name!r} "
+                f"also appear in dataset {train_name!r} (e.g. {shared[0]!r}); eval lines must "
+                "be held out of training"
+            )
 
     def _check_sft_fits(self, n: int = 64) -> None:
         """Warm-up samples must fit a row (RL rollouts are truncated, reference answers are

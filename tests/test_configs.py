@@ -106,3 +106,9 @@ def test_a_text_file_dataset_is_split_or_paired_with_an_eval_file(tmp_path):
     exp.validate()
     assert len(exp.eval_source) == len(exp.sampled_eval_source) == 2  # the whole eval file
     assert len(exp.train_source) == len(exp.sft_source) == 120  # all of it trains now
+
+    leaky = tmp_path / "leaky.txt"
+    leaky.write_text("a fresh sentence\nthe harbour painted 7 walls\n", encoding="utf-8")
+    exp = Experiment(TrainConfig(dataset=str(corpus), eval_dataset=str(leaky)), tmp_path / "c")
+    with pytest.raises(ValueError, match="1 of 2 lines of eval_dataset .*'the harbour painted 7"):
+        exp.validate()
