@@ -15,7 +15,7 @@ import gin
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    model: str = "tiny-byte"
+    model: str = "tiny-byte"  # a preset name, or an HF checkpoint directory (config.json)
     tokenizer: str = "byte"  # "byte", or a tokenizer.json path / directory holding one
     env: str = "reverse_text"
     instruction: str | None = None  # None: the env's default instruction
@@ -66,6 +66,7 @@ class TrainConfig:
     max_to_keep: int = 2
     stall_timeout_s: float = 600.0
     log_interval_s: float = 30.0
+    export_hf: bool = True  # write the final policy as an HF checkpoint to WORKDIR/export
 
     def __post_init__(self) -> None:
         from jaxrl_orch.orchestrator.loop import AGE_POLICIES

@@ -6,6 +6,12 @@ Owns the workdir layout::
     sft/                SFT warm-up checkpoint      gauges.jsonl    periodic component gauges
     checkpoints/        RL checkpoints (orbax)      rollouts/       trained rollouts per step
     tb/                 TensorBoard events          summary.json, report.md, *.png
+    export/             final policy as an HF checkpoint (config.json, safetensors, tokenizer)
+
+The model is a preset (``models/configs.py``) or an HF checkpoint directory: its
+``config.json`` gives the shapes and, when the run starts fresh (no SFT or RL checkpoint in
+the workdir), its safetensors give the initial weights of the warm-up (or of RL when
+``sft_steps = 0``).
 
 Stages: ``validate`` (meshes, model, data: before any work), ``run`` = SFT (or restore it) then
 RL on an asyncio loop, ``finish`` (summary + report). Eval runs the held-out split twice per
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxrl_orch.algorithms.losses import PolicyLossConfig
 from jaxrl_orch.config import TrainConfig
@@ -39,6 +47,7 @@ from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.models.configs import ModelConfig, get_config
+from jaxrl_orch.models.hf_import import config_from_hf, load_hf_checkpoint, save_hf_checkpoint
 from jaxrl_orch.models.tokenizer import load_tokenizer
 from jaxrl_orch.orchestrator.logger import (
     ConsoleWriter,
@@ -153,6 +162,28 @@ class Experiment:
 
     # ------------------------------------------------------------------ SFT
 
+    def _pretrained(self) -> Any:
+        """The HF checkpoint's weights when ``TrainConfig.model`` names one, else None."""
+        path = hf_checkpoint_dir(self.cfg.model)
+        if path is None:
+            return None
+        mc = self.model_cfg
+        _, model = load_hf_checkpoint(path, dtype=mc.dtype, param_dtype=mc.param_dtype)
+        return nnx.split(model)[1]
+
+    def _export(self, params: Any) -> Path:
+        """Write ``params`` as an HF checkpoint to ``WORKDIR/export`` (replaced whole, so a
+        crash mid-write never leaves a half-written export behind the old one's name)."""
+        out, tmp = self.workdir / "export", self.workdir / "export.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_hf_checkpoint(params, self.model_cfg, tmp)
+        if self.cfg.tokenizer != "byte":
+            src = Path(self.cfg.tokenizer)
+            shutil.copy(src / "tokenizer.json" if src.is_dir() else src, tmp / "tokenizer.json")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        return out
+
     def _sft_batches(self) -> Iterator[list[Sample]]:
         while True:
             batch = []
@@ -191,8 +222,11 @@ class Experiment:
 
     def sft(self, writer: JsonlWriter) -> tuple[Any, dict[str, float]]:
         cfg = self.cfg
-        trainer = self._make_trainer("sft", cfg.sft_learning_rate)
         ckpt = Checkpointer(self.workdir / "sft", max_to_keep=1, async_save=False)
+        resuming = ckpt.latest_step() is not None or _has_steps(self.workdir / "checkpoints")
+        trainer = self._make_trainer(
+            "sft", cfg.sft_learning_rate, init_params=None if resuming else self._pretrained()
+        )
         info: dict[str, float] = {"sft_steps": float(cfg.sft_steps)}
         try:
             if ckpt.latest_step() is not None:
@@ -341,11 +375,15 @@ class Experiment:
             if trainer.version not in ckpt.all_steps() and trainer.version > 0:
                 save_trainer(ckpt, trainer, trainer.version, orch.state())
             ckpt.wait()
+            secs = time.perf_counter() - t0
+            exported = self._export(trainer.params) if cfg.export_hf else None
         finally:
             trainer.stop()
             driver.stop()
             ckpt.close()
-        return self._rl_summary(orch, trainer, start_step, time.perf_counter() - t0)
+        summary = self._rl_summary(orch, trainer, start_step, secs)
+        summary["export_dir"] = None if exported is None else str(exported)
+        return summary
 
     def _checkpoint_from_trainer_thread(self, ckpt: Checkpointer, trainer: Trainer, v: int) -> None:
         async def snapshot() -> dict[str, Any]:
@@ -432,7 +470,11 @@ def model_config(name: str, tokenizer: Any) -> ModelConfig:
     """The named model, its logits limited to the ids ``tokenizer`` can produce (engine and
     trainer share this config, so both see the same masked distribution). A tokenizer with
     more ids than the model has rows is a mismatch and fails here, before any work."""
-    model_cfg = get_config(name)
+    ckpt = hf_checkpoint_dir(name)
+    if ckpt is None:
+        model_cfg = get_config(name)
+    else:
+        model_cfg = config_from_hf(json.loads((ckpt / "config.json").read_text()))
     n = tokenizer.output_vocab_size
     if n > model_cfg.vocab_size:
         raise ValueError(
@@ -440,6 +482,25 @@ def model_config(name: str, tokenizer: Any) -> ModelConfig:
             f"{model_cfg.vocab_size}; pick a model whose vocab covers the tokenizer"
         )
     return dataclasses.replace(model_cfg, output_vocab=n) if n < model_cfg.vocab_size else model_cfg
+
+
+def hf_checkpoint_dir(name: str) -> Path | None:
+    """The directory ``TrainConfig.model`` names when it is an HF checkpoint, else None (a
+    preset name). A path that looks like a directory but holds no config.json is an error."""
+    path = Path(name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"model {name!r} is a directory without config.json; name a preset or an HF "
+                "checkpoint directory (config.json + model.safetensors)"
+            )
+        return path
+    if "/" in name or name.startswith("."):
+        raise ValueError(
+            f"model directory {name!r} does not exist (nothing is downloaded: name a preset or "
+            "a local HF checkpoint directory)"
+        )
+    return None
 
 
 def optim_config(cfg: TrainConfig, kind: str, lr: float) -> OptimConfig:
@@ -459,6 +520,10 @@ def optim_config(cfg: TrainConfig, kind: str, lr: float) -> OptimConfig:
             end_lr_ratio=0.1,
         )
     return OptimConfig(learning_rate=lr, warmup_steps=cfg.sft_warmup_steps)
+
+
+def _has_steps(directory: Path) -> bool:
+    return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
 
 class _Stopped(Exception):

@@ -112,3 +112,33 @@ def test_a_text_file_dataset_is_split_or_paired_with_an_eval_file(tmp_path):
     exp = Experiment(TrainConfig(dataset=str(corpus), eval_dataset=str(leaky)), tmp_path / "c")
     with pytest.raises(ValueError, match="1 of 2 lines of eval_dataset .*'the harbour painted 7"):
         exp.validate()
+
+
+def test_a_gin_import_registers_a_user_env_for_the_command(tmp_path, monkeypatch):
+    from jaxrl_orch.run import Experiment
+
+    (tmp_path / "shout_env.py").write_text(
+        "from jaxrl_orch.envs.base import SingleTurnEnv, register_env\n"
+        "class Shout(SingleTurnEnv):\n"
+        "    name = 'shout'\n"
+        "    def build_messages(self, ex):\n"
+        "        return [{'role': 'user', 'content': 'Shout: ' + ex['text']}]\n"
+        "    def score(self, text, ex):\n"
+        "        return float(text.strip() == ex['text'].upper()), {}\n"
+        "    def reference_completion(self, ex):\n"
+        "        return ex['text'].upper()\n"
+        "register_env('shout', lambda tokenizer, **kw: Shout(tokenizer, **kw))\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    gin_file = tmp_path / "shout.gin"
+    gin_file.write_text(
+        "import shout_env\ninclude 'configs/reverse_text.gin'\nTrainConfig.env = 'shout'\n",
+        encoding="utf-8",
+    )
+    cfg = load_config([str(gin_file)], [])
+    exp = Experiment(cfg, tmp_path / "run")
+    exp.validate()
+    assert type(exp.env).__name__ == "Shout" and exp.env.instruction == "Reverse:"
+    prompt = exp.tokenizer.decode(exp.env.prompt_ids({"text": "abc"}))
+    assert "Shout: abc" in prompt

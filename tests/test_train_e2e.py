@@ -83,6 +83,10 @@ def test_split_placement_run_writes_metrics_checkpoints_and_report(tmp_path):
     assert sorted(p.name for p in (wd / "rollouts").iterdir())[:1] == ["step_00000001.jsonl"]
     for name in ("report.md", "reward.png", "age_hist.png", "timeline.png", "config.gin"):
         assert (wd / name).stat().st_size > 0, name
+    # The final policy, as an HF checkpoint of the trainer's last version.
+    assert summary["export_dir"] == str(wd / "export")
+    assert json.loads((wd / "export" / "config.json").read_text())["hidden_size"] == 128
+    assert (wd / "export" / "model.safetensors").stat().st_size > 0
     assert "TrainConfig.rl_steps = 3" in (wd / "config.gin").read_text()
     assert max(int(a) for a in summary["age_histogram"]) <= 1  # the default bound S = 1
 
@@ -94,6 +98,7 @@ def test_split_placement_run_writes_metrics_checkpoints_and_report(tmp_path):
         ("TrainConfig.trainer_mesh = (('fsdp', 16),)", "need"),
         ("TrainConfig.dataset = 'no_such_dataset'", "no_such_dataset"),
         ("TrainConfig.dataset = 'text:/no/such/corpus.txt'", "corpus.txt"),
+        ("TrainConfig.model = '/no/such/model_dir'", "model_dir"),
         ("TrainConfig.age_policy = 'yolo'", "yolo"),
         ("TrainConfig.row_len = 96", "SFT warm-up sample has"),
     ],

@@ -1,0 +1,129 @@
+"""``TrainConfig.model`` may name an HF checkpoint directory: the run starts from its weights
+and ends by exporting the trained policy as an HF checkpoint that loads back.
+
+The checkpoint here is written by ``save_hf_checkpoint`` from a seeded tiny-byte model (no
+network): what matters is that the weights the warm-up/RL trainer and the engine start from are
+exactly the checkpoint's, not a fresh init, and that a resumed run does not reload them.
+"""
+
+from __future__ import annotations
+
+import string
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_orch.config import TrainConfig
+from jaxrl_orch.envs.base import SingleTurnEnv, register_env
+from jaxrl_orch.models.configs import get_config
+from jaxrl_orch.models.hf_import import load_hf_checkpoint, save_hf_checkpoint
+from jaxrl_orch.models.transformer import Transformer
+from jaxrl_orch.orchestrator.logger import JsonlWriter
+from jaxrl_orch.run import Experiment
+
+pytestmark = pytest.mark.slow
+
+
+class _Lowercase(SingleTurnEnv):
+    """Any reward with spread inside a group, so two RL steps really move the weights."""
+
+    name = "lowercase_export"
+
+    def build_messages(self, example):
+        return [{"role": "user", "content": example["text"][:8]}]
+
+    def score(self, text, example):
+        return sum(ch in string.ascii_lowercase for ch in text) / 16, {}
+
+
+register_env(_Lowercase.name, lambda tokenizer, **kw: _Lowercase(tokenizer, **kw))
+
+
+def _leaves(state):
+    return {
+        jax.tree_util.keystr(k): np.asarray(v)
+        for k, v in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state))
+    }
+
+
+def _cfg(model: str) -> TrainConfig:
+    return TrainConfig(
+        model=model,
+        env=_Lowercase.name,
+        sft_steps=0,
+        rl_steps=2,
+        rl_warmup_steps=0,
+        rl_learning_rate=1e-3,
+        prompts_per_step=2,
+        group_size=4,
+        max_new_tokens=16,
+        dynamic_sampling=False,
+        eval_examples=4,
+        eval_every=1000,
+        checkpoint_every=1000,
+        decode_slots=8,
+        trainer_mesh=(("fsdp", 1),),
+        decode_mesh=(("tp", 1),),
+        colocated=False,
+    )
+
+
+def test_run_starts_from_an_hf_checkpoint_and_exports_the_trained_policy(tmp_path):
+    preset = get_config("tiny-byte")
+    source = Transformer(preset, rngs=nnx.Rngs(7))
+    save_hf_checkpoint(source, preset, tmp_path / "hf")
+    start = _leaves(nnx.state(source))
+
+    exp = Experiment(_cfg(str(tmp_path / "hf")), tmp_path / "run")
+    exp.validate()
+    assert exp.model_cfg.d_model == preset.d_model and exp.model_cfg.output_vocab is not None
+    writer = JsonlWriter(tmp_path / "sft_metrics.jsonl")
+    params, _ = exp.sft(writer)  # sft_steps = 0: the RL stage starts from these
+    writer.close()
+    got = _leaves(params)
+    assert got.keys() == start.keys()
+    for k in start:
+        np.testing.assert_array_equal(got[k], start[k], err_msg=k)
+
+    summary = exp.run()
+    assert summary["rl_steps"] == 2
+    assert summary["export_dir"] == str(tmp_path / "run" / "export")
+    config, model = load_hf_checkpoint(summary["export_dir"])
+    assert (config.d_model, config.n_layers, config.vocab_size) == (
+        preset.d_model,
+        preset.n_layers,
+        preset.vocab_size,
+    )
+    trained = _leaves(nnx.state(model))
+    assert trained.keys() == start.keys()
+    assert any(not np.array_equal(trained[k], start[k]) for k in start)  # two RL steps moved it
+    assert not (tmp_path / "run" / "export.tmp").exists()
+
+    # A resumed run restores its own checkpoint; it never goes back to the HF weights.
+    again = Experiment(_cfg(str(tmp_path / "hf")), tmp_path / "run")
+    again.validate()
+    again._pretrained = lambda: pytest.fail("a resumed run must not reload the HF weights")
+    writer = JsonlWriter(tmp_path / "sft_metrics2.jsonl")
+    again.sft(writer)
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    "model, needle",
+    [
+        ("/no/such/checkpoint", "does not exist (nothing is downloaded"),
+        ("Qwen/Qwen2.5-0.5B", "does not exist (nothing is downloaded"),
+        ("no-such-preset", "unknown model config 'no-such-preset'"),
+    ],
+)
+def test_bad_model_names_fail_before_any_work(tmp_path, model, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        Experiment(_cfg(model), tmp_path)
+
+
+def test_a_directory_without_config_json_is_named(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="without config.json"):
+        Experiment(_cfg(str(tmp_path / "empty")), tmp_path / "run")
