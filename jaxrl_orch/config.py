@@ -25,17 +25,19 @@ class TrainConfig:
     seed: int = 0
     # SFT warm-up
     sft_steps: int = 300
+    warmup_from: str | None = None  # another workdir whose sft/ checkpoint this run starts from
     sft_batch_size: int = 64
     sft_learning_rate: float = 3e-3
     sft_warmup_steps: int = 10  # linear warmup, then cosine decay to 10% at sft_steps
     # RL
     rl_steps: int = 60
     prompts_per_step: int = 8
+    rl_prompt_pool: int | None = None  # RL prompts from only the first N train examples (a probe)
     group_size: int = 16
     max_staleness: int = 1
     age_policy: str = "admit"
     max_concurrent: int | None = None  # default: (max_staleness + 1) * batch
-    algorithm: str = "grpo"  # mean-centred (seed 003); see README "Results" for grpo_std
+    algorithm: str = "grpo"  # mean-centred (seed 003); "permuted:grpo" = its noise-only control
     dynamic_sampling: bool = True  # drop flat groups and wait for groups with signal (DAPO)
     rl_learning_rate: float = 1e-4
     rl_warmup_steps: int = 10  # linear LR warmup (fresh Adam moments on noisy policy gradients)
@@ -69,7 +71,14 @@ class TrainConfig:
     export_hf: bool = True  # write the final policy as an HF checkpoint to WORKDIR/export
 
     def __post_init__(self) -> None:
+        from jaxrl_orch.algorithms.advantages import get_algorithm
         from jaxrl_orch.orchestrator.loop import AGE_POLICIES
+
+        get_algorithm(self.algorithm)  # an unknown name fails here, naming the known ones
+        if self.rl_prompt_pool is not None and self.rl_prompt_pool < 1:
+            raise ValueError(
+                f"TrainConfig.rl_prompt_pool must be >= 1 or None (all), got {self.rl_prompt_pool}"
+            )
 
         if self.age_policy not in AGE_POLICIES:
             raise ValueError(f"age_policy must be one of {AGE_POLICIES}, got {self.age_policy!r}")

@@ -41,7 +41,7 @@ from flax import nnx
 
 from jaxrl_orch.algorithms.losses import PolicyLossConfig
 from jaxrl_orch.config import TrainConfig
-from jaxrl_orch.data.sources import make_source, text_file_path
+from jaxrl_orch.data.sources import DatasetSource, make_source, text_file_path
 from jaxrl_orch.envs.base import AtTemperature, make_env
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
@@ -109,6 +109,8 @@ class Experiment:
         self.train_source = make_source(
             cfg.dataset, split=train_split, data_dir=cfg.data_dir, seed=cfg.seed
         )
+        if cfg.rl_prompt_pool is not None:
+            self.train_source = _first_examples(self.train_source, cfg.rl_prompt_pool, cfg.seed)
         self.sft_source = make_source(
             cfg.dataset, split=train_split, data_dir=cfg.data_dir, seed=cfg.seed + 1
         )
@@ -123,6 +125,11 @@ class Experiment:
         )
         if train_split == "all" and eval_split == "all":
             self._check_held_out(cfg.dataset, eval_name)
+        if cfg.warmup_from is not None and not (Path(cfg.warmup_from) / "sft").is_dir():
+            raise ValueError(
+                f"warmup_from {cfg.warmup_from!r} has no sft/ checkpoint directory; name the "
+                "workdir of a run whose warm-up finished"
+            )
         if not hasattr(self.env, "reference_completion") and cfg.sft_steps:
             raise ValueError(f"env {cfg.env!r} has no reference completion; set sft_steps=0")
         if cfg.sft_steps:
@@ -222,7 +229,12 @@ class Experiment:
 
     def sft(self, writer: JsonlWriter) -> tuple[Any, dict[str, float]]:
         cfg = self.cfg
-        ckpt = Checkpointer(self.workdir / "sft", max_to_keep=1, async_save=False)
+        own = self.workdir / "sft"
+        if cfg.warmup_from is not None and not _has_steps(own):
+            # Start from that run's warm-up: copied, so this workdir stays self-contained.
+            shutil.rmtree(own, ignore_errors=True)
+            shutil.copytree(Path(cfg.warmup_from) / "sft", own)
+        ckpt = Checkpointer(own, max_to_keep=1, async_save=False)
         resuming = ckpt.latest_step() is not None or _has_steps(self.workdir / "checkpoints")
         trainer = self._make_trainer(
             "sft", cfg.sft_learning_rate, init_params=None if resuming else self._pretrained()
@@ -520,6 +532,13 @@ def optim_config(cfg: TrainConfig, kind: str, lr: float) -> OptimConfig:
             end_lr_ratio=0.1,
         )
     return OptimConfig(learning_rate=lr, warmup_steps=cfg.sft_warmup_steps)
+
+
+def _first_examples(source: DatasetSource, n: int, seed: int) -> DatasetSource:
+    """A source over the first ``n`` examples of ``source``'s data (the same every run)."""
+    if n > len(source):
+        raise ValueError(f"rl_prompt_pool {n} exceeds the {len(source)} training examples")
+    return DatasetSource([source.example_at(i) for i in range(n)], seed=seed, name=f"first{n}")
 
 
 def _has_steps(directory: Path) -> bool:

@@ -41,6 +41,8 @@ def test_unknown_binding_is_named():
         ("TrainConfig.minibatches = 0", r"minibatches must be >= 1, got 0"),
         ("TrainConfig.ppo_epochs = -1", r"ppo_epochs must be >= 1, got -1"),
         ("TrainConfig.rl_warmup_steps = -3", r"rl_warmup_steps must be >= 0, got -3"),
+        ("TrainConfig.algorithm = 'ppo'", r"unknown advantage algorithm 'ppo'; choose one of"),
+        ("TrainConfig.rl_prompt_pool = 0", r"rl_prompt_pool must be >= 1 or None"),
     ],
 )
 def test_bad_values_are_named_with_what_is_allowed(binding, message):
@@ -142,3 +144,47 @@ def test_a_gin_import_registers_a_user_env_for_the_command(tmp_path, monkeypatch
     assert type(exp.env).__name__ == "Shout" and exp.env.instruction == "Reverse:"
     prompt = exp.tokenizer.decode(exp.env.prompt_ids({"text": "abc"}))
     assert "Shout: abc" in prompt
+
+
+def test_probe_settings_restrict_the_prompts_and_reuse_another_runs_warm_up(tmp_path):
+    import gin
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxrl_orch.config import TrainConfig
+    from jaxrl_orch.orchestrator.logger import JsonlWriter
+    from jaxrl_orch.run import Experiment
+
+    gin.clear_config()
+    small = dict(
+        sft_steps=2, sft_batch_size=4, trainer_mesh=(("fsdp", 1),), decode_mesh=(("tp", 1),)
+    )
+    first = Experiment(TrainConfig(**small, seed=3), tmp_path / "first")
+    first.validate()
+    writer = JsonlWriter(tmp_path / "m1.jsonl")
+    warm, info = first.sft(writer)
+    writer.close()
+    assert "sft_restored" not in info
+
+    probe = Experiment(
+        TrainConfig(**small, warmup_from=str(tmp_path / "first"), rl_prompt_pool=3),
+        tmp_path / "probe",
+    )
+    probe.validate()
+    assert len(probe.train_source) == 3
+    drawn = {probe.train_source.next_example()["text"] for _ in range(12)}
+    assert len(drawn) == 3  # four epochs over the same three prompts
+    writer = JsonlWriter(tmp_path / "m2.jsonl")
+    params, info = probe.sft(writer)
+    writer.close()
+    assert info["sft_restored"] == 1.0  # the copied warm-up, not two fresh SFT steps
+    a, b = nnx.to_pure_dict(warm), nnx.to_pure_dict(params)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert (tmp_path / "probe" / "sft").is_dir()  # copied: the probe's workdir stands alone
+
+    with pytest.raises(ValueError, match="has no sft/ checkpoint directory"):
+        Experiment(TrainConfig(**small, warmup_from=str(tmp_path)), tmp_path / "x").validate()
+    with pytest.raises(ValueError, match="rl_prompt_pool 10000000 exceeds the"):
+        Experiment(TrainConfig(**small, rl_prompt_pool=10_000_000), tmp_path / "y").validate()

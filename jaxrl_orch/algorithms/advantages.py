@@ -15,6 +15,11 @@ Estimators (``r`` = the group's rewards, ``G`` = ``len(r)``):
                  and normalising by a constant instead of per-sequence length, lives in the
                  loss (``losses.py``); ``token_sum_normalization`` tells the trainer so.
 - ``rloo``       leave-one-out baseline: ``r_i - mean_{j != i} r_j`` = ``G/(G-1) (r_i - mean)``.
+- ``permuted:<name>``  the null control: estimator ``<name>``'s advantages, shuffled among the
+                 group's rollouts (seeded). Same magnitudes, same zero-signal groups, but the
+                 pairing of a rollout with its own reward is destroyed, so what training does
+                 under it is what the update noise alone does. Run it next to the real
+                 estimator to see how far the reward signal rises above that noise.
 
 Invariants:
 - Pure NumPy on the host; no state, no I/O, input never mutated; output float32, shape ``[G]``.
@@ -104,6 +109,26 @@ class RLOO:
         return (r - baseline).astype(np.float32)
 
 
+@dataclasses.dataclass
+class Permuted:
+    """``base``'s advantages in a random order within each group (see module docstring)."""
+
+    base: Algorithm
+    seed: int = 0
+    name: str = ""
+    token_sum_normalization: bool = False
+
+    def __post_init__(self) -> None:
+        self.name = f"{PERMUTED_PREFIX}{self.base.name}"
+        self.token_sum_normalization = bool(getattr(self.base, "token_sum_normalization", False))
+        self._rng = np.random.default_rng(self.seed)
+
+    def advantages(self, rewards: np.ndarray) -> np.ndarray:
+        return self._rng.permutation(self.base.advantages(rewards)).astype(np.float32)
+
+
+PERMUTED_PREFIX = "permuted:"
+
 _REGISTRY: dict[str, Callable[[], Algorithm]] = {
     "grpo": lambda: GRPO(),
     "grpo_std": lambda: GRPO(normalize_std=True, name="grpo_std"),
@@ -115,7 +140,10 @@ ALGORITHM_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
 
 def get_algorithm(name: str) -> Algorithm:
-    """Build the estimator registered under ``name`` (one of ``ALGORITHM_NAMES``)."""
+    """Build the estimator registered under ``name`` (one of ``ALGORITHM_NAMES``, or
+    ``permuted:`` followed by one of them)."""
+    if name.startswith(PERMUTED_PREFIX):
+        return Permuted(get_algorithm(name[len(PERMUTED_PREFIX) :]))
     try:
         factory = _REGISTRY[name]
     except KeyError:

@@ -103,3 +103,23 @@ def test_property_reference_and_zero_sum(rewards):
         np.testing.assert_allclose(got, reference(name, r), rtol=1e-4, atol=1e-4)
         # Every estimator here is centred: advantages sum to zero within a group.
         assert abs(float(np.sum(got, dtype=np.float64))) < 1e-3 * len(r) * max(1.0, np.abs(r).max())
+
+
+def test_permuted_control_shuffles_the_pairing_and_keeps_everything_else():
+    rewards = np.array([0.1, 0.9, 0.4, 0.4, 0.7, 0.0])
+    control = get_algorithm("permuted:grpo")
+    assert control.name == "permuted:grpo" and isinstance(control, Algorithm)
+    real = get_algorithm("grpo").advantages(rewards)
+    shuffled = [control.advantages(rewards) for _ in range(20)]
+    for adv in shuffled:
+        np.testing.assert_allclose(np.sort(adv), np.sort(real), rtol=0, atol=0)
+        assert adv.dtype == np.float32
+    assert any(not np.array_equal(adv, real) for adv in shuffled)  # the pairing really moves
+    # Seeded: a fresh control replays the same shuffles (a run is reproducible).
+    again = get_algorithm("permuted:grpo")
+    np.testing.assert_array_equal(again.advantages(rewards), shuffled[0])
+    # Flat groups stay flat (zero signal is still spotted by the sink), and flags carry over.
+    np.testing.assert_array_equal(control.advantages(np.full(4, 0.3)), np.zeros(4))
+    assert get_algorithm("permuted:dr_grpo").token_sum_normalization
+    with pytest.raises(ValueError, match="unknown advantage algorithm 'nope'"):
+        get_algorithm("permuted:nope")
