@@ -244,6 +244,8 @@ class Experiment:
             if ckpt.latest_step() is not None:
                 restore_trainer(ckpt, trainer)
                 info["sft_restored"] = 1.0
+                # The warm-up that was run (e.g. another run's, via warmup_from), not the setting.
+                info["sft_steps"] = float(ckpt.latest_step())
             elif cfg.sft_steps:
                 t0 = time.perf_counter()
                 bar = ProgressWriter(cfg.sft_steps, desc="sft", postfix_keys=["sft/loss"])

@@ -168,7 +168,9 @@ def test_probe_settings_restrict_the_prompts_and_reuse_another_runs_warm_up(tmp_
     assert "sft_restored" not in info
 
     probe = Experiment(
-        TrainConfig(**small, warmup_from=str(tmp_path / "first"), rl_prompt_pool=3),
+        TrainConfig(
+            **{**small, "sft_steps": 5}, warmup_from=str(tmp_path / "first"), rl_prompt_pool=3
+        ),
         tmp_path / "probe",
     )
     probe.validate()
@@ -179,6 +181,7 @@ def test_probe_settings_restrict_the_prompts_and_reuse_another_runs_warm_up(tmp_
     params, info = probe.sft(writer)
     writer.close()
     assert info["sft_restored"] == 1.0  # the copied warm-up, not two fresh SFT steps
+    assert info["sft_steps"] == 2.0
     a, b = nnx.to_pure_dict(warm), nnx.to_pure_dict(params)
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
