@@ -48,7 +48,7 @@ from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.models.configs import ModelConfig, get_config
 from jaxrl_orch.models.hf_import import config_from_hf, load_hf_checkpoint, save_hf_checkpoint
-from jaxrl_orch.models.tokenizer import load_tokenizer
+from jaxrl_orch.models.tokenizer import load_tokenizer, tokenizer_json_path
 from jaxrl_orch.orchestrator.logger import (
     ConsoleWriter,
     JsonlWriter,
@@ -185,8 +185,7 @@ class Experiment:
         shutil.rmtree(tmp, ignore_errors=True)
         save_hf_checkpoint(params, self.model_cfg, tmp)
         if self.cfg.tokenizer != "byte":
-            src = Path(self.cfg.tokenizer)
-            shutil.copy(src / "tokenizer.json" if src.is_dir() else src, tmp / "tokenizer.json")
+            shutil.copy(tokenizer_json_path(self.cfg.tokenizer), tmp / "tokenizer.json")
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         return out

@@ -8,15 +8,16 @@ exactly the checkpoint's, not a fresh init, and that a resumed run does not relo
 
 from __future__ import annotations
 
-import string
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from tiny_tokenizers import write_bpe
+from toy_rl import toy_config
 
 from jaxrl_orch.config import TrainConfig
-from jaxrl_orch.envs.base import SingleTurnEnv, register_env
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.models.hf_import import load_hf_checkpoint, save_hf_checkpoint
 from jaxrl_orch.models.transformer import Transformer
@@ -24,21 +25,6 @@ from jaxrl_orch.orchestrator.logger import JsonlWriter
 from jaxrl_orch.run import Experiment
 
 pytestmark = pytest.mark.slow
-
-
-class _Lowercase(SingleTurnEnv):
-    """Any reward with spread inside a group, so two RL steps really move the weights."""
-
-    name = "lowercase_export"
-
-    def build_messages(self, example):
-        return [{"role": "user", "content": example["text"][:8]}]
-
-    def score(self, text, example):
-        return sum(ch in string.ascii_lowercase for ch in text) / 16, {}
-
-
-register_env(_Lowercase.name, lambda tokenizer, **kw: _Lowercase(tokenizer, **kw))
 
 
 def _leaves(state):
@@ -49,24 +35,9 @@ def _leaves(state):
 
 
 def _cfg(model: str) -> TrainConfig:
-    return TrainConfig(
-        model=model,
-        env=_Lowercase.name,
-        sft_steps=0,
-        rl_steps=2,
-        rl_warmup_steps=0,
-        rl_learning_rate=1e-3,
-        prompts_per_step=2,
-        group_size=4,
-        max_new_tokens=16,
-        dynamic_sampling=False,
-        eval_examples=4,
-        eval_every=1000,
-        checkpoint_every=1000,
-        decode_slots=8,
-        trainer_mesh=(("fsdp", 1),),
-        decode_mesh=(("tp", 1),),
-        colocated=False,
+    # The toy env's reward has spread inside a group, so two RL steps really move the weights.
+    return toy_config(
+        model=model, rl_steps=2, rl_warmup_steps=0, rl_learning_rate=1e-3, prompts_per_step=2
     )
 
 
@@ -108,6 +79,20 @@ def test_run_starts_from_an_hf_checkpoint_and_exports_the_trained_policy(tmp_pat
     writer = JsonlWriter(tmp_path / "sft_metrics2.jsonl")
     again.sft(writer)
     writer.close()
+
+
+def test_the_export_carries_the_runs_own_tokenizer(tmp_path):
+    preset = get_config("tiny-byte")  # 512 rows cover the small BPE written next to it
+    save_hf_checkpoint(Transformer(preset, rngs=nnx.Rngs(1)), preset, tmp_path / "hf")
+    write_bpe(tmp_path / "hf")
+    hf = str(tmp_path / "hf")
+    exp = Experiment(dataclasses.replace(_cfg(hf), tokenizer=hf, rl_steps=1), tmp_path / "run")
+    exp.validate()
+    # The BPE's ids limit the logits, not the byte tokenizer's.
+    assert exp.model_cfg.output_vocab == exp.tokenizer.output_vocab_size <= 320
+    exp.run()
+    exported = tmp_path / "run" / "export" / "tokenizer.json"
+    assert exported.read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
 
 
 @pytest.mark.parametrize(

@@ -13,70 +13,19 @@ stale weights without reloading, the sampled reward would not climb.
 from __future__ import annotations
 
 import json
-import string
 
 import numpy as np
 import pytest
+from toy_rl import toy_config
 
-from jaxrl_orch.config import TrainConfig
-from jaxrl_orch.envs.base import SingleTurnEnv, register_env
 from jaxrl_orch.run import Experiment
 
 pytestmark = pytest.mark.slow
 
-_LETTERS = frozenset(string.ascii_lowercase)
-_NEW_TOKENS = 12
-
-
-class LowercaseEnv(SingleTurnEnv):
-    """Reward = lowercase letters among the completion's characters / ``_NEW_TOKENS``."""
-
-    name = "lowercase_toy"
-
-    def build_messages(self, example):
-        return [{"role": "user", "content": example["text"][:8]}]
-
-    def score(self, text, example):
-        return sum(ch in _LETTERS for ch in text) / _NEW_TOKENS, {}
-
-
-class _TextOnly:
-    """The run's tokenizer, except that scoring never sees control tokens: ``<|im_end|>``
-    spelled out would hand the policy free letters (it finds them within a few steps)."""
-
-    def __init__(self, tokenizer):
-        self._tok = tokenizer
-
-    def __getattr__(self, name):
-        return getattr(self._tok, name)
-
-    def decode(self, ids, skip_special_tokens=True):
-        return self._tok.decode(ids, skip_special_tokens=True)
-
-
-register_env(LowercaseEnv.name, lambda tokenizer, **kw: LowercaseEnv(_TextOnly(tokenizer), **kw))
-
 
 def test_grpo_raises_a_learnable_reward_from_scratch(tmp_path):
-    cfg = TrainConfig(
-        env=LowercaseEnv.name,
-        sft_steps=0,  # random init: everything the policy gains here comes from RL
-        rl_steps=20,
-        prompts_per_step=4,
-        group_size=8,
-        max_new_tokens=_NEW_TOKENS,
-        rl_learning_rate=3e-3,
-        rl_warmup_steps=1,
-        dynamic_sampling=False,
-        row_len=64,
-        decode_slots=32,
-        eval_every=1000,
-        eval_examples=4,
-        checkpoint_every=1000,
-        trainer_mesh=(("fsdp", 1),),
-        decode_mesh=(("tp", 1),),
-        colocated=False,
-    )
+    # Random init (sft_steps = 0): everything the policy gains here comes from RL.
+    cfg = toy_config(rl_steps=20, rl_learning_rate=3e-3)
     exp = Experiment(cfg, tmp_path)
     exp.validate()
     summary = exp.run()

@@ -109,19 +109,14 @@ class RLOO:
         return (r - baseline).astype(np.float32)
 
 
-@dataclasses.dataclass
 class Permuted:
     """``base``'s advantages in a random order within each group (see module docstring)."""
 
-    base: Algorithm
-    seed: int = 0
-    name: str = ""
-    token_sum_normalization: bool = False
-
-    def __post_init__(self) -> None:
-        self.name = f"{PERMUTED_PREFIX}{self.base.name}"
-        self.token_sum_normalization = bool(getattr(self.base, "token_sum_normalization", False))
-        self._rng = np.random.default_rng(self.seed)
+    def __init__(self, base: Algorithm, seed: int = 0) -> None:
+        self.base = base
+        self.name = f"{PERMUTED_PREFIX}{base.name}"
+        self.token_sum_normalization = bool(getattr(base, "token_sum_normalization", False))
+        self._rng = np.random.default_rng(seed)
 
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
         return self._rng.permutation(self.base.advantages(rewards)).astype(np.float32)

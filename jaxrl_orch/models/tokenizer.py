@@ -299,6 +299,12 @@ def load_tokenizer(spec: str | os.PathLike | None = "byte") -> ByteTokenizer | H
     holding one (e.g. an HF checkpoint directory) -> ``HFTokenizer``."""
     if spec is None or spec == "byte":
         return ByteTokenizer()
+    return HFTokenizer.from_file(tokenizer_json_path(spec))
+
+
+def tokenizer_json_path(spec: str | os.PathLike) -> str:
+    """The ``tokenizer.json`` a non-byte tokenizer spec names (the file, or one in the
+    directory); raises ``ValueError`` naming the spec when there is none."""
     path = os.fspath(spec)
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
@@ -307,4 +313,4 @@ def load_tokenizer(spec: str | os.PathLike | None = "byte") -> ByteTokenizer | H
             f"tokenizer spec {os.fspath(spec)!r} is neither 'byte' nor a tokenizer.json file "
             "nor a directory containing one"
         )
-    return HFTokenizer.from_file(path)
+    return path

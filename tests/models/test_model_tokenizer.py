@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_tokenizers import write_bpe
 
 from jaxrl_orch.models.tokenizer import (
     SPECIAL_TOKENS,
@@ -75,25 +74,7 @@ def test_chat_template_layout_and_special_ids():
 @pytest.fixture(scope="module")
 def bpe_dir(tmp_path_factory):
     """A tiny byte-level BPE trained here, saved as tokenizer.json + tokenizer_config.json."""
-    from tokenizers import Tokenizer as RustTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = RustTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    corpus = ["reverse the text please", "hello world", "the quick brown fox"] * 50
-    tok.train_from_iterator(corpus, trainer)
-    d = tmp_path_factory.mktemp("bpe")
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": "<|im_end|>", "pad_token": {"content": "<|endoftext|>"}})
-    )
-    return d
+    return write_bpe(tmp_path_factory.mktemp("bpe"))
 
 
 def test_hf_tokenizer_round_trip_and_specials(bpe_dir):
