@@ -29,7 +29,13 @@ class TrainConfig:
     sft_batch_size: int = 64
     sft_learning_rate: float = 3e-3
     sft_warmup_steps: int = 10  # linear warmup, then cosine decay to 10% at sft_steps
-    # RL
+    sft_checkpoint_every: int = 50  # warm-up checkpoints (and one on SIGTERM): resume mid-way
+    # Mixed-quality warm-up: (behaviour, share) pairs the demonstrator uses instead of the
+    # reference answer for that share of examples (envs/demonstrator.py); () = always right.
+    demonstrations: tuple[tuple[str, float], ...] = ()
+    # RL, or its imitation control: "sft" spends the RL stage's optimizer updates on more SFT
+    # of the demonstrations instead, evaluated alike (control.py)
+    after_warmup: str = "rl"
     rl_steps: int = 60
     prompts_per_step: int = 8
     rl_prompt_pool: int | None = None  # RL prompts from only the first N train examples (a probe)
@@ -45,7 +51,12 @@ class TrainConfig:
     max_new_tokens: int = 68
     eps_low: float = 0.2
     eps_high: float = 0.28
-    loss_norm: str = "token"
+    # None: the algorithm's own ("constant" over max_new_tokens for dr_grpo, else "token")
+    loss_norm: str | None = None
+    # Truncated importance sampling: recompute the trainer's old log-probs before the update
+    # and weight each token by min(pi_old / pi_behaviour, tis_cap) (None: no TIS weight).
+    recompute_old_logprobs: bool = False
+    tis_cap: float | None = 2.0
     minibatches: int = 1  # optimizer steps per RL batch (the batch split into this many parts)
     ppo_epochs: int = 1  # passes over the batch per RL step
     kl_beta: float = 0.0
@@ -80,6 +91,22 @@ class TrainConfig:
                 f"TrainConfig.rl_prompt_pool must be >= 1 or None (all), got {self.rl_prompt_pool}"
             )
 
+        token_sum = getattr(get_algorithm(self.algorithm), "token_sum_normalization", False)
+        if token_sum and self.loss_norm not in (None, "constant"):
+            raise ValueError(
+                f"algorithm {self.algorithm!r} normalises the loss by a constant (Dr. GRPO); "
+                f"loss_norm {self.loss_norm!r} contradicts it: leave loss_norm unset"
+            )
+        if self.loss_norm not in (None, "token", "sequence", "constant"):
+            raise ValueError(
+                f"TrainConfig.loss_norm must be None, 'token', 'sequence' or 'constant', got "
+                f"{self.loss_norm!r}"
+            )
+        if self.after_warmup not in ("rl", "sft"):
+            raise ValueError(
+                f"TrainConfig.after_warmup must be 'rl' or 'sft' (the imitation control), got "
+                f"{self.after_warmup!r}"
+            )
         if self.age_policy not in AGE_POLICIES:
             raise ValueError(f"age_policy must be one of {AGE_POLICIES}, got {self.age_policy!r}")
         for name in (
@@ -89,6 +116,7 @@ class TrainConfig:
             "sft_batch_size",
             "minibatches",
             "ppo_epochs",
+            "sft_checkpoint_every",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -100,6 +128,16 @@ class TrainConfig:
         for name in ("sft_steps", "max_staleness", "rl_warmup_steps", "sft_warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def resolved_loss_norm(self) -> str:
+        """``loss_norm``, or the algorithm's own when unset (see the field's comment)."""
+        from jaxrl_orch.algorithms.advantages import get_algorithm
+
+        if self.loss_norm is not None:
+            return self.loss_norm
+        token_sum = getattr(get_algorithm(self.algorithm), "token_sum_normalization", False)
+        return "constant" if token_sum else "token"
 
     @property
     def batch_size(self) -> int:

@@ -38,11 +38,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from tqdm import tqdm
 
 from jaxrl_orch.algorithms.losses import PolicyLossConfig
 from jaxrl_orch.config import TrainConfig
+from jaxrl_orch.control import run_imitation
 from jaxrl_orch.data.sources import DatasetSource, make_source, text_file_path
 from jaxrl_orch.envs.base import AtTemperature, make_env
+from jaxrl_orch.envs.demonstrator import MixedDemonstrator
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
@@ -69,6 +72,9 @@ from sharding.reshard import reshard
 _CONSOLE_KEYS = (
     "train/reward_mean",
     "eval/*/reward_mean",
+    "eval/*/behaviour/*",
+    "trainer/loss",
+    "trainer/entropy",
     "orch/age_max",
     "orch/step_s",
     "orch/admitted",
@@ -103,6 +109,8 @@ class Experiment:
         )
         env_kwargs = {} if cfg.instruction is None else {"instruction": cfg.instruction}
         self.env = make_env(cfg.env, tokenizer=self.tokenizer, **env_kwargs)
+        if cfg.sft_steps or cfg.demonstrations:
+            self.demonstrator = MixedDemonstrator(self.env, cfg.demonstrations)
         # A text file is split in two unless a separate eval set is named: then all of it
         # trains, and an eval text file is held out whole (datasets use their own splits).
         train_split = "all" if cfg.eval_dataset and text_file_path(cfg.dataset) else "train"
@@ -130,10 +138,15 @@ class Experiment:
                 f"warmup_from {cfg.warmup_from!r} has no sft/ checkpoint directory; name the "
                 "workdir of a run whose warm-up finished"
             )
-        if not hasattr(self.env, "reference_completion") and cfg.sft_steps:
-            raise ValueError(f"env {cfg.env!r} has no reference completion; set sft_steps=0")
         if cfg.sft_steps:
             self._check_sft_fits()
+        mix = ", ".join(f"{b} {x:.0%}" for b, x in cfg.demonstrations) or "always right"
+        stage(
+            "data",
+            f"{cfg.env} on {cfg.dataset}: {len(self.train_source)} train / "
+            f"{len(self.eval_source)} held-out examples (eval on {cfg.eval_examples}); "
+            f"warm-up demonstrator: {mix}",
+        )
 
     def _check_held_out(self, train_name: str, eval_name: str) -> None:
         """Two user text files: an eval line that also trains would not be held out."""
@@ -190,7 +203,11 @@ class Experiment:
         tmp.rename(out)
         return out
 
-    def _sft_batches(self) -> Iterator[list[Sample]]:
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    def sft_batches(self) -> Iterator[list[Sample]]:
         while True:
             batch = []
             for _ in range(self.cfg.sft_batch_size):
@@ -198,20 +215,32 @@ class Experiment:
             yield batch
 
     def _sft_sample(self, ex: dict[str, Any]) -> Sample:
-        answer = self.tokenizer.encode(self.env.reference_completion(ex))
+        answer = self.tokenizer.encode(self.demonstrator.completion(ex))
         return sft_sample(self.env.prompt_ids(ex), [*answer, self.tokenizer.eos_id])
 
-    def _make_trainer(self, kind: str, lr: float, **kw: Any) -> Trainer:
+    def make_trainer(
+        self, kind: str, lr: float, *, optim_kind: str | None = None, **kw: Any
+    ) -> Trainer:
+        """A trainer for a stage: ``kind`` picks the loss; ``optim_kind`` (default ``kind``)
+        the optimizer schedule (the imitation control trains SFT on the RL schedule)."""
         cfg = self.cfg
-        optim = optim_config(cfg, kind, lr)
+        optim = optim_config(cfg, optim_kind or kind, lr)
+        norm = cfg.resolved_loss_norm
         step = StepConfig(
             kind=kind,
             chunk_rows=cfg.chunk_rows,
             # The warm-up takes one plain step per batch; minibatches/epochs are RL settings.
             minibatches=cfg.minibatches if kind == "rl" else 1,
             ppo_epochs=cfg.ppo_epochs if kind == "rl" else 1,
+            recompute_old_logprobs=cfg.recompute_old_logprobs,
             loss=PolicyLossConfig(
-                eps_low=cfg.eps_low, eps_high=cfg.eps_high, norm=cfg.loss_norm, kl_beta=cfg.kl_beta
+                eps_low=cfg.eps_low,
+                eps_high=cfg.eps_high,
+                norm=norm,
+                # Dr. GRPO's constant: the generation budget of one answer.
+                norm_constant=float(cfg.max_new_tokens) if norm == "constant" else None,
+                tis_cap=cfg.tis_cap,
+                kl_beta=cfg.kl_beta,
             ),
         )
         return Trainer(
@@ -227,6 +256,10 @@ class Experiment:
         )
 
     def sft(self, writer: JsonlWriter) -> tuple[Any, dict[str, float]]:
+        """The warm-up, or its checkpoint: complete (skip), partial (continue from its step and
+        data cursor: a checkpoint every ``sft_checkpoint_every`` steps and one on SIGTERM), or
+        none (start from the initial or pretrained weights). Returns (params or None when
+        stopped, summary info)."""
         cfg = self.cfg
         own = self.workdir / "sft"
         if cfg.warmup_from is not None and not _has_steps(own):
@@ -234,39 +267,60 @@ class Experiment:
             shutil.rmtree(own, ignore_errors=True)
             shutil.copytree(Path(cfg.warmup_from) / "sft", own)
         ckpt = Checkpointer(own, max_to_keep=1, async_save=False)
-        resuming = ckpt.latest_step() is not None or _has_steps(self.workdir / "checkpoints")
-        trainer = self._make_trainer(
+        latest = ckpt.latest_step()
+        resuming = latest is not None or _has_steps(self.workdir / "checkpoints")
+        trainer = self.make_trainer(
             "sft", cfg.sft_learning_rate, init_params=None if resuming else self._pretrained()
         )
         info: dict[str, float] = {"sft_steps": float(cfg.sft_steps)}
+        done = 0
         try:
-            if ckpt.latest_step() is not None:
-                restore_trainer(ckpt, trainer)
-                info["sft_restored"] = 1.0
-                # The warm-up that was run (e.g. another run's, via warmup_from), not the setting.
-                info["sft_steps"] = float(ckpt.latest_step())
-            elif cfg.sft_steps:
-                t0 = time.perf_counter()
-                bar = ProgressWriter(cfg.sft_steps, desc="sft", postfix_keys=["sft/loss"])
-                console = ConsoleWriter(keys=["sft/loss"])
+            if latest is not None:
+                state = restore_trainer(ckpt, trainer)
+                # Checkpoints without the flag are complete warm-ups (e.g. via warmup_from).
+                if state.get("complete", True) or latest >= cfg.sft_steps:
+                    info["sft_restored"] = 1.0
+                    # The warm-up that was run (e.g. another run's), not the setting.
+                    info["sft_steps"] = float(latest)
+                    return trainer.params, info
+                self.sft_source.restore(state["sft_source"])
+                done = latest
+                info["sft_resumed_from_step"] = float(latest)
+            if not cfg.sft_steps:
+                return trainer.params, info
+            t0 = time.perf_counter()
+            bar = ProgressWriter(cfg.sft_steps, initial=done, desc="sft", postfix_keys=["sft/loss"])
+            console = ConsoleWriter(keys=["sft/loss", "sft/lr"])
 
-                def log(i: int, m: dict[str, float]) -> None:
-                    writer.write(i, m)
-                    bar.write(i, m)
-                    if i % 25 == 0 or i == cfg.sft_steps:
-                        console.write(i, m)
-                    if self._stop.is_set():
-                        raise _Stopped
+            def save(i: int, complete: bool) -> None:
+                state = {"complete": complete, "sft_source": self.sft_source.state()}
+                save_trainer(ckpt, trainer, i, state)
 
-                try:
-                    hist = run_sft(trainer, self._sft_batches(), cfg.sft_steps, on_step=log)
-                except _Stopped:
-                    return None, info
-                finally:
-                    bar.close()
-                info["sft_seconds"] = time.perf_counter() - t0
+            def log(i: int, m: dict[str, float]) -> None:
+                nonlocal done
+                done = i
+                writer.write(i, m)
+                bar.write(i, m)
+                if i % 25 == 0 or i == cfg.sft_steps:
+                    console.write(i, m)
+                if i % cfg.sft_checkpoint_every == 0 and i < cfg.sft_steps:
+                    save(i, complete=False)
+                if self._stop.is_set():
+                    raise _Stopped
+
+            try:
+                hist = run_sft(trainer, self.sft_batches(), cfg.sft_steps, start=done, on_step=log)
+            except _Stopped:
+                if done and done not in ckpt.all_steps():
+                    save(done, complete=done >= cfg.sft_steps)
+                info["sft_steps"] = float(done)
+                return None, info
+            finally:
+                bar.close()
+            info["sft_seconds"] = time.perf_counter() - t0
+            if hist:
                 info["sft_final_loss"] = hist[-1]["sft/loss"]
-                save_trainer(ckpt, trainer, cfg.sft_steps, {})
+            save(cfg.sft_steps, complete=True)
         finally:
             ckpt.close()
         return trainer.params, info
@@ -276,6 +330,7 @@ class Experiment:
     def run(self) -> dict[str, Any]:
         self.workdir.mkdir(parents=True, exist_ok=True)
         writer = JsonlWriter(self.workdir / "metrics.jsonl")
+        stage("warm-up", f"{self.cfg.sft_steps} SFT steps of {self.cfg.sft_batch_size} examples")
         try:
             params, info = self.sft(writer)
         finally:
@@ -283,13 +338,23 @@ class Experiment:
         summary: dict[str, Any] = {**info, "max_staleness": self.cfg.max_staleness}
         if params is None:
             return summary
+        cfg = self.cfg
+        if cfg.after_warmup == "sft":
+            stage("imitation control", f"SFT for the {cfg.rl_steps} RL steps' updates instead")
+            summary.update(run_imitation(self, params))
+            return summary
+        stage(
+            "RL",
+            f"{cfg.algorithm}, {cfg.rl_steps} steps of {cfg.prompts_per_step} prompts x "
+            f"{cfg.group_size} samples, max_staleness {cfg.max_staleness} ({cfg.age_policy})",
+        )
         summary.update(asyncio.run(self._rl(params)))
         return summary
 
     async def _rl(self, sft_params: Any) -> dict[str, Any]:
         cfg = self.cfg
         self._loop = asyncio.get_running_loop()
-        trainer = self._make_trainer(
+        trainer = self.make_trainer(
             "rl", cfg.rl_learning_rate, init_params=sft_params, copy_on_publish=self.colocated
         )
         ckpt = Checkpointer(self.workdir / "checkpoints", max_to_keep=cfg.max_to_keep)
@@ -310,14 +375,19 @@ class Experiment:
         first = jax.tree.map(jnp.copy, trainer.params) if self.colocated else trainer.params
         driver = InferenceDriver(engine, reshard(first, engine.param_shardings), trainer.version)
         publisher = InProcessPublisher()
-        timing = {"transfer_s": 0.0, "train_s": 0.0}
+        # Per trained version: the trainer's diagnostics and the weight move, recorded on the
+        # trainer thread before the version is published, so its row is complete once the
+        # loop sees the version.
+        trained: dict[int, dict[str, float]] = {}
 
         def on_publish(version: int, params: Any) -> None:
             # Trainer thread, between two steps: params are donated by the next step.
-            timing["train_s"] += trainer.gauges().get("trainer/step_s", 0.0)
             t0 = time.perf_counter()
             moved = jax.block_until_ready(reshard(params, engine.param_shardings))
-            timing["transfer_s"] += time.perf_counter() - t0
+            row = {f"trainer/{k}": v for k, v in trainer.last_step_metrics.items()}
+            row["time/train_s"] = row.get("trainer/step_s", 0.0)
+            row["time/transfer_s"] = time.perf_counter() - t0
+            trained[version] = row
             publisher.publish(version, moved)
             if version % cfg.checkpoint_every == 0 and version < cfg.rl_steps:
                 self._checkpoint_from_trainer_thread(ckpt, trainer, version)
@@ -357,6 +427,9 @@ class Experiment:
             eval_sampling=greedy,
             writers=[
                 JsonlWriter(self.workdir / "metrics.jsonl"),
+                # Step and eval rows (rewards, evals, ages, trainer diagnostics) next to the
+                # periodic gauges in tb/.
+                TensorBoardWriter(self.workdir / "tb" / "steps"),
                 ConsoleWriter(keys=_CONSOLE_KEYS),
                 ProgressWriter(
                     cfg.rl_steps,
@@ -372,7 +445,7 @@ class Experiment:
             log_interval_s=cfg.log_interval_s,
             store_dir=str(self.workdir / "rollouts"),
             start_step=start_step,
-            on_step=self._step_timeline(driver, trainer, timing),
+            **self._step_timeline(driver, trained),
         )
         if orch_state:
             orch.dispatcher.restore(orch_state["dispatcher"])
@@ -389,6 +462,12 @@ class Experiment:
                 save_trainer(ckpt, trainer, trainer.version, orch.state())
             ckpt.wait()
             secs = time.perf_counter() - t0
+            final = {b.env: b.metrics for b in orch.eval_history if b.step == trainer.version}
+            stage("final eval", _eval_line(final))
+            if cfg.export_hf:
+                stage(
+                    "export", f"the final policy as an HF checkpoint to {self.workdir / 'export'}"
+                )
             exported = self._export(trainer.params) if cfg.export_hf else None
         finally:
             trainer.stop()
@@ -414,29 +493,32 @@ class Experiment:
         )
         ckpt.wait()  # the next step donates these arrays: the copy to disk must finish first
 
-    def _step_timeline(self, driver: InferenceDriver, trainer: Trainer, timing: dict) -> Any:
-        last = {"gen": 0.0, "train": 0.0, "transfer": 0.0}
+    def _step_timeline(self, driver: InferenceDriver, trained: dict[int, dict]) -> dict[str, Any]:
+        """The orchestrator's ``on_step`` (engine time since the last ship, sampled when a
+        step ships) and ``step_metrics`` (the step's trainer row, once trained), so each RL
+        step is one ``metrics.jsonl`` row."""
+        generated: dict[int, float] = {}
+        last = {"gen": 0.0}
 
-        def on_step(step: int, state: dict[str, Any]) -> None:
+        def on_step(step: int, _state: dict[str, Any]) -> None:
             g = driver.gauges()
             gen = g["inference/prefill_s"] + g["inference/decode_s"]
-            train = timing["train_s"]
-            m = {
-                "time/generate_s": gen - last["gen"],
-                "time/train_s": max(0.0, train - last["train"]),
-                "time/transfer_s": timing["transfer_s"] - last["transfer"],
-            }
-            last.update(gen=gen, train=train, transfer=timing["transfer_s"])
-            step_s = self.orch.history[-1].metrics.get("orch/step_s", 0.0)
+            generated[step] = gen - last["gen"]
+            last["gen"] = gen
+
+        def step_metrics(step: int, row: dict[str, float]) -> dict[str, float] | None:
+            if step not in trained:
+                return None
+            m = trained.pop(step)
+            m["time/generate_s"] = gen_s = generated.pop(step, 0.0)
+            train_s, xfer_s = m["time/train_s"], m["time/transfer_s"]
             # Only totals are known, not their overlap: synchronous runs never overlap
             # generation and training, asynchronous ones are assumed to overlap fully.
-            gen_s, train_s, xfer_s = m["time/generate_s"], m["time/train_s"], m["time/transfer_s"]
             busy = gen_s + train_s if self.cfg.max_staleness == 0 else max(gen_s, train_s)
-            m["time/idle_s"] = max(0.0, step_s - busy - xfer_s)
-            self.orch.history[-1].metrics.update(m)
-            self.orch.write_metrics(step, m)
+            m["time/idle_s"] = max(0.0, row.get("orch/step_s", 0.0) - busy - xfer_s)
+            return m
 
-        return on_step
+        return {"on_step": on_step, "step_metrics": step_metrics}
 
     @property
     def sampled_eval(self) -> str:
@@ -448,12 +530,25 @@ class Experiment:
             key = f"eval/{env}/reward_mean"
             return {b.step: b.metrics[key] for b in orch.eval_history if key in b.metrics}
 
+        def shares(env: str) -> dict[str, dict[str, float]]:
+            p = f"eval/{env}/behaviour/"
+            return {
+                str(b.step): {k[len(p) :]: v for k, v in b.metrics.items() if k.startswith(p)}
+                for b in sorted(orch.eval_history, key=lambda b: b.step)
+                if b.env == env and any(k.startswith(p) for k in b.metrics)
+            }
+
         evals, sampled = curve(self.env.name), curve(self.sampled_eval)
+        behaviour = {"greedy": shares(self.env.name), "sampled": shares(self.sampled_eval)}
         # Written once at step 0 so a resumed run still reports the warm-up's numbers.
         before_path = self.workdir / "eval_before_rl.json"
         if 0 in evals:
-            before_path.write_text(json.dumps({"reward": evals[0], "sampled": sampled.get(0)}))
+            first = {k: v["0"] for k, v in behaviour.items() if "0" in v}
+            before = {"reward": evals[0], "sampled": sampled.get(0), "behaviour": first}
+            before_path.write_text(json.dumps(before))
         before = json.loads(before_path.read_text()) if before_path.exists() else {}
+        for k, v in before.get("behaviour", {}).items():
+            behaviour[k] = {"0": v, **behaviour[k]}
         rewards = [r.metrics.get("train/reward_mean") for r in orch.history]
         rewards = [x for x in rewards if x is not None]
         return {
@@ -463,6 +558,7 @@ class Experiment:
             "eval_temperature": self.cfg.temperature,
             "eval_sampled_reward_before_rl": before.get("sampled"),
             "eval_sampled_reward_final": sampled[max(sampled)] if sampled else None,
+            "behaviour": behaviour,
             "rl_steps": trainer.version,
             "rl_steps_this_run": trainer.version - (start - 1),
             "resumed_from_step": start - 1 if start > 1 else None,
@@ -540,6 +636,22 @@ def _first_examples(source: DatasetSource, n: int, seed: int) -> DatasetSource:
     if n > len(source):
         raise ValueError(f"rl_prompt_pool {n} exceeds the {len(source)} training examples")
     return DatasetSource([source.example_at(i) for i in range(n)], seed=seed, name=f"first{n}")
+
+
+def stage(title: str, detail: str) -> None:
+    """A stage header on the console (through tqdm, so it never tears a progress bar)."""
+    tqdm.write(f"== {title}: {detail}")
+
+
+def _eval_line(evals: dict[str, dict[str, float]]) -> str:
+    parts = []
+    for env, m in sorted(evals.items()):
+        key = f"eval/{env}/reward_mean"
+        if key in m:
+            shares = {k.rsplit("/", 1)[1]: v for k, v in m.items() if "/behaviour/" in k}
+            text = " ".join(f"{b} {v:.0%}" for b, v in shares.items() if v)
+            parts.append(f"{env} {m[key]:.3f}" + (f" ({text})" if text else ""))
+    return "; ".join(parts) or "no eval landed"
 
 
 def _has_steps(directory: Path) -> bool:

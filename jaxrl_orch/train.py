@@ -17,11 +17,18 @@ Placement: with one device the engine and trainer share it (colocated); with sev
 devices are split into a trainer mesh and a decode mesh (``sharding.mesh.make_meshes``), and
 weights move by ``sharding.reshard.reshard`` inside the trainer's publish callback (the params
 it receives are donated by the next step, so they are copied off before it returns).
+
+First contact: ``--help`` shows the documented command; ``--list_config`` prints every setting
+with its default and meaning (``config_help``, read from ``config.py``'s comments); a bare
+command (no gin file, no binding) does not quietly start a long run of the built-in defaults but
+lists ``configs/*.gin`` and exits 2 (``--defaults`` runs them on purpose); a finished run ends
+with a line naming ``report.md``, the plots, ``export/`` and ``summary.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -31,15 +38,95 @@ from typing import Any
 
 import gin
 
+from jaxrl_orch import config_help
 from jaxrl_orch.config import TrainConfig
+
+DEFAULT_COMMAND = (
+    "python -m jaxrl_orch.train --gin_file=configs/reverse_text.gin --workdir=runs/reverse_text"
+)
+
+_DESCRIPTION = f"""\
+SFT warm-up, then asynchronous RL, from gin config files; every output and checkpoint goes to
+--workdir, and the same command run again resumes from its last checkpoint.
+
+The documented default run (the tiny byte-level model learns to reverse sentences, on CPU):
+
+  {DEFAULT_COMMAND}
+"""
+
+_EPILOG = """\
+Every setting is a TrainConfig field: --list_config prints them all (type, default, meaning).
+Override one with --gin_param, e.g. --gin_param='TrainConfig.rl_steps = 40'."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxrl_orch.train", description=__doc__)
-    p.add_argument("--gin_file", action="append", default=[], help="gin config file(s)")
-    p.add_argument("--gin_param", action="append", default=[], help="gin binding(s)")
+    p = argparse.ArgumentParser(
+        prog="python -m jaxrl_orch.train",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the command on one line
+    )
+    p.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
+    p.add_argument(
+        "--gin_param",
+        action="append",
+        default=[],
+        help="gin binding, e.g. 'TrainConfig.rl_steps = 40' (repeatable; applied after files)",
+    )
     p.add_argument("--workdir", default="runs/default", help="outputs and checkpoints")
+    p.add_argument(
+        "--defaults",
+        action="store_true",
+        help="run TrainConfig's built-in defaults without a gin file, on purpose",
+    )
+    p.add_argument(
+        "--list_config",
+        action="store_true",
+        help="print every TrainConfig setting (type, default, meaning) and exit",
+    )
     return p.parse_args(argv)
+
+
+def no_gin_file_message() -> str:
+    """What the command says when run bare: what it would have run, and what to run instead."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    default_gin = config_help.CONFIGS_DIR / "reverse_text.gin"
+    # The exact documented command from the repository root; a path that works from elsewhere.
+    command = DEFAULT_COMMAND
+    if default_gin.is_file():
+        command = command.replace("configs/reverse_text.gin", config_help.shown(default_gin))
+    return "\n".join(
+        [
+            "error: no --gin_file given. Without one this would run TrainConfig's built-in",
+            f"defaults ({defaults['sft_steps']} SFT steps, then {defaults['rl_steps']} RL steps) "
+            "into --workdir; refusing to start that by accident.",
+            "",
+            *config_help.configs_help(),
+            "",
+            "Run the documented default:",
+            f"  {command}",
+            "",
+            "Run the built-in defaults on purpose: add --defaults (or give --gin_param bindings,",
+            "which apply on top of the defaults). Every setting: python -m jaxrl_orch.train "
+            "--list_config",
+        ]
+    )
+
+
+def outputs_line(workdir: str | Path) -> str:
+    """The closing line of a run: the files in ``workdir`` a newcomer opens, those present."""
+    wd = Path(workdir)
+    parts = []
+    if (wd / "report.md").is_file():
+        parts.append(f"report {wd / 'report.md'}")
+    plots = sorted(str(p) for p in wd.glob("*.png"))
+    if plots:
+        parts.append("plots " + " ".join(plots))
+    if (wd / "export").is_dir():
+        parts.append(f"HF checkpoint {wd / 'export'}/")
+    if (wd / "summary.json").is_file():
+        parts.append(f"numbers {wd / 'summary.json'}")
+    return "outputs: " + ("; ".join(parts) if parts else f"none found in {wd}")
 
 
 def load_config(gin_files: list[str], gin_params: list[str]) -> TrainConfig:
@@ -57,6 +144,21 @@ def load_config(gin_files: list[str], gin_params: list[str]) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.list_config:
+        print(config_help.format_config_listing())
+        return 0
+    # A bare command would quietly start a long run of defaults; bindings alone are a deliberate
+    # choice (the end-to-end tests run that way), as is --defaults.
+    if not (args.gin_file or args.gin_param or args.defaults):
+        print(no_gin_file_message(), file=sys.stderr)
+        return 2
+    if args.defaults and args.gin_file:
+        print(
+            f"error: --defaults runs TrainConfig's built-in defaults without a gin file, but "
+            f"--gin_file {' '.join(args.gin_file)} was also given; drop one of them",
+            file=sys.stderr,
+        )
+        return 2
     try:
         cfg = load_config(args.gin_file, args.gin_param)
         from jaxrl_orch.run import Experiment  # heavy imports (jax) only after config checks
@@ -73,14 +175,19 @@ def main(argv: list[str] | None = None) -> int:
         stop_requested["signal"] = signum
         exp.request_stop()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    t0 = time.time()
-    summary = exp.run()
-    summary["wall_seconds"] = time.time() - t0
-    summary["stopped_by_signal"] = stop_requested["signal"]
-    exp.finish(summary)
+    # Restored afterwards: main() is also called in-process (tests, the console script).
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        t0 = time.time()
+        summary = exp.run()
+        summary["wall_seconds"] = time.time() - t0
+        summary["stopped_by_signal"] = stop_requested["signal"]
+        exp.finish(summary)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(json.dumps({k: summary[k] for k in _HEADLINE if k in summary}))
+    print(outputs_line(args.workdir))
     return 0
 
 

@@ -138,7 +138,10 @@ def test_a_gin_import_registers_a_user_env_for_the_command(tmp_path, monkeypatch
         "import shout_env\ninclude 'configs/reverse_text.gin'\nTrainConfig.env = 'shout'\n",
         encoding="utf-8",
     )
-    cfg = load_config([str(gin_file)], [])
+    # The default's mixed demonstrator names reverse-text behaviours this env does not offer.
+    with pytest.raises(ValueError, match="env 'shout' offers no worse behaviours.*demonstrations"):
+        Experiment(load_config([str(gin_file)], []), tmp_path / "run").validate()
+    cfg = load_config([str(gin_file)], ["TrainConfig.demonstrations = ()"])
     exp = Experiment(cfg, tmp_path / "run")
     exp.validate()
     assert type(exp.env).__name__ == "Shout" and exp.env.instruction == "Reverse:"
@@ -191,3 +194,33 @@ def test_probe_settings_restrict_the_prompts_and_reuse_another_runs_warm_up(tmp_
         Experiment(TrainConfig(**small, warmup_from=str(tmp_path)), tmp_path / "x").validate()
     with pytest.raises(ValueError, match="rl_prompt_pool 10000000 exceeds the"):
         Experiment(TrainConfig(**small, rl_prompt_pool=10_000_000), tmp_path / "y").validate()
+
+
+def test_loss_settings_reach_the_rl_step(tmp_path):
+    """dr_grpo trains with Dr. GRPO's constant normalisation (the generation budget), TIS with
+    recomputed old log-probs is a TrainConfig setting, and a contradicting norm is refused."""
+    import gin
+
+    from jaxrl_orch.config import TrainConfig
+    from jaxrl_orch.run import Experiment
+
+    gin.clear_config()
+    small = dict(sft_steps=0, trainer_mesh=(("fsdp", 1),), decode_mesh=(("tp", 1),))
+    cases = {
+        "grpo": dict(algorithm="grpo"),
+        "dr": dict(algorithm="dr_grpo", max_new_tokens=40),
+        "tis": dict(algorithm="grpo", recompute_old_logprobs=True, tis_cap=1.5),
+    }
+    steps = {}
+    for name, kw in cases.items():
+        exp = Experiment(TrainConfig(**small, **kw), tmp_path / name)
+        exp.validate()
+        steps[name] = exp.make_trainer("rl", 1e-4).step_cfg
+    assert steps["grpo"].loss.norm == "token" and steps["grpo"].loss.norm_constant is None
+    assert steps["dr"].loss.norm == "constant" and steps["dr"].loss.norm_constant == 40.0
+    assert not steps["grpo"].recompute_old_logprobs
+    assert steps["tis"].recompute_old_logprobs and steps["tis"].loss.tis_cap == 1.5
+    with pytest.raises(ValueError, match="'dr_grpo' normalises the loss by a constant"):
+        load_config([], ["TrainConfig.algorithm = 'dr_grpo'", "TrainConfig.loss_norm = 'token'"])
+    with pytest.raises(ValueError, match="after_warmup must be 'rl' or 'sft'.*'dpo'"):
+        load_config([], ["TrainConfig.after_warmup = 'dpo'"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import matplotlib.image as mpimg
 import pytest
 
-from jaxrl_orch.report import read_metrics, write_report
+from jaxrl_orch import report
+from jaxrl_orch.report import main, read_metrics, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -108,6 +110,8 @@ def test_full_report_writes_all_plots_and_numbers(tmp_path):
     # Per-env eval curve endpoints, including the kind-less lines.
     assert "`eval/arithmetic/reward_mean`: 0.25 at step 0 -> 0.5 at step 8" in md
     assert "`eval/reverse_text/reward_mean`: 0.2 at step 4 -> 0.4 at step 8" in md
+    # No behaviour accounting in the summary: no section, no plot, no skip note.
+    assert "Behaviour accounting" not in md and "behaviour.png" not in md
 
 
 def test_age_over_bound_is_flagged(tmp_path):
@@ -182,3 +186,203 @@ def test_cli_writes_report(tmp_path):
     assert f"wrote {workdir / 'report.md'}" in proc.stdout
     assert "skipped timeline.png" in proc.stdout
     _assert_png(workdir / "reward.png")
+
+
+def _legend(fig) -> list[str]:
+    return fig.axes[0].get_legend_handles_labels()[1]
+
+
+def _bars(fig, label: str) -> list:
+    (container,) = [c for c in fig.axes[0].containers if c.get_label() == label]
+    return list(container)
+
+
+# A metric key leaking into a legend: a slash-path or a gauge/config name.
+_KEY_LIKE = re.compile(r"/|_s\b|_mean\b|max_staleness|word_order|no_tags")
+
+
+def test_timeline_draws_generate_and_train_as_parallel_lanes_not_stacked():
+    # As run.py writes them: the step's orch line, then a kind-less timing line for that step.
+    train = [
+        {"step": 1, "orch/step_s": 2.0, "train/reward_mean": 0.1},
+        {"step": 1, "time/generate_s": 1.5, "time/train_s": 1.25, "time/transfer_s": 0.25},
+        {"step": 2, "orch/step_s": 1.75},
+        {"step": 2, "time/generate_s": 1.0, "time/train_s": 1.5, "time/idle_s": 0.0},
+        # An older run's step without timing keys: no bars, no crash.
+        {"step": 3, "orch/step_s": 3.0},
+    ]
+    fig = report._plot_timeline(train)
+    gen, trn, xfer = (_bars(fig, w) for w in ("generation", "training", "weight transfer"))
+    assert [r.get_width() for r in gen] == [1.5, 1.0]
+    assert [r.get_width() for r in trn] == [1.25, 1.5]
+    assert [r.get_width() for r in xfer] == [0.25]  # step 2 did not report a transfer
+    for g, t in zip(gen, trn, strict=True):
+        # Both start at the step's origin (stacking would start training where generation ends)
+        # and sit in disjoint lanes of the same step's row.
+        assert g.get_x() == t.get_x() == 0.0
+        assert g.get_y() + g.get_height() <= t.get_y() and t.get_y() - g.get_y() < 1.0
+    assert xfer[0].get_x() == 0.0 and xfer[0].get_y() >= trn[0].get_y() + trn[0].get_height()
+    # The real step time is its own line across all steps; overlap shows as bars past it.
+    (line,) = fig.axes[0].lines
+    assert list(line.get_xdata()) == [2.0, 1.75, 3.0]
+    assert list(line.get_ydata()) == [1.0, 2.0, 3.0]
+    assert gen[0].get_width() + trn[0].get_width() > line.get_xdata()[0]
+    labels = _legend(fig)
+    assert {"generation", "training", "weight transfer"} < set(labels) and len(labels) == 4
+    assert any(label.startswith("real step time") for label in labels)
+    # idle_s is derived from an assumed overlap: it is not drawn as a phase.
+    assert not any("idle" in label or _KEY_LIKE.search(label) for label in labels)
+    assert fig.axes[0].get_ylabel() == "RL step" and "seconds" in fig.axes[0].get_xlabel()
+
+
+def test_reward_legend_names_greedy_and_temperature_in_words():
+    evals = {
+        "eval/reverse_text/reward_mean": 0.2,
+        "eval/reverse_text@t1/reward_mean": 0.1,
+        "eval/reverse_text@t0.7/reward_mean": 0.15,
+    }
+    records = [
+        {"step": 1, "kind": "train", "train/reward_mean": 0.1},
+        {"step": 0, "kind": "eval", **evals},
+    ]
+    fig = report._plot_reward(records, {})
+    labels = ["eval T=0.7", "eval T=1", "eval greedy", "train reward (sampled)"]
+    assert sorted(_legend(fig)) == labels
+    styles = {ln.get_label(): ln.get_linestyle() for ln in fig.axes[0].lines}
+    assert styles["eval greedy"] == "-" and styles["eval T=1"] == "--"
+    # Several envs: each curve also names its env; the legacy sampled key takes the summary's T.
+    records[1] = {
+        "step": 0,
+        "eval/arithmetic/reward_mean": 0.3,
+        "eval/reverse_text/reward_mean": 0.2,
+        "eval/reverse_text/sampled_reward_mean": 0.1,
+    }
+    assert sorted(_legend(report._plot_reward(records, {"eval_temperature": 1.0}))) == [
+        "eval T=1, reverse_text",
+        "eval greedy, arithmetic",
+        "eval greedy, reverse_text",
+        "train reward (sampled)",
+    ]
+    legacy = [{"step": 0, "eval/reverse_text/sampled_reward_mean": 0.1}]
+    assert _legend(report._plot_reward(legacy, {})) == ["eval sampled"]
+
+
+def test_no_plot_legend_shows_a_metric_key(tmp_path):
+    workdir = _write_workdir(tmp_path)
+    summary = json.loads((workdir / "summary.json").read_text())
+    summary["behaviour"] = _BEHAVIOUR
+    records = read_metrics(workdir / "metrics.jsonl")
+    _, rest, _, train = report._split(records)
+    figs = [
+        report._plot_reward(rest, summary),
+        report._plot_age_hist(summary),
+        report._plot_timeline(train),
+        report._plot_behaviour(summary),
+    ]
+    for fig in figs:
+        labels = _legend(fig)
+        assert labels, fig.axes[0].get_title()
+        for label in labels:
+            assert not _KEY_LIKE.search(label), label
+        assert fig.axes[0].get_xlabel() and fig.axes[0].get_ylabel()
+
+
+_BEHAVIOUR = {
+    "greedy": {
+        "0": {"full": 0.2, "word_order": 0.7, "no_tags": 0.0, "other": 0.1},
+        "10": {"full": 0.9, "word_order": 0.05, "no_tags": 0.0, "other": 0.05},
+        "5": {"full": 0.5, "word_order": 0.4, "no_tags": 0.05, "other": 0.05},
+    },
+    "sampled": {
+        "0": {"full": 0.15, "word_order": 0.6, "no_tags": 0.125, "other": 0.125},
+        "5": {"full": 0.4, "word_order": 0.4, "no_tags": 0.1, "other": 0.1},
+        "10": {"full": 0.8, "word_order": 0.1, "no_tags": 0.05, "other": 0.05},
+    },
+}
+
+
+def _write_behaviour_run(workdir: Path, behaviour: dict | None) -> Path:
+    workdir.mkdir(exist_ok=True)
+    lines = [{"step": s, "kind": "train", "train/reward_mean": 0.1 * s} for s in range(1, 11)]
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = {"rl_steps": 10, "eval_temperature": 1.0}
+    if behaviour is not None:
+        summary["behaviour"] = behaviour
+    (workdir / "summary.json").write_text(json.dumps(summary))
+    return workdir
+
+
+def test_behaviour_table_and_plot(tmp_path):
+    workdir = _write_behaviour_run(tmp_path, _BEHAVIOUR)
+    result = write_report(workdir)
+    assert result["written"]["behaviour.png"] == workdir / "behaviour.png"
+    _assert_png(workdir / "behaviour.png")
+    md = (workdir / "report.md").read_text()
+    assert "## Behaviour accounting" in md and "](behaviour.png)" in md
+    assert '"full" = the full character reversal (the rewarded behaviour)' in md
+    assert '"word_order" = words in reverse order spelled forwards' in md
+    assert '"no_tags" = no answer tags (scores 0)' in md and '"other" = anything else' in md
+    table = [ln for ln in md.splitlines() if ln.startswith("|")]
+    assert table[0] == (
+        "| eval step | full (greedy) | full (sampled T=1) | word_order (greedy) | "
+        "word_order (sampled T=1) | no_tags (greedy) | no_tags (sampled T=1) | other (greedy) | "
+        "other (sampled T=1) |"
+    )
+    # One row per eval step, in numeric (not string) order, greedy then sampled per behaviour.
+    assert table[2:] == [
+        "| 0 (before RL) | 20.0% | 15.0% | 70.0% | 60.0% | 0.0% | 12.5% | 10.0% | 12.5% |",
+        "| 5 | 50.0% | 40.0% | 40.0% | 40.0% | 5.0% | 10.0% | 5.0% | 10.0% |",
+        "| 10 (final) | 90.0% | 80.0% | 5.0% | 10.0% | 0.0% | 5.0% | 5.0% | 5.0% |",
+    ]
+    fig = report._plot_behaviour(json.loads((workdir / "summary.json").read_text()))
+    lines = {ln.get_label(): ln for ln in fig.axes[0].lines}
+    assert len(lines) == 8
+    full_g, full_s = lines["full reversal, greedy"], lines["full reversal, sampled T=1"]
+    assert full_g.get_linestyle() == "-" and full_s.get_linestyle() == "--"
+    assert full_g.get_color() == full_s.get_color()
+    assert list(full_g.get_xdata()) == [0, 5, 10]
+    assert list(full_g.get_ydata()) == pytest.approx([20.0, 50.0, 90.0])
+    assert list(full_s.get_ydata()) == pytest.approx([15.0, 40.0, 80.0])
+
+
+def test_behaviour_absent_single_eval_or_malformed(tmp_path):
+    workdir = _write_behaviour_run(tmp_path / "absent", None)
+    result = write_report(workdir)
+    assert "behaviour.png" not in result["written"] and "behaviour.png" not in result["skipped"]
+    assert "Behaviour" not in (workdir / "report.md").read_text()
+
+    # Only greedy, only the eval before RL: a table row, no plot (no curve to draw).
+    one = {"greedy": {"0": {"full": 0.25, "other": 0.75}}}
+    workdir = _write_behaviour_run(tmp_path / "one", one)
+    result = write_report(workdir)
+    assert "two eval steps" in result["skipped"]["behaviour.png"]
+    assert not (workdir / "behaviour.png").exists()
+    md = (workdir / "report.md").read_text()
+    assert "| eval step | full (greedy) | other (greedy) |" in md
+    assert "| 0 (before RL) | 25.0% | 75.0% |" in md
+
+    workdir = _write_behaviour_run(tmp_path / "bad", {"greedy": {"final": {"full": 1.0}}})
+    with pytest.raises(ValueError, match="summary.json behaviour"):
+        write_report(workdir)
+
+
+@pytest.mark.parametrize("case", ["no_dir", "no_summary", "bad_metrics"])
+def test_cli_bad_workdir_is_one_line_exit_2(tmp_path, capsys, case):
+    workdir = tmp_path / "run"
+    named = f"{workdir}: no such directory"
+    if case != "no_dir":
+        workdir.mkdir()
+        (workdir / "metrics.jsonl").write_text('{"step": 1}\n')
+        named = f"{workdir / 'summary.json'}: not found"
+    if case == "bad_metrics":
+        (workdir / "summary.json").write_text("{}")
+        (workdir / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+        named = f"{workdir / 'metrics.jsonl'}:2: not valid JSON"
+    with pytest.raises(SystemExit) as exc:
+        main([str(workdir)])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("python -m jaxrl_orch.report: error: ") and named in err
+    assert "expected a finished run directory holding summary.json and metrics.jsonl" in err
+    assert not (workdir / "report.md").exists()

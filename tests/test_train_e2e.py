@@ -34,6 +34,19 @@ TINY = [
 ]
 
 
+DIAGNOSTICS = (
+    "trainer/loss",
+    "trainer/entropy",
+    "trainer/approx_kl",  # KL of the updated policy to the behaviour (old) policy
+    "trainer/mismatch_kl",  # trainer vs engine log-probs of the same tokens
+    "trainer/clip_low",
+    "trainer/clip_high",
+    "trainer/grad_norm",
+    "trainer/lr",
+    "trainer/tis_capped",
+)
+
+
 def _cmd(workdir: Path, *params: str) -> list[str]:
     args = [sys.executable, "-m", "jaxrl_orch.train", f"--workdir={workdir}"]
     return args + [f"--gin_param={p}" for p in [*TINY, *params]]
@@ -74,6 +87,22 @@ def test_split_placement_run_writes_metrics_checkpoints_and_report(tmp_path):
         assert key in summary, key
     assert summary["rl_steps"] == 3 and summary["resumed_from_step"] is None
     assert [r["step"] for r in _rl_rows(wd)] == [1, 2, 3]
+    # Exactly one row per RL step (plus eval and warm-up rows), carrying what the loop saw at
+    # ship time and the trainer's diagnostics of that same step.
+    rl = [r for r in _all_rows(wd) if not any(k.startswith(("eval/", "sft/")) for k in r)]
+    assert [r["step"] for r in rl] == [1, 2, 3]
+    for key in DIAGNOSTICS:
+        assert all(key in r for r in rl), key
+    assert all(r["trainer/version"] == r["step"] for r in rl)
+    # The timeline's phases per step, and the behaviour shares of every eval.
+    assert all(r["time/train_s"] == r["trainer/step_s"] for r in rl)
+    evals = [r for r in _all_rows(wd) if "eval/reverse_text/reward_mean" in r]
+    shares = [sum(v for k, v in r.items() if "/behaviour/" in k and "@" not in k) for r in evals]
+    assert shares == pytest.approx([1.0] * len(evals))
+    assert set(summary["behaviour"]["greedy"]) == {"0", "2", "3"}
+    assert set(summary["behaviour"]["sampled"]["0"]) >= {"full", "word_order", "no_tags", "other"}
+    for header in ("== data:", "== warm-up:", "== RL:", "== final eval:", "== export:"):
+        assert header in res.stdout, header
     assert set(summary["eval_rewards"]) == {"0", "2", "3"}
     # The same held-out set is also sampled at the training temperature, on the same schedule.
     sampled = [r for r in _all_rows(wd) if "eval/reverse_text@t1/reward_mean" in r]
@@ -172,3 +201,60 @@ def test_kill9_then_resume_continues_without_repeating_or_skipping(tmp_path):
     ]
     assert versions and min(versions) >= resumed_at
     assert _checkpoints(wd)[-1] == 8
+
+
+def test_sigterm_in_the_warm_up_keeps_its_progress_and_resumes_there(tmp_path):
+    wd = tmp_path / "warm"
+    params = ["TrainConfig.sft_steps = 60", "TrainConfig.sft_checkpoint_every = 5"]
+    params += ["TrainConfig.rl_steps = 1"]
+    proc = subprocess.Popen(
+        _cmd(wd, *params), env=_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (wd / "metrics.jsonl").exists() or len(_all_rows(wd)) < 12:
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "no 12 warm-up steps within 300 s"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert rc == 0, proc.stderr.read()[-2000:]
+    stopped = json.loads((wd / "summary.json").read_text())
+    ran = int(stopped["sft_steps"])
+    assert 12 <= ran < 60  # the steps that ran, not the setting
+    saved = sorted(int(p.name) for p in (wd / "sft").iterdir() if p.name.isdigit())
+    assert saved == [ran]  # the stop itself was checkpointed, not only the last multiple of 5
+
+    res = _run(wd, *params)  # the same command continues the warm-up where it stopped
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((wd / "summary.json").read_text())
+    assert summary["sft_resumed_from_step"] == ran
+    sft_steps = [r["step"] for r in _all_rows(wd) if "sft/loss" in r]
+    assert sft_steps == list(range(1, 61))  # each warm-up step exactly once across both runs
+
+
+def test_imitation_control_from_a_saved_warm_up(tmp_path):
+    """after_warmup='sft' spends the RL stage's updates on SFT and reports like an RL run."""
+    base = tmp_path / "base"
+    assert _run(base, "TrainConfig.rl_steps = 1").returncode == 0
+    wd = tmp_path / "imitation"
+    res = _run(
+        wd,
+        f"TrainConfig.warmup_from = '{base}'",
+        "TrainConfig.after_warmup = 'sft'",
+        "TrainConfig.rl_steps = 4",
+        "TrainConfig.minibatches = 2",
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((wd / "summary.json").read_text())
+    assert summary["control_updates"] == 8  # rl_steps * minibatches optimizer updates
+    assert set(summary["eval_rewards"]) == {"0", "2", "4"}
+    assert set(summary["behaviour"]["greedy"]) == {"0", "2", "4"}
+    # Warm-up restored from the base run: its eval before the control is the same policy's.
+    before = json.loads((base / "summary.json").read_text())["eval_reward_before_rl"]
+    assert summary["eval_reward_before_rl"] == pytest.approx(before)
+    updates = [r["sft/update"] for r in _all_rows(wd) if "sft/update" in r]
+    assert updates == list(range(1, 9))
+    assert not (wd / "checkpoints").exists()  # no RL stage ran

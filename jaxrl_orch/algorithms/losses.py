@@ -16,7 +16,10 @@ accumulation and still be normalised over the whole batch:
   whole (mini)batch: ``"token"`` gives every masked token weight ``1 / num_masked_tokens``
   (Dr.GRPO / DAPO token-level normalisation); ``"sequence"`` gives ``1 / (n_tokens_of_its
   sequence * num_sequences)`` (per-sequence mean, then mean over sequences), where a sequence is
-  one ``(row, segment_id)`` pair of a packed batch.
+  one ``(row, segment_id)`` pair of a packed batch; ``"constant"`` (Dr. GRPO) gives ``1 /
+  (norm_constant * num_sequences)``: token losses summed per sequence and divided by a constant
+  (the generation budget), then averaged over sequences, so no sequence's tokens are weighted
+  by its own length and the weight does not depend on how long the batch's answers are.
 - ``policy_loss`` returns ``sum(per_token_loss * weights)`` for the chunk it sees plus a dict
   of *metric sums*; chunks combine with ``merge_metric_sums`` and ``finalize_metrics`` turns
   sums into means over masked tokens.
@@ -37,7 +40,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-NORMS = ("token", "sequence")
+NORMS = ("token", "sequence", "constant")
 
 # Metric-sum keys combined by ``max`` across chunks; all others are added.
 _MAX_KEYS = ("ratio_max",)
@@ -48,7 +51,8 @@ class PolicyLossConfig:
     """Settings of the clipped-surrogate loss (gin binds these keyword arguments).
 
     ``eps_low``/``eps_high``: ratio band ``[1 - eps_low, 1 + eps_high]`` (DAPO clip-higher).
-    ``norm``: ``"token"`` or ``"sequence"`` (see module docstring).
+    ``norm``: ``"token"``, ``"sequence"`` or ``"constant"`` (see module docstring);
+    ``norm_constant``: the constant of ``"constant"`` (e.g. the max new tokens per answer).
     ``tis_cap``: cap C on ``pi_old / pi_behavior``; ``None`` disables TIS.
     ``kl_beta``: coefficient of the k3 KL to the reference policy (0 disables it).
     ``entropy_coef``: coefficient of an entropy bonus (0 disables it).
@@ -57,6 +61,7 @@ class PolicyLossConfig:
     eps_low: float = 0.2
     eps_high: float = 0.28
     norm: str = "token"
+    norm_constant: float | None = None
     tis_cap: float | None = 2.0
     kl_beta: float = 0.0
     entropy_coef: float = 0.0
@@ -64,6 +69,13 @@ class PolicyLossConfig:
     def __post_init__(self) -> None:
         if self.norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if (self.norm == "constant") != (self.norm_constant is not None):
+            raise ValueError(
+                f"norm_constant ({self.norm_constant!r}) is set exactly when norm is 'constant' "
+                f"(got norm {self.norm!r})"
+            )
+        if self.norm_constant is not None and not self.norm_constant > 0:
+            raise ValueError(f"norm_constant must be > 0, got {self.norm_constant!r}")
         if not (0.0 <= self.eps_low < 1.0):
             raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low!r}")
         if not self.eps_high >= 0.0:
@@ -109,7 +121,12 @@ def logprobs_and_entropy(
     return lp, ent
 
 
-def loss_weights(loss_mask: jax.Array, segment_ids: jax.Array | None, norm: str) -> jax.Array:
+def loss_weights(
+    loss_mask: jax.Array,
+    segment_ids: jax.Array | None,
+    norm: str,
+    norm_constant: float | None = None,
+) -> jax.Array:
     """Per-token weights such that ``sum(per_token_loss * w)`` is the normalised loss.
 
     ``loss_mask`` and ``segment_ids`` are [R, L] (rows of a packed batch). Sequence
@@ -122,7 +139,7 @@ def loss_weights(loss_mask: jax.Array, segment_ids: jax.Array | None, norm: str)
     if norm == "token":
         return mask / jnp.maximum(mask.sum(), 1.0)
     if mask.ndim != 2:
-        raise ValueError(f"sequence norm needs [rows, length] arrays, got shape {mask.shape}")
+        raise ValueError(f"{norm} norm needs [rows, length] arrays, got shape {mask.shape}")
     rows, length = mask.shape
     seg = (
         jnp.zeros((rows, length), jnp.int32)
@@ -133,6 +150,10 @@ def loss_weights(loss_mask: jax.Array, segment_ids: jax.Array | None, norm: str)
     flat = (jnp.arange(rows, dtype=jnp.int32)[:, None] * (length + 1) + seg).reshape(-1)
     counts = jax.ops.segment_sum(mask.reshape(-1), flat, num_segments=rows * (length + 1))
     num_seqs = jnp.maximum(jnp.sum(counts > 0), 1).astype(jnp.float32)
+    if norm == "constant":
+        if norm_constant is None:
+            raise ValueError("norm 'constant' needs norm_constant")
+        return mask / (float(norm_constant) * num_seqs)
     per_token_count = counts[flat].reshape(rows, length)
     return mask / jnp.maximum(per_token_count, 1.0) / num_seqs
 

@@ -16,9 +16,11 @@ Protocol (driven by the orchestrator's main loop):
 Metrics per batch (``eval/<env>/...``): ``rollouts`` (n), ``errors`` (rollouts with an error),
 ``nonfinite_rewards``, and over the scored rollouts (no error, finite reward): ``reward_mean``,
 ``reward_std``, ``pass_rate`` (fraction with ``reward >= pass_threshold``) and
-``model_tokens_mean``. Errored rollouts are kept out of the reward statistics and reported in
-``errors`` instead, so a crashing environment shows up as crashes, not as a low score; the
-statistics are absent when nothing was scored.
+``model_tokens_mean``, plus ``behaviour/<name>`` for every per-rollout metric an env labels
+that way (one-hot labels, so the mean is that behaviour's share of the scored answers).
+Errored rollouts are kept out of the reward statistics and reported in ``errors`` instead, so
+a crashing environment shows up as crashes, not as a low score; the statistics are absent when
+nothing was scored.
 
 Invariants: every eval rollout lands in exactly one batch; an episode never straddles two
 expectations (an episode larger than what an expectation still awaits raises, naming both
@@ -33,6 +35,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from jaxrl_orch.orchestrator.step_stats import behaviour_shares
 from jaxrl_orch.types import Episode, EvalBatch, Rollout
 
 
@@ -62,6 +65,7 @@ def eval_metrics(env: str, rollouts: list[Rollout], pass_threshold: float) -> di
         m[p + "reward_std"] = float(rewards.std())
         m[p + "pass_rate"] = float((rewards >= pass_threshold).mean())
         m[p + "model_tokens_mean"] = float(np.mean([r.num_model_tokens for r in scored]))
+        m.update({p + k: v for k, v in behaviour_shares(scored).items()})
     return m
 
 

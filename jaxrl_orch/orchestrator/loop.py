@@ -147,6 +147,7 @@ class Orchestrator:
         start_step: int = 1,
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[int, dict[str, Any]], Any] | None = None,
+        step_metrics: Callable[[int, dict[str, float]], dict[str, float] | None] | None = None,
         sink_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if start_step < 1:
@@ -155,6 +156,10 @@ class Orchestrator:
         self.clock = clock
         self.trainer = trainer
         self.on_step = on_step
+        # With ``step_metrics`` a step's row waits until the trainer has trained that step, so
+        # one row carries what the loop saw at ship time and what the trainer measured.
+        self.step_metrics = step_metrics
+        self._unwritten: dict[int, dict[str, float]] = {}
         self.step = start_step
         self.start_step = start_step
         self.resumed = start_step > 1
@@ -274,7 +279,18 @@ class Orchestrator:
             self.draining = True
             self.dispatcher.stop_admitting_train()
 
+    def flush_step_rows(self, final: bool = False) -> None:
+        """Write the deferred rows of trained steps (``final``: every row, trained or not)."""
+        for step in sorted(self._unwritten):
+            extra = self.step_metrics(step, self._unwritten[step])
+            if extra is None and not final:
+                return  # rows go out in step order
+            metrics = self._unwritten.pop(step)
+            metrics.update(extra or {})
+            self.write_metrics(step, metrics)
+
     async def shutdown(self) -> None:
+        self.flush_step_rows(final=True)
         timeout = self.config.shutdown_timeout_s
         for stop in (self.dispatcher.stop, self.watcher.stop, self.logger.stop):
             # Bounded: everything that matters is already on disk.
@@ -311,6 +327,8 @@ class Orchestrator:
                 # The dispatcher emits in bursts: take what is already queued in one run, up to
                 # the first episode after which there is something to ship.
                 episode = q.get_nowait() if q.qsize() and not self._ship_due() else None
+            if self._unwritten and self.policy.version >= min(self._unwritten):
+                self.flush_step_rows()
             if self._ship_due():
                 self._check_tasks()
                 await self._try_ship()
@@ -483,7 +501,10 @@ class Orchestrator:
         metrics = dict(batch.metrics)
         metrics.update(self._step_metrics(batch, now))
         self.history.append(StepRecord(step, metrics))
-        self.write_metrics(step, metrics)
+        if self.step_metrics is None:
+            self.write_metrics(step, metrics)
+        else:
+            self._unwritten[step] = metrics  # the same dict: history sees what gets merged
         self.step += 1
         if self.config.age_policy == "drop":
             # In flight since before this version: it would land at least one step too late.

@@ -9,6 +9,8 @@ on their own:
   interpolation) exactly; calling those per series cost more than the rest of a step.
 - ``head_versions(rollouts)``: each rollout's ``head_version`` (the oldest params version
   among its model tokens), read off the samples the train sink built, in one pass.
+- ``behaviour_shares(rollouts)``: the share of rollouts an env labelled with each
+  ``behaviour/<name>`` (used by both sinks, so train and eval count behaviours alike).
 
 Pure host NumPy: no state, no asyncio, no imports of orchestrator components.
 """
@@ -87,3 +89,10 @@ def head_versions(rollouts: Sequence[Rollout]) -> list[int]:
         h if h != _NO_HEAD else r.policy_version_at_start
         for h, r in zip(heads, rollouts, strict=True)
     ]
+
+
+def behaviour_shares(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """Mean of each ``behaviour/*`` rollout metric over ``rollouts`` (absent keys count 0)."""
+    keys = sorted({k for r in rollouts for k in r.metrics if k.startswith("behaviour/")})
+    n = len(rollouts)
+    return {k: sum(r.metrics.get(k, 0.0) for r in rollouts) / n for k in keys} if n else {}

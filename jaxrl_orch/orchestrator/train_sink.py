@@ -40,7 +40,8 @@ Batch metrics (``train/...``): ``reward_mean``/``reward_std`` (window, non-error
 ``batch_reward_mean`` (cohort), ``errors``, ``untrainable``, ``filtered``, ``filtered/<reason>``,
 ``rollouts_seen``, ``groups_seen``, ``groups_with_signal``, ``effective_group_rate`` (groups with
 signal / groups seen in the window; absent if the window completed no group),
-``trainable_samples``, ``tokens``, ``loss_tokens``, ``ready_carryover``.
+``trainable_samples``, ``tokens``, ``loss_tokens``, ``ready_carryover``, and ``behaviour/<name>``
+(the window's share of each behaviour its env labels, over scored rollouts).
 
 Who drives it: the orchestrator's main loop calls ``await add(episode)`` for every train
 episode. Invariants: a rollout is in at most one batch; nothing with an error, a flag or a
@@ -62,6 +63,7 @@ import numpy as np
 from jaxrl_orch.algorithms.advantages import NonFiniteRewardError, get_algorithm
 from jaxrl_orch.algorithms.filters import Filter, apply_filters, flag
 from jaxrl_orch.orchestrator.samples import GroupArrays, group_to_samples, trace_to_sample
+from jaxrl_orch.orchestrator.step_stats import behaviour_shares
 from jaxrl_orch.types import Algorithm, Episode, Rollout, Sample, TrainBatch
 
 # How many recent cohorts ``trained_rollouts`` keeps. The loop persists ``TrainBatch.trained``
@@ -374,6 +376,9 @@ class TrainSink:
             m["train/reward_std"] = math.sqrt(
                 math.fsum((x - mean) ** 2 for x in rewards) / len(rewards)
             )
+        scored = [r for r in window if not r.errors and math.isfinite(r.reward)]
+        for k, v in behaviour_shares(scored).items():
+            m[f"train/{k}"] = v
         if trained:
             m["train/batch_reward_mean"] = math.fsum(r.reward for r in trained) / len(trained)
         if groups:

@@ -40,16 +40,18 @@ def run_sft(
     batches: Iterator[list[Sample]],
     steps: int,
     *,
+    start: int = 0,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> list[dict[str, float]]:
-    """``steps`` optimizer steps, one per batch from ``batches``; returns per-step metrics."""
+    """Steps ``start + 1 .. steps``, one optimizer step per batch from ``batches`` (``start``:
+    steps a restored checkpoint already took); returns the per-step metrics of this call."""
     if trainer.step_cfg.kind != "sft":
         raise ValueError(
             f"run_sft needs a trainer built with kind='sft', got {trainer.step_cfg.kind!r}"
         )
     history = []
     t0 = time.perf_counter()
-    for i in range(1, steps + 1):
+    for i in range(start + 1, steps + 1):
         samples = next(batches)
         # The trainer's own packing rounds the row count to its chunking (few distinct shapes).
         packed = trainer.pack(TrainBatch(step=i, samples=samples, rollouts=[]))

@@ -258,7 +258,9 @@ def build_train_step(
 
     def minibatch_update(params, opt_state, mb: dict[str, jax.Array]):
         mb = dict(mb)
-        mb["weights"] = losses.loss_weights(mb["mask"], mb["target_segments"], loss_cfg.norm)
+        mb["weights"] = losses.loss_weights(
+            mb["mask"], mb["target_segments"], loss_cfg.norm, loss_cfg.norm_constant
+        )
         chunks = _to_chunks(mb, cfg.chunk_rows)
         first = jax.tree.map(lambda v: v[0], chunks)
         sums_shape = jax.eval_shape(lambda p, c: chunk_loss(p, c)[1], params, first)

@@ -126,6 +126,7 @@ class Trainer:
             self.params = jax.device_put(init_params, self.param_shardings)
 
         self.optimizer = step_lib.make_optimizer(self.optim_cfg)
+        self._schedule = step_lib.make_schedule(self.optim_cfg)
         opt_shape = jax.eval_shape(self.optimizer.init, self.params)
         self.opt_shardings = step_lib.opt_state_shardings(
             opt_shape, abstract_state, self.param_shardings, mesh
@@ -201,6 +202,9 @@ class Trainer:
         self.rng, step_rng = jax.random.split(self.rng)
         if self.colocation is not None:
             self.colocation.release()
+        # The rate of this step's first update (optax counts updates, several per step).
+        updates = self.steps_done * self.step_cfg.minibatches * self.step_cfg.ppo_epochs
+        lr = float(self._schedule(updates))
         t0 = time.perf_counter()
         self.params, self.opt_state, metrics = self._step_fn(
             self.params, self.opt_state, arrays, step_rng, self.ref_params
@@ -212,6 +216,7 @@ class Trainer:
             self.colocation.rebuild()
         self.steps_done += 1
         metrics["step_s"] = dt
+        metrics["lr"] = lr
         metrics["tokens_per_s"] = packed.num_tokens / dt if dt > 0 else 0.0
         metrics["batch_tokens"] = float(packed.num_tokens)
         metrics["rows"] = float(packed.num_rows)
@@ -236,6 +241,12 @@ class Trainer:
         finally:
             self._busy = False
         return metrics
+
+    @property
+    def last_step_metrics(self) -> dict[str, float]:
+        """The metrics of the last trained step (a copy; read it in a publisher callback to get
+        exactly the published version's numbers)."""
+        return dict(self._last)
 
     # ------------------------------------------------------------------ background worker
 

@@ -48,7 +48,7 @@ def _batch(seed=0):
     )
 
 
-def _np_weights(mask, seg, norm):
+def _np_weights(mask, seg, norm, constant=None):
     m = mask.astype(np.float64)
     if norm == "token":
         return m / max(m.sum(), 1)
@@ -56,7 +56,9 @@ def _np_weights(mask, seg, norm):
     seqs = [(r, s) for r in range(m.shape[0]) for s in np.unique(seg[r]) if m[r, seg[r] == s].sum()]
     for r, s in seqs:
         sel = seg[r] == s
-        w[r, sel] = m[r, sel] / m[r, sel].sum() / len(seqs)
+        # Dr. GRPO: each sequence's token losses summed, divided by a constant, mean over seqs.
+        per_seq = constant if norm == "constant" else m[r, sel].sum()
+        w[r, sel] = m[r, sel] / per_seq / len(seqs)
     return w
 
 
@@ -92,8 +94,49 @@ def test_loss_weights_match_numpy(norm):
     assert float(jnp.sum(w)) == pytest.approx(1.0, rel=1e-5)
 
 
+def test_constant_norm_is_dr_grpo_sum_over_a_constant():
+    b = _batch()
+    w = losses.loss_weights(b["mask"], b["seg"], "constant", 16.0)
+    np.testing.assert_allclose(w, _np_weights(b["mask"], b["seg"], "constant", 16.0), **TOL)
+    # Unlike the token norm, a sequence's weight per token does not depend on the batch's
+    # token count: every masked token weighs 1 / (constant * num_sequences).
+    m, seg = b["mask"], b["seg"]
+    n_seqs = sum(m[r, seg[r] == s].any() for r in range(R) for s in np.unique(seg[r]))
+    assert len(np.unique(np.asarray(w)[b["mask"]])) == 1
+    np.testing.assert_allclose(np.asarray(w)[b["mask"]], 1 / (16.0 * n_seqs), rtol=1e-6)
+    with pytest.raises(ValueError, match="norm_constant"):
+        losses.PolicyLossConfig(norm="constant")
+    with pytest.raises(ValueError, match="norm_constant"):
+        losses.PolicyLossConfig(norm="token", norm_constant=8.0)
+
+
+def test_dr_grpo_loss_differs_from_grpo_as_the_paper_defines():
+    """Same advantages, two normalisations: GRPO (token mean over the batch) and Dr. GRPO
+    (per-sequence token sums over a constant), each against its NumPy reduction."""
+    b = _batch(seed=4)
+    per_token = -b["adv"].astype(np.float64)  # ratio 1: the surrogate is -A per token
+    grpo_cfg = losses.PolicyLossConfig(norm="token", tis_cap=None)
+    dr_cfg = losses.PolicyLossConfig(norm="constant", norm_constant=12.0, tis_cap=None)
+    out = {}
+    for name, cfg in (("grpo", grpo_cfg), ("dr", dr_cfg)):
+        w = losses.loss_weights(b["mask"], b["seg"], cfg.norm, cfg.norm_constant)
+        out[name], _ = losses.policy_loss(
+            jnp.asarray(b["behavior"]), b["behavior"], b["adv"], b["mask"], w, cfg
+        )
+    m = b["mask"]
+    want_grpo = (per_token * m).sum() / m.sum()
+    seqs = [
+        (r, s) for r in range(R) for s in np.unique(b["seg"][r]) if m[r, b["seg"][r] == s].any()
+    ]
+    want_dr = sum((per_token[r] * m[r] * (b["seg"][r] == s)).sum() / 12.0 for r, s in seqs)
+    want_dr /= len(seqs)
+    np.testing.assert_allclose(float(out["grpo"]), want_grpo, rtol=1e-5)
+    np.testing.assert_allclose(float(out["dr"]), want_dr, rtol=1e-5)
+    assert abs(want_grpo - want_dr) > 1e-3
+
+
 def test_bad_norm_names_allowed_values():
-    with pytest.raises(ValueError, match="'token', 'sequence'.*'bogus'"):
+    with pytest.raises(ValueError, match="'token', 'sequence', 'constant'.*'bogus'"):
         losses.loss_weights(np.ones((2, 3)), None, "bogus")
     with pytest.raises(ValueError, match="norm must be one of"):
         losses.PolicyLossConfig(norm="seq")

@@ -114,3 +114,28 @@ def test_gauges_and_lifecycle():
     assert g["eval_sink/running"] == 1.0
     sink.stop()
     assert sink.gauges()["eval_sink/running"] == 0.0
+
+
+def test_behaviour_shares_over_scored_rollouts():
+    """An env's one-hot ``behaviour/*`` labels become shares of the scored answers; errored
+    rollouts are not answers, and a label no rollout carries is absent, not 0."""
+    sink = EvalSink()
+    sink.expect(0, "rev", 5)
+    kinds = ["full", "word_order", "word_order", "full"]
+    rs = []
+    for i, k in enumerate(kinds):
+        r = ev("rev", 0.5, eid=i)
+        r.metrics = {
+            "behaviour/full": float(k == "full"),
+            "behaviour/word_order": float(k != "full"),
+        }
+        rs.append(r)
+    rs.append(ev("rev", 0.0, error="boom", eid=9))
+    rs[-1].metrics = {"behaviour/other": 1.0}
+    batch = None
+    for r in rs:
+        batch = sink.add([r]) or batch
+    m = batch.metrics
+    assert m["eval/rev/behaviour/full"] == 0.5
+    assert m["eval/rev/behaviour/word_order"] == 0.5
+    assert "eval/rev/behaviour/other" not in m

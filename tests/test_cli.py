@@ -1,0 +1,300 @@
+"""The command's first contact with a newcomer: ``--help``, ``--list_config``, the bare command,
+and the closing line naming a run's outputs.
+
+Nothing here builds a model or runs jax: ``jaxrl_orch.run`` is replaced by a module that fails
+to import (the paths that must stop before any work) or by a fake ``Experiment`` (the paths
+that must go on to run), so only argument and config parsing are real.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import signal
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import gin
+import pytest
+
+from jaxrl_orch import config_help, train
+from jaxrl_orch.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTED = (
+    "python -m jaxrl_orch.train --gin_file=configs/reverse_text.gin --workdir=runs/reverse_text"
+)
+ENTRY = re.compile(r"^  (\w+): (.+) = (.+)$")  # one field's line in the listing
+
+
+@pytest.fixture(autouse=True)
+def _clean_gin():
+    yield
+    gin.clear_config()  # bindings made through main() must not leak into other tests
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Any attempt to build the experiment fails the test with an ImportError."""
+    monkeypatch.setitem(sys.modules, "jaxrl_orch.run", None)
+
+
+def _entries(listing: str) -> dict[str, list[str]]:
+    """``{field: [its entry line, the lines under it]}``, and the comment lines above it under
+    the key ``"<above>field"``."""
+    out: dict[str, list[str]] = {}
+    above: list[str] = []
+    current = None
+    for line in listing.splitlines():
+        if m := ENTRY.match(line):
+            current = m.group(1)
+            out[current] = [line]
+            out["<above>" + current] = above
+            above = []
+        elif line.startswith("  # "):
+            above.append(line[4:])
+            current = None
+        elif line.startswith("      ") and current:
+            out[current].append(line.strip())
+    return out
+
+
+def _source_comments() -> tuple[dict[str, str], dict[str, str]]:
+    """An independent reading of config.py (plain regexes on its lines): trailing comments, and
+    the comment block directly above each field."""
+    lines = (ROOT / "jaxrl_orch" / "config.py").read_text().splitlines()
+    trailing, above = {}, {}
+    for i, line in enumerate(lines):
+        m = re.match(r"^    (\w+): [^=]+ = .*?  # (.*)$", line)
+        if m:
+            trailing[m.group(1)] = m.group(2)
+        m = re.match(r"^    (\w+): ", line)
+        if m and lines[i - 1].lstrip().startswith("#"):
+            block, j = [], i - 1
+            while lines[j].lstrip().startswith("#"):
+                block.insert(0, lines[j].strip().lstrip("#").strip())
+                j -= 1
+            above[m.group(1)] = " ".join(block)
+    return trailing, above
+
+
+# --- --help ----------------------------------------------------------------------------------
+
+
+def test_help_shows_the_command_options_and_the_listing_flag():
+    res = subprocess.run(
+        [sys.executable, "-m", "jaxrl_orch.train", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("usage: python -m jaxrl_orch.train")
+    assert f"  {DOCUMENTED}" in lines  # on one line, not reflowed
+    for flag in ("--gin_file", "--gin_param", "--workdir", "--defaults", "--list_config"):
+        assert any(line.lstrip().startswith(flag) for line in lines), flag
+    assert "--list_config prints them all" in res.stdout  # the epilog's pointer
+    assert "Placement:" not in res.stdout  # the module's design note is not the help text
+
+
+# --- --list_config ---------------------------------------------------------------------------
+
+
+def test_list_config_prints_every_field_with_type_default_and_meaning(no_run, capsys):
+    assert train.main(["--list_config"]) == 0
+    out = capsys.readouterr().out
+    entries = _entries(out)
+    fields = dataclasses.fields(TrainConfig)
+    listed = [line for line in out.splitlines() if ENTRY.match(line)]
+    assert len(listed) == len(fields)  # a hard-coded list would fall behind a new field
+    assert [ENTRY.match(line).group(1) for line in listed] == [f.name for f in fields]
+    for f in fields:
+        assert entries[f.name][0] == f"  {f.name}: {f.type} = {f.default!r}"
+
+    trailing, above = _source_comments()
+    assert "rl_prompt_pool" in trailing and "model" in trailing
+    assert entries["rl_prompt_pool"][0] == "  rl_prompt_pool: int | None = None"
+    for name, comment in trailing.items():
+        assert " ".join(entries[name][1:]) == comment, name
+    assert above  # config.py documents some fields (or sections) by a block above them
+    for name, block in above.items():
+        assert " ".join(entries["<above>" + name]) == block, name
+    no_comment = [f.name for f in fields if f.name not in trailing]
+    assert no_comment and all(len(entries[n]) == 1 for n in no_comment)  # the default only
+
+
+@dataclasses.dataclass(frozen=True)
+class _Toy:
+    # a heading
+    alpha: int = 1  # the alpha
+    beta: str | None = None
+    # gamma, documented
+    # over two lines
+    gamma: tuple[int, ...] = dataclasses.field(default_factory=lambda: (1, 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ToyPlus(_Toy):
+    delta: float = 0.5  # added later
+
+
+def test_listing_follows_the_dataclass_so_a_new_field_is_listed():
+    entries = _entries(config_help.format_config_listing(_ToyPlus))
+    assert entries["alpha"] == ["  alpha: int = 1", "the alpha"]
+    assert entries["<above>alpha"] == ["a heading"]
+    assert entries["beta"] == ["  beta: str | None = None"] and entries["<above>beta"] == []
+    assert entries["gamma"] == ["  gamma: tuple[int, ...] = (1, 2)"]
+    assert entries["<above>gamma"] == ["gamma, documented", "over two lines"]
+    assert entries["delta"] == ["  delta: float = 0.5", "added later"]  # the subclass's field
+    assert "_ToyPlus: 4 settings" in config_help.format_config_listing(_ToyPlus)
+
+
+def test_listing_without_source_still_has_every_field():
+    made = dataclasses.make_dataclass("NoSource", [("x", int, dataclasses.field(default=3))])
+    assert _entries(config_help.format_config_listing(made)) == {
+        "x": ["  x: int = 3"],
+        "<above>x": [],
+    }
+
+
+# --- the bare command ------------------------------------------------------------------------
+
+
+def test_bare_command_lists_configs_and_the_default_command_and_exits_2(
+    no_run, capsys, monkeypatch, tmp_path
+):
+    monkeypatch.chdir(ROOT)
+    assert train.main([f"--workdir={tmp_path / 'w'}"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    err = cap.err
+    assert err.startswith("error: no --gin_file given")
+    assert f"  {DOCUMENTED}" in err.splitlines()
+    assert "--defaults" in err and "--list_config" in err
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    assert f"{defaults['sft_steps']} SFT steps, then {defaults['rl_steps']} RL steps" in err
+    gins = sorted((ROOT / "configs").glob("*.gin"))
+    assert gins
+    for g in gins:
+        assert f"  configs/{g.name}" in err.splitlines()
+    first = (ROOT / "configs" / "reverse_text.gin").read_text().splitlines()[0].lstrip("# ")
+    assert " ".join(first.split()[:6]) in err  # its leading comment, summarised
+    assert not (tmp_path / "w").exists()  # nothing ran
+
+
+def test_bare_command_without_a_configs_dir_still_gives_the_command(no_run, capsys, monkeypatch):
+    monkeypatch.setattr(config_help, "CONFIGS_DIR", Path("/nonexistent/configs"))
+    assert train.main([]) == 2
+    err = capsys.readouterr().err
+    assert "(no gin files at /nonexistent/configs" in err
+    assert f"  {DOCUMENTED}" in err.splitlines()
+
+
+def test_configs_help_summarises_each_file_by_its_first_sentence(tmp_path):
+    (tmp_path / "b.gin").write_text(
+        "# First sentence spans\n# two lines. Second sentence.\n#\n# more\nX.y = 1\n"
+    )
+    (tmp_path / "a.gin").write_text("X.y = 2  # no leading comment\n")
+    (tmp_path / "notes.txt").write_text("# not a config\n")
+    lines = config_help.configs_help(tmp_path)
+    assert lines[1:] == [
+        f"  {tmp_path / 'a.gin'}",
+        f"  {tmp_path / 'b.gin'}",
+        "      First sentence spans two lines.",
+    ]
+
+
+def test_defaults_with_a_gin_file_is_refused_naming_both(no_run, capsys):
+    assert train.main(["--defaults", "--gin_file=configs/reverse_text.gin"]) == 2
+    err = capsys.readouterr().err
+    assert "--defaults" in err and "configs/reverse_text.gin" in err
+
+
+# --- runs that go ahead, with a fake Experiment -------------------------------------------------
+
+
+class _FakeExperiment:
+    made: list[_FakeExperiment] = []
+
+    def __init__(self, cfg: TrainConfig, workdir: Path):
+        self.cfg, self.workdir = cfg, workdir
+        _FakeExperiment.made.append(self)
+
+    def validate(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+
+    def write_config(self, text: str) -> None:
+        (self.workdir / "config.gin").write_text(text)
+
+    def request_stop(self) -> None:
+        pass
+
+    def run(self) -> dict:
+        return {"rl_steps": self.cfg.rl_steps}
+
+    def finish(self, summary: dict) -> None:
+        (self.workdir / "summary.json").write_text("{}")
+        (self.workdir / "report.md").write_text("# report")
+        (self.workdir / "reward.png").write_bytes(b"")
+
+
+@pytest.fixture
+def fake_run(monkeypatch):
+    _FakeExperiment.made = []
+    module = types.ModuleType("jaxrl_orch.run")
+    module.Experiment = _FakeExperiment
+    monkeypatch.setitem(sys.modules, "jaxrl_orch.run", module)
+    return _FakeExperiment.made
+
+
+@pytest.mark.parametrize(
+    ("argv", "rl_steps"),
+    [
+        (["--defaults"], TrainConfig.__dataclass_fields__["rl_steps"].default),
+        # how tests/test_train_e2e.py runs the command: bindings only, no gin file
+        (["--gin_param=TrainConfig.rl_steps = 3", "--gin_param=TrainConfig.sft_steps = 2"], 3),
+    ],
+)
+def test_defaults_or_bindings_run_and_end_with_the_outputs_line(
+    fake_run, capsys, tmp_path, argv, rl_steps
+):
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    wd = tmp_path / "run"
+    assert train.main([*argv, f"--workdir={wd}"]) == 0
+    [exp] = fake_run
+    assert exp.cfg.rl_steps == rl_steps and exp.workdir == wd
+    out = capsys.readouterr().out.splitlines()
+    assert json.loads(out[-2])["rl_steps"] == rl_steps  # the headline, then the closing line
+    assert out[-1] == train.outputs_line(wd)
+    assert str(wd / "report.md") in out[-1] and str(wd / "reward.png") in out[-1]
+    assert {s: signal.getsignal(s) for s in handlers} == handlers  # main() puts them back
+
+
+# --- the closing line ------------------------------------------------------------------------
+
+
+def test_outputs_line_names_the_report_plots_export_and_summary(tmp_path):
+    for name in ("report.md", "summary.json", "reward.png", "age_hist.png", "metrics.jsonl"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "export").mkdir()
+    line = train.outputs_line(tmp_path)
+    assert "\n" not in line and line.startswith("outputs: ")
+    for name in ("report.md", "summary.json", "reward.png", "age_hist.png"):
+        assert str(tmp_path / name) in line, name
+    assert f"{tmp_path / 'export'}/" in line
+    assert "metrics.jsonl" not in line  # only what a newcomer opens first
+    assert line.index("report.md") < line.index("age_hist.png") < line.index("reward.png")
+
+
+def test_outputs_line_omits_what_is_absent(tmp_path):
+    (tmp_path / "report.md").write_text("x")
+    (tmp_path / "summary.json").write_text("{}")
+    line = train.outputs_line(tmp_path)
+    assert "export" not in line and ".png" not in line and "plots" not in line
+    assert str(tmp_path / "report.md") in line
+    assert "none found" in train.outputs_line(tmp_path / "empty")
