@@ -32,6 +32,7 @@ from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.orchestrator.eval_sink import eval_metrics
 from jaxrl_orch.orchestrator.logger import ConsoleWriter, JsonlWriter
+from jaxrl_orch.summary import eval_summary
 from jaxrl_orch.trainer.sft import run_sft
 from jaxrl_orch.types import SamplingParams
 from sharding.reshard import reshard
@@ -110,27 +111,11 @@ def run_imitation(exp: Any, params: Any) -> dict[str, Any]:
     finally:
         driver.stop()
         writer.close()
-    curve = {s: m[f"eval/{exp.env.name}/reward_mean"] for s, m in evals.items()}
-    sampled = {s: m[f"eval/{exp.sampled_eval}/reward_mean"] for s, m in evals.items()}
-
-    def shares(env: str) -> dict[str, dict[str, float]]:
-        p = f"eval/{env}/behaviour/"
-        return {
-            str(s): {k[len(p) :]: v for k, v in m.items() if k.startswith(p)}
-            for s, m in sorted(evals.items())
-        }
-
-    last = max(evals)
     return {
         "after_warmup": "sft",
-        "eval_reward_before_rl": curve[0],
-        "eval_reward_final": curve[last],
-        "eval_rewards": {str(k): v for k, v in sorted(curve.items())},
+        **eval_summary(evals, exp.env.name, exp.sampled_eval),
         "eval_temperature": cfg.temperature,
-        "eval_sampled_reward_before_rl": sampled[0],
-        "eval_sampled_reward_final": sampled[last],
-        "behaviour": {"greedy": shares(exp.env.name), "sampled": shares(exp.sampled_eval)},
         "control_updates": float(done),
-        "rl_steps": last,
+        "rl_steps": max(evals),
         "rl_seconds": time.perf_counter() - t0,
     }

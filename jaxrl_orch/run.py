@@ -26,7 +26,6 @@ engine is built with the restored weights, so no rollout can come from older one
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import shutil
 import threading
@@ -38,34 +37,36 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from tqdm import tqdm
 
 from jaxrl_orch.algorithms.losses import PolicyLossConfig
+from jaxrl_orch.build import first_examples, hf_checkpoint_dir, model_config, optim_config
 from jaxrl_orch.config import TrainConfig
 from jaxrl_orch.control import run_imitation
-from jaxrl_orch.data.sources import DatasetSource, make_source, text_file_path
+from jaxrl_orch.data.sources import make_source, text_file_path
 from jaxrl_orch.envs.base import AtTemperature, make_env
 from jaxrl_orch.envs.demonstrator import MixedDemonstrator
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
-from jaxrl_orch.models.configs import ModelConfig, get_config
-from jaxrl_orch.models.hf_import import config_from_hf, load_hf_checkpoint, save_hf_checkpoint
+from jaxrl_orch.models.hf_import import load_hf_checkpoint, save_hf_checkpoint
 from jaxrl_orch.models.tokenizer import load_tokenizer, tokenizer_json_path
 from jaxrl_orch.orchestrator.logger import (
     ConsoleWriter,
     JsonlWriter,
     ProgressWriter,
     TensorBoardWriter,
+    stage,
 )
 from jaxrl_orch.orchestrator.loop import Orchestrator, OrchestratorConfig
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
 from jaxrl_orch.report import write_report
+from jaxrl_orch.summary import eval_line, eval_summary, first_eval, merge_evals, train_reward_ends
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
-from jaxrl_orch.trainer.sft import run_sft, sft_sample
-from jaxrl_orch.trainer.step import OptimConfig, StepConfig
+from jaxrl_orch.trainer.sft import sft_sample
+from jaxrl_orch.trainer.step import StepConfig
 from jaxrl_orch.trainer.trainer import Trainer
 from jaxrl_orch.types import Sample, SamplingParams
+from jaxrl_orch.warmup import run_warmup
 from sharding.mesh import make_meshes
 from sharding.reshard import reshard
 
@@ -118,7 +119,7 @@ class Experiment:
             cfg.dataset, split=train_split, data_dir=cfg.data_dir, seed=cfg.seed
         )
         if cfg.rl_prompt_pool is not None:
-            self.train_source = _first_examples(self.train_source, cfg.rl_prompt_pool, cfg.seed)
+            self.train_source = first_examples(self.train_source, cfg.rl_prompt_pool, cfg.seed)
         self.sft_source = make_source(
             cfg.dataset, split=train_split, data_dir=cfg.data_dir, seed=cfg.seed + 1
         )
@@ -182,7 +183,7 @@ class Experiment:
 
     # ------------------------------------------------------------------ SFT
 
-    def _pretrained(self) -> Any:
+    def pretrained(self) -> Any:
         """The HF checkpoint's weights when ``TrainConfig.model`` names one, else None."""
         path = hf_checkpoint_dir(self.cfg.model)
         if path is None:
@@ -256,81 +257,12 @@ class Experiment:
         )
 
     def sft(self, writer: JsonlWriter) -> tuple[Any, dict[str, float]]:
-        """The warm-up, or its checkpoint: complete (skip), partial (continue from its step and
-        data cursor: a checkpoint every ``sft_checkpoint_every`` steps and one on SIGTERM), or
-        none (start from the initial or pretrained weights). Returns (params or None when
-        stopped, summary info)."""
-        cfg = self.cfg
-        own = self.workdir / "sft"
-        if cfg.warmup_from is not None and not _has_steps(own):
-            # Start from that run's warm-up: copied, so this workdir stays self-contained.
-            shutil.rmtree(own, ignore_errors=True)
-            shutil.copytree(Path(cfg.warmup_from) / "sft", own)
-        ckpt = Checkpointer(own, max_to_keep=1, async_save=False)
-        latest = ckpt.latest_step()
-        resuming = latest is not None or _has_steps(self.workdir / "checkpoints")
-        trainer = self.make_trainer(
-            "sft", cfg.sft_learning_rate, init_params=None if resuming else self._pretrained()
-        )
-        info: dict[str, float] = {"sft_steps": float(cfg.sft_steps)}
-        done = 0
-        try:
-            if latest is not None:
-                state = restore_trainer(ckpt, trainer)
-                # Checkpoints without the flag are complete warm-ups (e.g. via warmup_from).
-                if state.get("complete", True) or latest >= cfg.sft_steps:
-                    info["sft_restored"] = 1.0
-                    # The warm-up that was run (e.g. another run's), not the setting.
-                    info["sft_steps"] = float(latest)
-                    return trainer.params, info
-                self.sft_source.restore(state["sft_source"])
-                done = latest
-                info["sft_resumed_from_step"] = float(latest)
-            if not cfg.sft_steps:
-                return trainer.params, info
-            t0 = time.perf_counter()
-            bar = ProgressWriter(cfg.sft_steps, initial=done, desc="sft", postfix_keys=["sft/loss"])
-            console = ConsoleWriter(keys=["sft/loss", "sft/lr"])
-
-            def save(i: int, complete: bool) -> None:
-                state = {"complete": complete, "sft_source": self.sft_source.state()}
-                save_trainer(ckpt, trainer, i, state)
-
-            def log(i: int, m: dict[str, float]) -> None:
-                nonlocal done
-                done = i
-                writer.write(i, m)
-                bar.write(i, m)
-                if i % 25 == 0 or i == cfg.sft_steps:
-                    console.write(i, m)
-                if i % cfg.sft_checkpoint_every == 0 and i < cfg.sft_steps:
-                    save(i, complete=False)
-                if self._stop.is_set():
-                    raise _Stopped
-
-            try:
-                hist = run_sft(trainer, self.sft_batches(), cfg.sft_steps, start=done, on_step=log)
-            except _Stopped:
-                if done and done not in ckpt.all_steps():
-                    save(done, complete=done >= cfg.sft_steps)
-                info["sft_steps"] = float(done)
-                return None, info
-            finally:
-                bar.close()
-            info["sft_seconds"] = time.perf_counter() - t0
-            if hist:
-                info["sft_final_loss"] = hist[-1]["sft/loss"]
-            save(cfg.sft_steps, complete=True)
-        finally:
-            ckpt.close()
-        return trainer.params, info
-
-    # ------------------------------------------------------------------ RL
+        """The warm-up stage (``warmup.run_warmup``): (params or None when stopped, info)."""
+        return run_warmup(self, writer)
 
     def run(self) -> dict[str, Any]:
         self.workdir.mkdir(parents=True, exist_ok=True)
         writer = JsonlWriter(self.workdir / "metrics.jsonl")
-        stage("warm-up", f"{self.cfg.sft_steps} SFT steps of {self.cfg.sft_batch_size} examples")
         try:
             params, info = self.sft(writer)
         finally:
@@ -462,8 +394,8 @@ class Experiment:
                 save_trainer(ckpt, trainer, trainer.version, orch.state())
             ckpt.wait()
             secs = time.perf_counter() - t0
-            final = {b.env: b.metrics for b in orch.eval_history if b.step == trainer.version}
-            stage("final eval", _eval_line(final))
+            final = merge_evals(orch.eval_history).get(trainer.version, {})
+            stage("final eval", eval_line(final))
             if cfg.export_hf:
                 stage(
                     "export", f"the final policy as an HF checkpoint to {self.workdir / 'export'}"
@@ -473,7 +405,7 @@ class Experiment:
             trainer.stop()
             driver.stop()
             ckpt.close()
-        summary = self._rl_summary(orch, trainer, start_step, secs)
+        summary = self._rl_summary(orch, trainer.version, start_step, secs)
         summary["export_dir"] = None if exported is None else str(exported)
         return summary
 
@@ -525,46 +457,22 @@ class Experiment:
         """Eval-env name of the held-out set sampled at the training temperature."""
         return f"{self.env.name}@t{self.cfg.temperature:g}"
 
-    def _rl_summary(self, orch: Orchestrator, trainer: Trainer, start: int, secs: float) -> dict:
-        def curve(env: str) -> dict[int, float]:
-            key = f"eval/{env}/reward_mean"
-            return {b.step: b.metrics[key] for b in orch.eval_history if key in b.metrics}
-
-        def shares(env: str) -> dict[str, dict[str, float]]:
-            p = f"eval/{env}/behaviour/"
-            return {
-                str(b.step): {k[len(p) :]: v for k, v in b.metrics.items() if k.startswith(p)}
-                for b in sorted(orch.eval_history, key=lambda b: b.step)
-                if b.env == env and any(k.startswith(p) for k in b.metrics)
-            }
-
-        evals, sampled = curve(self.env.name), curve(self.sampled_eval)
-        behaviour = {"greedy": shares(self.env.name), "sampled": shares(self.sampled_eval)}
+    def _rl_summary(self, orch: Orchestrator, version: int, start: int, secs: float) -> dict:
+        evals = merge_evals(orch.eval_history)
         # Written once at step 0 so a resumed run still reports the warm-up's numbers.
         before_path = self.workdir / "eval_before_rl.json"
-        if 0 in evals:
-            first = {k: v["0"] for k, v in behaviour.items() if "0" in v}
-            before = {"reward": evals[0], "sampled": sampled.get(0), "behaviour": first}
-            before_path.write_text(json.dumps(before))
+        first = first_eval(evals, self.env.name, self.sampled_eval)
+        if first is not None:
+            before_path.write_text(json.dumps(first))
         before = json.loads(before_path.read_text()) if before_path.exists() else {}
-        for k, v in before.get("behaviour", {}).items():
-            behaviour[k] = {"0": v, **behaviour[k]}
-        rewards = [r.metrics.get("train/reward_mean") for r in orch.history]
-        rewards = [x for x in rewards if x is not None]
         return {
-            "eval_reward_before_rl": before.get("reward"),
-            "eval_reward_final": evals[max(evals)] if evals else None,
-            "eval_rewards": {str(k): v for k, v in sorted(evals.items())},
+            **eval_summary(evals, self.env.name, self.sampled_eval, before),
             "eval_temperature": self.cfg.temperature,
-            "eval_sampled_reward_before_rl": before.get("sampled"),
-            "eval_sampled_reward_final": sampled[max(sampled)] if sampled else None,
-            "behaviour": behaviour,
-            "rl_steps": trainer.version,
-            "rl_steps_this_run": trainer.version - (start - 1),
+            "rl_steps": version,
+            "rl_steps_this_run": version - (start - 1),
             "resumed_from_step": start - 1 if start > 1 else None,
             "rl_seconds": secs,
-            "train_reward_first": rewards[0] if rewards else None,
-            "train_reward_last": rewards[-1] if rewards else None,
+            **train_reward_ends(r.metrics for r in orch.history),
             "age_histogram": {str(k): v for k, v in sorted(orch.age_histogram.items())},
             "age_policy": self.cfg.age_policy,
             "dropped": orch.dropped_total,
@@ -573,90 +481,3 @@ class Experiment:
     def finish(self, summary: dict[str, Any]) -> None:
         (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         write_report(self.workdir)
-
-
-def model_config(name: str, tokenizer: Any) -> ModelConfig:
-    """The named model, its logits limited to the ids ``tokenizer`` can produce (engine and
-    trainer share this config, so both see the same masked distribution). A tokenizer with
-    more ids than the model has rows is a mismatch and fails here, before any work."""
-    ckpt = hf_checkpoint_dir(name)
-    if ckpt is None:
-        model_cfg = get_config(name)
-    else:
-        model_cfg = config_from_hf(json.loads((ckpt / "config.json").read_text()))
-    n = tokenizer.output_vocab_size
-    if n > model_cfg.vocab_size:
-        raise ValueError(
-            f"tokenizer produces {n} ids but model {name!r} has vocab_size "
-            f"{model_cfg.vocab_size}; pick a model whose vocab covers the tokenizer"
-        )
-    return dataclasses.replace(model_cfg, output_vocab=n) if n < model_cfg.vocab_size else model_cfg
-
-
-def hf_checkpoint_dir(name: str) -> Path | None:
-    """The directory ``TrainConfig.model`` names when it is an HF checkpoint, else None (a
-    preset name). A path that looks like a directory but holds no config.json is an error."""
-    path = Path(name)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"model {name!r} is a directory without config.json; name a preset or an HF "
-                "checkpoint directory (config.json + model.safetensors)"
-            )
-        return path
-    if "/" in name or name.startswith("."):
-        raise ValueError(
-            f"model directory {name!r} does not exist (nothing is downloaded: name a preset or "
-            "a local HF checkpoint directory)"
-        )
-    return None
-
-
-def optim_config(cfg: TrainConfig, kind: str, lr: float) -> OptimConfig:
-    """The optimizer schedule of a stage. RL: constant after ``rl_warmup_steps`` (its length is
-    open-ended: a resumed run continues the same schedule). SFT: the warm-up has a known length,
-    so warm up for ``sft_warmup_steps`` then anneal (cosine to 10% of the LR at ``sft_steps``);
-    on the embedded default this reaches a greedy eval reward of 0.74 after 200 steps where a
-    constant LR reached 0.43 (README, "Results")."""
-    if kind == "rl":
-        return OptimConfig(learning_rate=lr, warmup_steps=cfg.rl_warmup_steps)
-    if cfg.sft_steps > cfg.sft_warmup_steps:
-        return OptimConfig(
-            learning_rate=lr,
-            schedule="warmup_cosine",
-            warmup_steps=cfg.sft_warmup_steps,
-            total_steps=cfg.sft_steps,
-            end_lr_ratio=0.1,
-        )
-    return OptimConfig(learning_rate=lr, warmup_steps=cfg.sft_warmup_steps)
-
-
-def _first_examples(source: DatasetSource, n: int, seed: int) -> DatasetSource:
-    """A source over the first ``n`` examples of ``source``'s data (the same every run)."""
-    if n > len(source):
-        raise ValueError(f"rl_prompt_pool {n} exceeds the {len(source)} training examples")
-    return DatasetSource([source.example_at(i) for i in range(n)], seed=seed, name=f"first{n}")
-
-
-def stage(title: str, detail: str) -> None:
-    """A stage header on the console (through tqdm, so it never tears a progress bar)."""
-    tqdm.write(f"== {title}: {detail}")
-
-
-def _eval_line(evals: dict[str, dict[str, float]]) -> str:
-    parts = []
-    for env, m in sorted(evals.items()):
-        key = f"eval/{env}/reward_mean"
-        if key in m:
-            shares = {k.rsplit("/", 1)[1]: v for k, v in m.items() if "/behaviour/" in k}
-            text = " ".join(f"{b} {v:.0%}" for b, v in shares.items() if v)
-            parts.append(f"{env} {m[key]:.3f}" + (f" ({text})" if text else ""))
-    return "; ".join(parts) or "no eval landed"
-
-
-def _has_steps(directory: Path) -> bool:
-    return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
-
-
-class _Stopped(Exception):
-    pass

@@ -138,8 +138,13 @@ def load_config(gin_files: list[str], gin_params: list[str]) -> TrainConfig:
     try:
         gin.parse_config_files_and_bindings(gin_files, gin_params)
     except (ValueError, KeyError, SyntaxError) as exc:
+        gin.clear_config()
         raise ValueError(f"bad gin config: {exc}") from exc
-    return TrainConfig()
+    try:
+        return TrainConfig()
+    except ValueError:
+        gin.clear_config()  # a refused config must not linger for the next TrainConfig()
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:

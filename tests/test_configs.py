@@ -53,8 +53,8 @@ def test_bad_values_are_named_with_what_is_allowed(binding, message):
 def test_stage_schedules_sft_anneals_rl_warms_up_then_holds():
     import gin
 
+    from jaxrl_orch.build import optim_config
     from jaxrl_orch.config import TrainConfig
-    from jaxrl_orch.run import optim_config
     from jaxrl_orch.trainer.step import make_schedule
 
     gin.clear_config()  # bindings parsed by earlier tests would apply to TrainConfig(...) too
@@ -74,8 +74,8 @@ def test_stage_schedules_sft_anneals_rl_warms_up_then_holds():
 def test_model_config_limits_logits_to_the_tokenizers_ids():
     from types import SimpleNamespace
 
+    from jaxrl_orch.build import model_config
     from jaxrl_orch.models.tokenizer import ByteTokenizer
-    from jaxrl_orch.run import model_config
 
     tok = ByteTokenizer()
     cfg = model_config("tiny-byte", tok)
@@ -224,3 +224,11 @@ def test_loss_settings_reach_the_rl_step(tmp_path):
         load_config([], ["TrainConfig.algorithm = 'dr_grpo'", "TrainConfig.loss_norm = 'token'"])
     with pytest.raises(ValueError, match="after_warmup must be 'rl' or 'sft'.*'dpo'"):
         load_config([], ["TrainConfig.after_warmup = 'dpo'"])
+
+
+def test_a_refused_config_leaves_no_bindings_behind():
+    from jaxrl_orch.config import TrainConfig
+
+    with pytest.raises(ValueError, match="after_warmup"):
+        load_config([], ["TrainConfig.rl_steps = 7", "TrainConfig.after_warmup = 'dpo'"])
+    assert TrainConfig().rl_steps == 60 and TrainConfig().after_warmup == "rl"

@@ -75,7 +75,7 @@ def test_run_starts_from_an_hf_checkpoint_and_exports_the_trained_policy(tmp_pat
     # A resumed run restores its own checkpoint; it never goes back to the HF weights.
     again = Experiment(_cfg(str(tmp_path / "hf")), tmp_path / "run")
     again.validate()
-    again._pretrained = lambda: pytest.fail("a resumed run must not reload the HF weights")
+    again.pretrained = lambda: pytest.fail("a resumed run must not reload the HF weights")
     writer = JsonlWriter(tmp_path / "sft_metrics2.jsonl")
     again.sft(writer)
     writer.close()

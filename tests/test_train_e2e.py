@@ -101,6 +101,9 @@ def test_split_placement_run_writes_metrics_checkpoints_and_report(tmp_path):
     assert shares == pytest.approx([1.0] * len(evals))
     assert set(summary["behaviour"]["greedy"]) == {"0", "2", "3"}
     assert set(summary["behaviour"]["sampled"]["0"]) >= {"full", "word_order", "no_tags", "other"}
+    # TensorBoard gets the step and eval rows (rewards, evals, ages, diagnostics), not only
+    # the periodic gauges.
+    assert any(p.name.startswith("events.") for p in (wd / "tb" / "steps").iterdir())
     for header in ("== data:", "== warm-up:", "== RL:", "== final eval:", "== export:"):
         assert header in res.stdout, header
     assert set(summary["eval_rewards"]) == {"0", "2", "3"}

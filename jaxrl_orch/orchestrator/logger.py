@@ -14,10 +14,12 @@ What it owns
 
     Writers (``types.MetricsWriter``: ``write(step, metrics)``, ``close()``):
     ``ConsoleWriter`` one compact line per write (chosen keys, ``*`` patterns allowed);
-    ``ProgressWriter`` a tqdm bar over the run's steps (on a terminal only; the console lines
-    go through ``tqdm.write`` so they never tear it); ``JsonlWriter`` one JSON object per line
-    with ``step`` and ``time`` (non-finite values become ``null``); ``TensorBoardWriter``
-    scalars via tensorboardX. Values must be real numbers; anything else raises naming the key.
+    ``stage(title, detail)`` prints a stage header (data, warm-up, RL, final eval, export)
+    the same way. ``ProgressWriter`` a tqdm bar over the run's steps (on a terminal only; the
+    console lines go through ``tqdm.write`` so they never tear it); ``JsonlWriter`` one JSON
+    object per line with ``step`` and ``time`` (non-finite values become ``null``);
+    ``TensorBoardWriter`` scalars via tensorboardX. Values must be real numbers; anything else
+    raises naming the key.
 
 Driven by the orchestrator loop: ``start()`` as a task, ``stop()`` last in shutdown (it writes
 one final gauge snapshot and closes the writers, which the logger owns), ``check()``.
@@ -55,6 +57,11 @@ def _clean(metrics: dict[str, Any]) -> dict[str, float]:
             )
         out[key] = float(value)
     return out
+
+
+def stage(title: str, detail: str) -> None:
+    """A stage header on the console (through tqdm, so it never tears a progress bar)."""
+    tqdm.write(f"== {title}: {detail}")
 
 
 class ConsoleWriter:

@@ -1,0 +1,106 @@
+"""The SFT warm-up stage: run it, continue it, or restore it, with checkpoints along the way.
+
+What it owns: ``run_warmup(exp, writer)``, the stage before RL. Its checkpoint lives in
+``WORKDIR/sft`` (one kept). A checkpoint records whether the warm-up was ``complete`` and the
+SFT data cursor; so the same command after a SIGTERM or a crash continues from the last
+checkpoint (one every ``sft_checkpoint_every`` steps, and one at the step a SIGTERM stopped)
+with the same data order, and a complete warm-up (this run's, or another run's copied via
+``warmup_from``) is restored and skipped. A fresh warm-up starts from the model's initial or
+pretrained weights; a resumed one never reloads them.
+
+Driven by ``run.Experiment.run`` on the main thread; the loop body is ``trainer/sft.run_sft``.
+Returns ``(params, info)``; params are None when a stop was requested (its progress is on disk).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from jaxrl_orch.orchestrator.logger import ConsoleWriter, JsonlWriter, ProgressWriter, stage
+from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
+from jaxrl_orch.trainer.sft import run_sft
+
+
+def run_warmup(exp: Any, writer: JsonlWriter) -> tuple[Any, dict[str, float]]:
+    """The warm-up, or its checkpoint: complete (skip), partial (continue), or none."""
+    cfg = exp.cfg
+    own = exp.workdir / "sft"
+    if cfg.warmup_from is not None and not has_steps(own):
+        # Start from that run's warm-up: copied, so this workdir stays self-contained.
+        shutil.rmtree(own, ignore_errors=True)
+        shutil.copytree(Path(cfg.warmup_from) / "sft", own)
+    ckpt = Checkpointer(own, max_to_keep=1, async_save=False)
+    latest = ckpt.latest_step()
+    resuming = latest is not None or has_steps(exp.workdir / "checkpoints")
+    trainer = exp.make_trainer(
+        "sft", cfg.sft_learning_rate, init_params=None if resuming else exp.pretrained()
+    )
+    info: dict[str, float] = {"sft_steps": float(cfg.sft_steps)}
+    done = 0
+    try:
+        if latest is not None:
+            state = restore_trainer(ckpt, trainer)
+            # Checkpoints without the flag are complete warm-ups (e.g. via warmup_from).
+            if state.get("complete", True) or latest >= cfg.sft_steps:
+                stage("warm-up", f"restored after {latest} SFT steps from {own}")
+                info["sft_restored"] = 1.0
+                # The warm-up that was run (e.g. another run's), not the setting.
+                info["sft_steps"] = float(latest)
+                return trainer.params, info
+            exp.sft_source.restore(state["sft_source"])
+            done = latest
+            info["sft_resumed_from_step"] = float(latest)
+        if not cfg.sft_steps:
+            return trainer.params, info
+        stage(
+            "warm-up",
+            f"{cfg.sft_steps} SFT steps of {cfg.sft_batch_size} examples"
+            + (f", continuing after step {done}" if done else ""),
+        )
+        t0 = time.perf_counter()
+        bar = ProgressWriter(cfg.sft_steps, initial=done, desc="sft", postfix_keys=["sft/loss"])
+        console = ConsoleWriter(keys=["sft/loss", "sft/lr"])
+
+        def save(i: int, complete: bool) -> None:
+            state = {"complete": complete, "sft_source": exp.sft_source.state()}
+            save_trainer(ckpt, trainer, i, state)
+
+        def log(i: int, m: dict[str, float]) -> None:
+            nonlocal done
+            done = i
+            writer.write(i, m)
+            bar.write(i, m)
+            if i % 25 == 0 or i == cfg.sft_steps:
+                console.write(i, m)
+            if i % cfg.sft_checkpoint_every == 0 and i < cfg.sft_steps:
+                save(i, complete=False)
+            if exp.stop_requested:
+                raise _Stopped
+
+        try:
+            hist = run_sft(trainer, exp.sft_batches(), cfg.sft_steps, start=done, on_step=log)
+        except _Stopped:
+            if done and done not in ckpt.all_steps():
+                save(done, complete=done >= cfg.sft_steps)
+            info["sft_steps"] = float(done)
+            return None, info
+        finally:
+            bar.close()
+        info["sft_seconds"] = time.perf_counter() - t0
+        if hist:
+            info["sft_final_loss"] = hist[-1]["sft/loss"]
+        save(cfg.sft_steps, complete=True)
+    finally:
+        ckpt.close()
+    return trainer.params, info
+
+
+def has_steps(directory: Path) -> bool:
+    return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+
+
+class _Stopped(Exception):
+    pass

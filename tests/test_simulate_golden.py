@@ -1,0 +1,22 @@
+"""The orchestrator's behaviour, pinned: ``python -m jaxrl_orch.simulate --json`` prints exactly
+what it printed before the wiring was restructured, for S = 0, 1, 2 with ``admit``, ``drop`` and
+``pace`` under fixed and lognormal latency (a fixed seed). The outputs in
+``golden/simulate.jsonl`` were recorded from commit 051007a; a refactor that changes admission,
+shipping, ages or drops changes one of these strings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxrl_orch import simulate
+
+CASES = [json.loads(x) for x in (Path(__file__).parent / "golden" / "simulate.jsonl").open()]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: " ".join(c["args"][4:9:2]))
+def test_simulate_output_is_byte_identical_to_the_recorded_one(case, capsys):
+    assert simulate.main(case["args"]) == 0
+    assert capsys.readouterr().out.strip() == case["output"]
