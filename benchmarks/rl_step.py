@@ -24,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
 from jaxrl_orch.config import TrainConfig  # noqa: E402
-from jaxrl_orch.run import Experiment  # noqa: E402
+from jaxrl_orch.experiment import Experiment  # noqa: E402
 
 
 def run_once(staleness: int, steps: int, warmup: int, workdir: Path) -> dict:

@@ -1,5 +1,9 @@
 """TrainConfig: every setting of ``python -m jaxrl_orch.train``, bound by gin.
 
+It sits below the orchestrator: it imports only ``settings`` (the orchestrator's own settings
+dataclass, which ``TrainConfig.orchestrator`` composes from the flat fields) and the
+algorithm registry (to fail on an unknown name at parse time).
+
 One frozen dataclass, so the whole run is described by one gin file; an unknown binding fails
 at parse time naming the parameter. The defaults are the embedded CPU scenario (tiny byte-level
 model, bundled reverse-text task); ``configs/*.gin`` override them.
@@ -10,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 import gin
+
+from jaxrl_orch.settings import AGE_POLICIES, OrchestratorConfig
 
 
 @gin.configurable
@@ -83,7 +89,6 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         from jaxrl_orch.algorithms.advantages import get_algorithm
-        from jaxrl_orch.orchestrator.loop import AGE_POLICIES
 
         get_algorithm(self.algorithm)  # an unknown name fails here, naming the known ones
         if self.rl_prompt_pool is not None and self.rl_prompt_pool < 1:
@@ -128,6 +133,20 @@ class TrainConfig:
         for name in ("sft_steps", "max_staleness", "rl_warmup_steps", "sft_warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def orchestrator(self) -> OrchestratorConfig:
+        """The loop's own settings, composed from the flat fields users bind."""
+        return OrchestratorConfig(
+            max_steps=self.rl_steps,
+            batch_size=self.batch_size,
+            group_size=self.group_size,
+            max_staleness=self.max_staleness,
+            max_concurrent=self.max_concurrent or (self.max_staleness + 1) * self.batch_size,
+            age_policy=self.age_policy,
+            eval_every=self.eval_every,
+            stall_timeout_s=self.stall_timeout_s,
+        )
 
     @property
     def resolved_loss_norm(self) -> str:

@@ -33,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_orch.orchestrator.loop import AGE_POLICIES, Orchestrator, OrchestratorConfig
+from jaxrl_orch.build.orchestrator import Telemetry, build_orchestrator
 from jaxrl_orch.orchestrator.vclock import run_virtual
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
+from jaxrl_orch.settings import AGE_POLICIES, OrchestratorConfig
 from jaxrl_orch.types import (
     Completion,
     PolicyHandle,
@@ -67,9 +68,9 @@ def parse_latency(spec: str) -> tuple[str, tuple[float, ...]]:
 class SimEngine:
     """A latency model standing in for the decoding engine; also the inference pool."""
 
-    def __init__(self, latency: str, policy_ref: list[PolicyHandle], rng: np.random.Generator):
+    def __init__(self, latency: str, policy: PolicyHandle, rng: np.random.Generator):
         self.kind, self.params = parse_latency(latency)
-        self.policy_ref = policy_ref
+        self.policy = policy
         self.rng = rng
         self.active = 0
         self.idle_s = 0.0
@@ -93,7 +94,7 @@ class SimEngine:
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion:
         n = sampling.max_tokens
-        policy = self.policy_ref[0]
+        policy = self.policy
         first = last = policy.version
         latency = self.draw()
         if latency > 0:
@@ -207,8 +208,9 @@ class Scenario:
 
 async def run_scenario(sc: Scenario) -> dict[str, Any]:
     rng = np.random.default_rng(sc.seed)
-    policy_ref: list[PolicyHandle] = []
-    engine = SimEngine(sc.latency, policy_ref, rng)
+    # Created here and shared: the simulated engine stamps the version the orchestrator reads.
+    policy = PolicyHandle(sc.start_step - 1)
+    engine = SimEngine(sc.latency, policy, rng)
     publisher = InProcessPublisher()
     trainer = SimTrainer(publisher, sc.train_time)
     loop = asyncio.get_running_loop()
@@ -229,8 +231,9 @@ async def run_scenario(sc: Scenario) -> dict[str, Any]:
         stall_timeout_s=None,
         recover_gate_on_resume=sc.recover_gate_on_resume,
     )
-    orch = Orchestrator(
+    orch = build_orchestrator(
         cfg,
+        policy,
         pool=engine,
         envs={"sim": SimEnv(rng)},
         source=SimSource(),
@@ -238,11 +241,9 @@ async def run_scenario(sc: Scenario) -> dict[str, Any]:
         trainer=trainer,
         version_source=publisher,
         reload_fn=reload,
-        start_step=sc.start_step,
         clock=loop.time,
-        log_interval_s=1e9,
+        telemetry=Telemetry(log_interval_s=1e9),
     )
-    policy_ref.append(orch.policy)
     try:
         history = await orch.run()
     finally:

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load_config(args.gin_file, args.gin_param)
-        from jaxrl_orch.run import Experiment  # heavy imports (jax) only after config checks
+        from jaxrl_orch.experiment import Experiment  # heavy imports (jax) only after config checks
 
         exp = Experiment(cfg, Path(args.workdir))
         exp.validate()

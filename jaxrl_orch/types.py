@@ -129,6 +129,7 @@ class Rollout:
     filtered: bool = False
     filter_reasons: list[str] = dataclasses.field(default_factory=list)
     is_eval: bool = False
+    eval_step: int | None = None  # the train step an eval rollout was scheduled for
     # False for replayed / externally supplied rollouts: they carry no meaningful version.
     live_policy: bool = True
     policy_version_at_start: int = 0
@@ -280,7 +281,7 @@ class InferencePool(Protocol):
 @runtime_checkable
 class Environment(Protocol):
     """Runs and scores one rollout. Raising is allowed: the dispatcher turns it into an error
-    rollout. ``run_group`` (optional) runs a whole group at once."""
+    rollout."""
 
     name: str
 

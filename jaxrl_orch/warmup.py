@@ -8,8 +8,9 @@ with the same data order, and a complete warm-up (this run's, or another run's c
 ``warmup_from``) is restored and skipped. A fresh warm-up starts from the model's initial or
 pretrained weights; a resumed one never reloads them.
 
-Driven by ``run.Experiment.run`` on the main thread; the loop body is ``trainer/sft.run_sft``.
-Returns ``(params, info)``; params are None when a stop was requested (its progress is on disk).
+Driven by ``experiment.Experiment.run`` on the main thread; the loop body is
+``trainer/sft.run_sft``. Returns ``(params, info)``; params are None when a stop was requested
+(its progress is on disk).
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,16 +35,39 @@ def test_import_contracts_hold():
     assert "0 broken" in result.stdout
 
 
-def test_contracts_catch_a_component_importing_another(tmp_path):
-    """The independence contract really is checked: a planted import in a copy breaks it."""
+PLANTS = {
+    # a component importing another: only loop.py wires them
+    "independent": ("orchestrator/gate.py", "from jaxrl_orch.orchestrator import store"),
+    # the orchestrator reaching for JAX or an engine module instead of a types.py Protocol
+    "no engine, trainer": ("orchestrator/gate.py", "import jax"),
+    # config climbing above the orchestrator
+    "layering": ("config.py", "from jaxrl_orch.orchestrator import loop"),
+}
+
+
+@pytest.mark.parametrize("contract", sorted(PLANTS))
+def test_contracts_catch_a_planted_violation(tmp_path, contract):
+    """Each contract really is checked: a planted import in a copy of the tree breaks it."""
     for name in ("jaxrl_orch", "sharding"):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    gate = tmp_path / "jaxrl_orch" / "orchestrator" / "gate.py"
-    gate.write_text(gate.read_text() + "\nfrom jaxrl_orch.orchestrator import store  # noqa\n")
+    module, line = PLANTS[contract]
+    target = tmp_path / "jaxrl_orch" / module
+    target.write_text(target.read_text() + f"\n{line}  # noqa\n")
     result = _lint_imports(tmp_path)
     assert result.returncode != 0
-    assert "BROKEN" in result.stdout and "independent" in result.stdout
+    # Contract names wrap in the report: compare on collapsed whitespace.
+    report = " ".join(result.stdout.split())
+    names = [
+        c["name"]
+        for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"][
+            "contracts"
+        ]
+    ]
+    (name,) = [n for n in names if contract in n]
+    assert f"{' '.join(name.split())} BROKEN" in report
+    others = [n for n in names if n != name]
+    assert all(f"{' '.join(n.split())} KEPT" in report for n in others)
 
 
 def test_ruff_is_clean():

@@ -1,9 +1,9 @@
 """The command's first contact with a newcomer: ``--help``, ``--list_config``, the bare command,
 and the closing line naming a run's outputs.
 
-Nothing here builds a model or runs jax: ``jaxrl_orch.run`` is replaced by a module that fails
-to import (the paths that must stop before any work) or by a fake ``Experiment`` (the paths
-that must go on to run), so only argument and config parsing are real.
+Nothing here builds a model or runs jax: ``jaxrl_orch.experiment`` is replaced by a module that
+fails to import (the paths that must stop before any work) or by a fake ``Experiment`` (the
+paths that must go on to run), so only argument and config parsing are real.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _clean_gin():
 @pytest.fixture
 def no_run(monkeypatch):
     """Any attempt to build the experiment fails the test with an ImportError."""
-    monkeypatch.setitem(sys.modules, "jaxrl_orch.run", None)
+    monkeypatch.setitem(sys.modules, "jaxrl_orch.experiment", None)
 
 
 def _entries(listing: str) -> dict[str, list[str]]:
@@ -246,9 +246,9 @@ class _FakeExperiment:
 @pytest.fixture
 def fake_run(monkeypatch):
     _FakeExperiment.made = []
-    module = types.ModuleType("jaxrl_orch.run")
+    module = types.ModuleType("jaxrl_orch.experiment")
     module.Experiment = _FakeExperiment
-    monkeypatch.setitem(sys.modules, "jaxrl_orch.run", module)
+    monkeypatch.setitem(sys.modules, "jaxrl_orch.experiment", module)
     return _FakeExperiment.made
 
 

@@ -53,7 +53,7 @@ def test_bad_values_are_named_with_what_is_allowed(binding, message):
 def test_stage_schedules_sft_anneals_rl_warms_up_then_holds():
     import gin
 
-    from jaxrl_orch.build import optim_config
+    from jaxrl_orch.build.parts import optim_config
     from jaxrl_orch.config import TrainConfig
     from jaxrl_orch.trainer.step import make_schedule
 
@@ -74,7 +74,7 @@ def test_stage_schedules_sft_anneals_rl_warms_up_then_holds():
 def test_model_config_limits_logits_to_the_tokenizers_ids():
     from types import SimpleNamespace
 
-    from jaxrl_orch.build import model_config
+    from jaxrl_orch.build.parts import model_config
     from jaxrl_orch.models.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
@@ -90,7 +90,7 @@ def test_a_text_file_dataset_is_split_or_paired_with_an_eval_file(tmp_path):
 
     from jaxrl_orch.config import TrainConfig
     from jaxrl_orch.data.sources import text_split_of
-    from jaxrl_orch.run import Experiment
+    from jaxrl_orch.experiment import Experiment
 
     gin.clear_config()
     lines = [f"the harbour painted {i} walls" for i in range(120)]
@@ -117,7 +117,7 @@ def test_a_text_file_dataset_is_split_or_paired_with_an_eval_file(tmp_path):
 
 
 def test_a_gin_import_registers_a_user_env_for_the_command(tmp_path, monkeypatch):
-    from jaxrl_orch.run import Experiment
+    from jaxrl_orch.experiment import Experiment
 
     (tmp_path / "shout_env.py").write_text(
         "from jaxrl_orch.envs.base import SingleTurnEnv, register_env\n"
@@ -156,8 +156,8 @@ def test_probe_settings_restrict_the_prompts_and_reuse_another_runs_warm_up(tmp_
     from flax import nnx
 
     from jaxrl_orch.config import TrainConfig
+    from jaxrl_orch.experiment import Experiment
     from jaxrl_orch.orchestrator.logger import JsonlWriter
-    from jaxrl_orch.run import Experiment
 
     gin.clear_config()
     small = dict(
@@ -202,7 +202,7 @@ def test_loss_settings_reach_the_rl_step(tmp_path):
     import gin
 
     from jaxrl_orch.config import TrainConfig
-    from jaxrl_orch.run import Experiment
+    from jaxrl_orch.experiment import Experiment
 
     gin.clear_config()
     small = dict(sft_steps=0, trainer_mesh=(("fsdp", 1),), decode_mesh=(("tp", 1),))

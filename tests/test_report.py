@@ -202,7 +202,7 @@ _KEY_LIKE = re.compile(r"/|_s\b|_mean\b|max_staleness|word_order|no_tags")
 
 
 def test_timeline_draws_generate_and_train_as_parallel_lanes_not_stacked():
-    # As run.py writes them: the step's orch line, then a kind-less timing line for that step.
+    # As older runs wrote them: the step's orch line, then a kind-less timing line for that step.
     train = [
         {"step": 1, "orch/step_s": 2.0, "train/reward_mean": 0.1},
         {"step": 1, "time/generate_s": 1.5, "time/train_s": 1.25, "time/transfer_s": 0.25},

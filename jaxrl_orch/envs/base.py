@@ -260,10 +260,6 @@ class AtTemperature:
         self.temperature = float(temperature)
 
     def __getattr__(self, name: str) -> Any:
-        # A whole-group ``run_group`` of the wrapped env would bypass the fixed temperature, so
-        # the view runs rollout by rollout.
-        if name == "run_group":
-            raise AttributeError(f"{type(self).__name__} runs rollouts one by one (no run_group)")
         if name == "env":  # not set yet (copy/pickle): do not recurse
             raise AttributeError(name)
         return getattr(self.env, name)

@@ -32,13 +32,6 @@ class EngineClient:
         (future,) = self.driver.submit(prompt_ids, sampling, n=1)
         return await self._await(future)
 
-    async def generate_group(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, n: int
-    ) -> list[Completion]:
-        """``n`` samples of one prompt, prefilled once (prefix sharing)."""
-        futures = self.driver.submit(prompt_ids, sampling, n=n)
-        return list(await asyncio.gather(*(self._await(f) for f in futures)))
-
     async def _await(self, future: Any) -> Completion:
         self.in_flight += 1
         try:

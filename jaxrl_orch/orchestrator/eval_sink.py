@@ -7,11 +7,11 @@ Protocol (driven by the orchestrator's main loop):
 
 1. ``expect(step, env, n)`` when an evaluation of ``n`` rollouts of ``env`` is scheduled for
    train step ``step`` (before its rollouts can arrive).
-2. ``add(episode)`` for every eval episode. The episode is assigned to the step named by its
-   rollouts' ``example[step_key]`` (default key ``"eval_step"``) when present, otherwise to
-   the oldest open expectation for that env (expectations of one env complete in order).
-   When the ``n``-th rollout of an expectation arrives, ``add`` returns its ``EvalBatch``;
-   otherwise ``None``.
+2. ``add(episode)`` for every eval episode. The episode is assigned to the step its
+   rollouts name in ``Rollout.eval_step`` (the dispatcher stamps it), or, for rollouts with
+   ``eval_step is None``, to the oldest open expectation for that env (expectations of one env
+   complete in order). When the ``n``-th rollout of an expectation arrives, ``add`` returns
+   its ``EvalBatch``; otherwise ``None``.
 
 Metrics per batch (``eval/<env>/...``): ``rollouts`` (n), ``errors`` (rollouts with an error),
 ``nonfinite_rewards``, and over the scored rollouts (no error, finite reward): ``reward_mean``,
@@ -70,14 +70,8 @@ def eval_metrics(env: str, rollouts: list[Rollout], pass_threshold: float) -> di
 
 
 class EvalSink:
-    def __init__(
-        self,
-        *,
-        pass_threshold: float | Mapping[str, float] = 1.0,
-        step_key: str = "eval_step",
-    ) -> None:
+    def __init__(self, *, pass_threshold: float | Mapping[str, float] = 1.0) -> None:
         self.pass_threshold = pass_threshold
-        self.step_key = step_key
         self._open: dict[tuple[int, str], _Expectation] = {}
         self._running = False
         self._batches = 0
@@ -145,7 +139,7 @@ class EvalSink:
 
     def _find(self, episode: Episode) -> _Expectation:
         env = episode[0].env
-        tagged = {r.example.get(self.step_key) for r in episode if self.step_key in r.example}
+        tagged = {r.eval_step for r in episode if r.eval_step is not None}
         if len(tagged) > 1:
             raise ValueError(f"one eval episode names several steps: {sorted(tagged)}")
         if tagged:

@@ -13,8 +13,10 @@ the version it was admitted under; with varying completion times the observed ag
 
 Resume is where the formula bites: a restored run sets ``version = V`` while ``accepted`` would
 restart at 0, opening ``(S + V + 1) * B`` slots at once. ``on_version_recovered(v)`` restores
-``accepted = v * B``; the loop additionally asserts that the first step after resume admits at
-most ``pending_limit() = (S + 1) * B`` rollouts (``ResumeBurstError``).
+``accepted = v * B``. ``resume(v)`` does that and arms the check: while the version is still
+``v``, ``on_admit`` fails loudly (``ResumeBurstError``) once more than ``pending_limit() =
+(S + 1) * B`` rollouts are in the system since the resume (running, plus accepted beyond the
+recovered count: discarded flat groups are legitimately replaced, so they do not count).
 
 Pure state machine: no asyncio, no clock, no imports from other components. Driven by the
 orchestrator loop through callbacks (the dispatcher calls ``capacity``/``on_admit``/
@@ -47,6 +49,16 @@ class StalenessGate:
         # Admissions since the last version change: the "admissions per step" signal.
         self.admitted_this_version = 0
         self.admitted_total = 0
+        self._resumed: tuple[int, int] | None = None  # (version, accepted) at the resume
+
+    def resume(self, version: int, *, recover: bool = True) -> None:
+        """A run restored at ``version``: recover ``accepted`` (``recover=False`` only to
+        demonstrate the alarm) and check the first step's admissions."""
+        if recover:
+            self.on_version_recovered(version)
+        else:
+            self.on_version(version)
+        self._resumed = (version, self.accepted)
 
     def capacity(self) -> int:
         concurrency_slack = self.max_concurrent - self.running
@@ -65,6 +77,14 @@ class StalenessGate:
         self.running += n
         self.admitted_this_version += n
         self.admitted_total += n
+        if self._resumed is not None and self.version == self._resumed[0]:
+            in_system = self.running + self.accepted - self._resumed[1]
+            if in_system > self.pending_limit():
+                raise ResumeBurstError(
+                    f"first step after resuming at version {self.version} put {in_system} "
+                    f"rollouts in the system, more than (S + 1) * B = {self.pending_limit()}: "
+                    "the admission gate's accepted counter was not recovered"
+                )
 
     def on_finish(self, n: int = 1, accepted: bool = True) -> None:
         if n < 0:

@@ -1,16 +1,12 @@
-"""Orchestrator: the composition root and the main loop.
+"""Orchestrator: the main loop, driving the components it is handed.
 
-What it owns: building and wiring the components (``setup``), running them (``start``), the
-main loop that routes finished episodes and ships training batches (``main_loop`` /
-``_try_ship``), the drain at the step target or on request, and a bounded shutdown. It is the
-only module that knows every component; components never import each other. They are wired
-here by constructor arguments and callbacks:
-
-- gate <- dispatcher: ``capacity_fn`` / ``on_admit`` / ``on_finish`` (train rollouts only);
-- gate, dispatcher <- train sink: ``on_discard`` (clean rollouts dropped later free their slots,
-  and the dispatcher is woken to use them);
-- gate, dispatcher <- weight watcher: the shared ``PolicyHandle`` plus ``on_version``;
-- logger <- everyone: it pulls ``gauges()``.
+What it owns: running the components (``start``), the main loop that routes finished episodes
+and ships training batches (``main_loop`` / ``_try_ship``), one ``metrics.jsonl`` row per step
+(written once the trainer has trained it, with ``step_metrics``'s numbers merged in), the drain
+at the step target or on request, a bounded shutdown, and ``state()`` / ``restore()``. It
+builds nothing: ``build.orchestrator.build_orchestrator`` constructs the gate, dispatcher,
+sinks, watcher, store and logger and wires them by callbacks; the caller creates the shared
+``PolicyHandle``, whose version (the trainer's) fixes the first step.
 
 Shipping batch ``step`` (1-based; after it trains, the trainer publishes version ``step``):
 1. drain instead once ``step > max_steps``;
@@ -43,75 +39,25 @@ from typing import Any
 
 from jaxrl_orch.orchestrator.dispatcher import RolloutDispatcher
 from jaxrl_orch.orchestrator.eval_sink import EvalSink
-from jaxrl_orch.orchestrator.gate import ResumeBurstError, StalenessGate
+from jaxrl_orch.orchestrator.gate import StalenessGate
 from jaxrl_orch.orchestrator.logger import PeriodicLogger
 from jaxrl_orch.orchestrator.step_stats import head_versions, summaries
 from jaxrl_orch.orchestrator.store import RolloutStore
 from jaxrl_orch.orchestrator.train_sink import TrainSink
 from jaxrl_orch.orchestrator.watcher import WeightWatcher
+from jaxrl_orch.settings import OrchestratorConfig
 from jaxrl_orch.types import (
-    Environment,
     EvalBatch,
-    InferencePool,
     MetricsWriter,
     PolicyHandle,
     Rollout,
-    SamplingParams,
-    Source,
     TrainBatch,
     Trainer,
 )
 
-AGE_POLICIES = ("admit", "drop", "pace")
-
 
 class EmptyBatchError(RuntimeError):
     """Too many consecutive batches had nothing trainable."""
-
-
-@dataclasses.dataclass(frozen=True)
-class OrchestratorConfig:
-    max_steps: int
-    batch_size: int  # rollouts per training batch (B)
-    group_size: int
-    max_staleness: int = 1  # S: the admission gate's bound, in policy versions
-    max_concurrent: int = 64  # in-flight train rollouts (dispatcher permits and gate)
-    age_policy: str = "admit"
-    max_lag: int | None = None  # version hold; None means max_staleness
-    empty_batch_limit: int = 10
-    eval_every: int | None = None
-    eval_at_start: bool = True
-    bench: bool = False
-    poll_s: float = 0.5
-    stall_timeout_s: float | None = 600.0
-    shutdown_timeout_s: float = 30.0
-    recover_gate_on_resume: bool = True  # False only to demonstrate the resume-burst alarm
-
-    def __post_init__(self) -> None:
-        if self.age_policy not in AGE_POLICIES:
-            raise ValueError(f"age_policy must be one of {AGE_POLICIES}, got {self.age_policy!r}")
-        for name in ("max_steps", "batch_size", "group_size", "max_concurrent"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if self.batch_size % self.group_size:
-            raise ValueError(
-                f"batch_size ({self.batch_size}) must be a multiple of group_size "
-                f"({self.group_size}): a batch holds whole groups"
-            )
-        if self.max_concurrent < self.group_size:
-            raise ValueError(
-                f"max_concurrent ({self.max_concurrent}) must be >= group_size "
-                f"({self.group_size}) so a whole group can be in flight"
-            )
-        if self.max_staleness < 0 or (self.max_lag is not None and self.max_lag < 0):
-            raise ValueError(
-                f"max_staleness and max_lag must be >= 0, got {self.max_staleness}, {self.max_lag}"
-            )
-
-    @property
-    def lag(self) -> int:
-        return self.max_staleness if self.max_lag is None else self.max_lag
 
 
 @dataclasses.dataclass
@@ -123,35 +69,26 @@ class StepRecord:
 
 
 class Orchestrator:
+    """Drives the components ``build.orchestrator.build_orchestrator`` built and wired."""
+
     def __init__(
         self,
         config: OrchestratorConfig,
+        policy: PolicyHandle,
         *,
-        pool: InferencePool,
-        envs: Mapping[str, Environment],
-        source: Source | Mapping[str, Source],
-        sampling: SamplingParams,
+        gate: StalenessGate,
+        dispatcher: RolloutDispatcher,
+        train_sink: TrainSink,
+        eval_sink: EvalSink,
+        watcher: WeightWatcher,
+        logger: PeriodicLogger,
         trainer: Trainer,
-        version_source: Any,
-        reload_fn: Callable[..., Any],
-        algorithm: Any = "grpo",
-        eval_envs: Mapping[str, Environment] | None = None,
-        eval_sources: Mapping[str, Source] | None = None,
-        eval_num_examples: int = 8,
-        eval_sampling: SamplingParams | None = None,
+        store: RolloutStore | None = None,
         writers: Sequence[MetricsWriter] = (),
-        gauge_writers: Sequence[MetricsWriter] = (),
-        gauge_sources: Sequence[Any] = (),
-        log_interval_s: float = 10.0,
-        store_dir: str | None = None,
-        start_step: int = 1,
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[int, dict[str, Any]], Any] | None = None,
         step_metrics: Callable[[int, dict[str, float]], dict[str, float] | None] | None = None,
-        sink_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        if start_step < 1:
-            raise ValueError(f"start_step must be >= 1, got {start_step}")
         self.config = config
         self.clock = clock
         self.trainer = trainer
@@ -160,57 +97,13 @@ class Orchestrator:
         # one row carries what the loop saw at ship time and what the trainer measured.
         self.step_metrics = step_metrics
         self._unwritten: dict[int, dict[str, float]] = {}
-        self.step = start_step
-        self.start_step = start_step
-        self.resumed = start_step > 1
         # Versions count finished optimizer steps, so a run resumed before step k holds k - 1.
-        self.policy = PolicyHandle(start_step - 1)
-        cfg = config
-        self.gate = StalenessGate(cfg.max_staleness, cfg.batch_size, cfg.max_concurrent)
-        if self.resumed:
-            if cfg.recover_gate_on_resume:
-                self.gate.on_version_recovered(self.policy.version)
-            else:
-                self.gate.on_version(self.policy.version)
-        self._accepted_at_resume = self.gate.accepted
-        self.dispatcher = RolloutDispatcher(
-            pool,
-            envs,
-            source,
-            self.policy,
-            max_inflight=cfg.max_concurrent + (eval_num_examples if eval_sources else 0),
-            group_size=cfg.group_size,
-            sampling=sampling,
-            capacity_fn=self.gate.capacity,
-            on_admit=self._on_admit,
-            on_finish=self.gate.on_finish,
-            clock=clock,
-            eval_envs=eval_envs,
-            eval_sources=eval_sources,
-            eval_num_examples=eval_num_examples,
-            eval_sampling=eval_sampling,
-        )
-        self.train_sink = TrainSink(
-            cfg.group_size,
-            cfg.batch_size,
-            algorithm,
-            first_step=start_step,
-            auto_batch=False,
-            batch_order="oldest" if cfg.age_policy == "pace" else "arrival",
-            on_discard=self._on_discard,
-            **dict(sink_kwargs or {}),
-        )
-        self.eval_sink = EvalSink()
-        self.watcher = WeightWatcher(
-            version_source, reload_fn, self.policy, observers=[self.gate], clock=clock
-        )
-        self.store = RolloutStore(store_dir) if store_dir else None
-        self.logger = PeriodicLogger(
-            [self.dispatcher, self.gate, self.train_sink, self.watcher, *gauge_sources],
-            list(gauge_writers),
-            interval_s=log_interval_s,
-            clock=clock,
-        )
+        self.policy = policy
+        self.step = self.start_step = policy.version + 1
+        self.resumed = self.start_step > 1
+        self.gate, self.dispatcher, self.watcher = gate, dispatcher, watcher
+        self.train_sink, self.eval_sink = train_sink, eval_sink
+        self.store, self.logger = store, logger
         # Per-step and per-eval metrics go here; periodic gauge snapshots go to gauge_writers.
         self.writers = list(writers)
         self.stopped = asyncio.Event()
@@ -227,29 +120,8 @@ class Orchestrator:
         self._parked_s = {"hold": 0.0, "pace": 0.0}
         self._admitted_at_last_ship = 0
         self._last_ship_time = clock()
-        self._last_shipped_step = start_step - 1
+        self._last_shipped_step = self.start_step - 1
         self._final_eval_due = False
-
-    # ------------------------------------------------------------------ wiring callbacks
-
-    def _on_admit(self, n: int) -> None:
-        self.gate.on_admit(n)
-        if self.resumed and self.policy.version == self.start_step - 1:
-            # Rollouts in the system since the resume (running, plus accepted beyond what the
-            # recovery restored): net of discarded flat groups, which are legitimately replaced.
-            in_system = self.gate.running + self.gate.accepted - self._accepted_at_resume
-            limit = self.gate.pending_limit()
-            if in_system > limit:
-                raise ResumeBurstError(
-                    f"first step after resuming at version {self.policy.version} put "
-                    f"{in_system} rollouts in the system, more than (S + 1) * B = {limit}: the "
-                    "admission gate's accepted counter was not recovered"
-                )
-
-    def _on_discard(self, n: int) -> None:
-        # Slots the sink gave back may be all the dispatcher is waiting for.
-        self.gate.on_discard(n)
-        self.dispatcher.notify()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -262,6 +134,8 @@ class Orchestrator:
         return self.history
 
     async def start(self) -> None:
+        self.train_sink.start()
+        self.eval_sink.start()
         self._tasks = [
             asyncio.create_task(self.dispatcher.start(), name="dispatcher"),
             asyncio.create_task(self.watcher.start(), name="watcher"),
@@ -292,7 +166,14 @@ class Orchestrator:
     async def shutdown(self) -> None:
         self.flush_step_rows(final=True)
         timeout = self.config.shutdown_timeout_s
-        for stop in (self.dispatcher.stop, self.watcher.stop, self.logger.stop):
+        stops = (
+            self.dispatcher.stop,
+            self.watcher.stop,
+            self.train_sink.stop,
+            self.eval_sink.stop,
+            self.logger.stop,  # last: its final snapshot sees the others stopped
+        )
+        for stop in stops:
             # Bounded: everything that matters is already on disk.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(_maybe_await(stop()), timeout)
@@ -570,6 +451,29 @@ class Orchestrator:
             "train_sink": self.train_sink.state(),
             "dispatcher": self.dispatcher.state(),
         }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """The mirror of ``state()``, before ``start()``, on an orchestrator built for the
+        restored trainer (``start_step`` = its version + 1). The saved loop may have shipped
+        up to ``lag + 1`` steps the trainer had not trained yet: those batches are regenerated
+        (their prompts are not replayed), so a saved step outside ``[start_step, start_step +
+        lag + 1]`` means the checkpoint's parts disagree and fails. The gate's saved counters
+        are not copied: the constructor already recovered it by its rule (``gate.resume``), so
+        the first step after a resume admits at most ``(S + 1) * B``."""
+        missing = {"step", "gate", "train_sink", "dispatcher"} - set(state)
+        if missing:
+            raise ValueError(f"orchestrator state lacks {sorted(missing)}; got {sorted(state)}")
+        saved, lo = int(state["step"]), self.step
+        hi = lo + self.config.lag + 1
+        if not lo <= saved <= hi or int(state["gate"]["version"]) > self.policy.version:
+            raise ValueError(
+                f"orchestrator state is for step {saved} (gate version {state['gate']['version']})"
+                f" but the restored trainer resumes at step {lo} (version {self.policy.version}):"
+                f" a matching state lies in steps {lo}..{hi}; the checkpoint's parts disagree"
+            )
+        # Lifetime counters come back; batches are numbered from the trainer's step.
+        self.train_sink.restore({**state["train_sink"], "step": self.step})
+        self.dispatcher.restore(state["dispatcher"])
 
 
 async def _maybe_await(value: Any) -> Any:

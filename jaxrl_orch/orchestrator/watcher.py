@@ -17,9 +17,6 @@ What it owns
 Version sources (``async next_version(current) -> PublishedVersion``, newest > current)
     ``InProcessPublisher``: the trainer calls ``publish(version, params)`` from any thread
     (its worker thread, typically); the waiter is woken thread-safely.
-    ``CheckpointDirPoller``: polls ``<path>/<step>/`` directories (integer names; optionally
-    only those holding a commit marker file) every ``poll_interval_s`` and loads the newest
-    through an injected ``load_fn(path, step)`` in a worker thread.
 
 Stall detection
     A watcher that stops receiving versions halts the run quietly: the gate closes or the
@@ -39,7 +36,6 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -135,60 +131,6 @@ class InProcessPublisher:
 def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-class CheckpointDirPoller:
-    """Finds committed ``<path>/<step>/`` directories and loads the newest one."""
-
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        load_fn: Callable[[str, int], Any],
-        *,
-        poll_interval_s: float = 1.0,
-        commit_marker: str | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if poll_interval_s <= 0:
-            raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
-        self.path = os.fspath(path)
-        if os.path.exists(self.path) and not os.path.isdir(self.path):
-            raise ValueError(f"checkpoint path {self.path!r} exists but is not a directory")
-        self.load_fn, self.poll_interval_s = load_fn, poll_interval_s
-        self.commit_marker, self.clock = commit_marker, clock
-        self.polls_total = 0
-
-    def committed_steps(self) -> list[int]:
-        """Integer-named step dirs that are complete. A missing path means none yet: the
-        trainer creates it on its first save. In-progress saves (orbax writes to a temp name
-        and renames) never parse as integers."""
-        try:
-            names = os.listdir(self.path)
-        except FileNotFoundError:
-            return []
-        steps = []
-        for name in names:
-            full = os.path.join(self.path, name)
-            if not (name.isdigit() and os.path.isdir(full)):
-                continue
-            if self.commit_marker and not os.path.exists(os.path.join(full, self.commit_marker)):
-                continue
-            steps.append(int(name))
-        return sorted(steps)
-
-    async def next_version(self, current: int) -> PublishedVersion:
-        while True:
-            self.polls_total += 1
-            newer = [s for s in self.committed_steps() if s > current]
-            if newer:
-                seen_at = self.clock()
-                params = await _call(self.load_fn, self.path, newer[-1])
-                return PublishedVersion(newer[-1], params, seen_at)
-            await asyncio.sleep(self.poll_interval_s)
-
-    def __repr__(self) -> str:
-        marker = f", marker {self.commit_marker!r}" if self.commit_marker else ""
-        return f"CheckpointDirPoller({self.path!r}, every {self.poll_interval_s}s{marker})"
 
 
 class WeightWatcher:

@@ -28,16 +28,13 @@ Publishers that live on an asyncio loop hop over with ``loop.call_soon_threadsaf
 Background mode: ``start()`` launches one worker thread; ``submit(batch)`` enqueues and returns
 at once (so the orchestrator's event loop never blocks on device work); an exception in the
 worker is kept and re-raised by the next ``submit``, ``check``, ``wait_idle`` or ``stop``.
-``gauges()`` reports ``trainer/*`` numbers of the last step. Colocated placement: optional
-``ColocationHooks`` are called around each step (release the engine's KV cache before it,
-rebuild it after) on the worker thread.
+``gauges()`` reports ``trainer/*`` numbers of the last step.
 
 Never: imports orchestration code, writes metrics itself, or re-tokenizes anything.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 import time
@@ -59,14 +56,6 @@ from sharding.rules import TRAINER_RULES, Rules, resolve_shardings
 Publisher = Callable[[int, Any], None]
 
 
-@dataclasses.dataclass(frozen=True)
-class ColocationHooks:
-    """Engine memory hand-off around each step when engine and trainer share devices."""
-
-    release: Callable[[], None]
-    rebuild: Callable[[], None]
-
-
 class Trainer:
     """See the module docstring. Driven by the orchestrator's loop (``submit``) or directly."""
 
@@ -83,7 +72,6 @@ class Trainer:
         num_rows: int | None = None,
         init_params: Any = None,
         initial_version: int = 0,
-        colocation: ColocationHooks | None = None,
         copy_on_publish: bool = False,
         pad_id: int = 0,
     ) -> None:
@@ -105,7 +93,6 @@ class Trainer:
             )
         self.num_rows = num_rows
         self.pad_id = pad_id
-        self.colocation = colocation
         self.copy_on_publish = copy_on_publish
         self._publishers: list[Publisher] = []
 
@@ -200,8 +187,6 @@ class Trainer:
         """Run one step on already packed rows; returns host metrics. Does not bump versions."""
         arrays = {k: getattr(packed, k) for k in step_lib.BATCH_FIELDS}
         self.rng, step_rng = jax.random.split(self.rng)
-        if self.colocation is not None:
-            self.colocation.release()
         # The rate of this step's first update (optax counts updates, several per step).
         updates = self.steps_done * self.step_cfg.minibatches * self.step_cfg.ppo_epochs
         lr = float(self._schedule(updates))
@@ -212,8 +197,6 @@ class Trainer:
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         jax.block_until_ready(self.params)
         dt = time.perf_counter() - t0
-        if self.colocation is not None:
-            self.colocation.rebuild()
         self.steps_done += 1
         metrics["step_s"] = dt
         metrics["lr"] = lr

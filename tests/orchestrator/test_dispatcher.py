@@ -13,7 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxrl_orch.orchestrator.dispatcher import EVAL_STEP_KEY, RolloutDispatcher
+from jaxrl_orch.orchestrator.dispatcher import (
+    DispatchConfig,
+    EvalPlan,
+    GateHooks,
+    RolloutDispatcher,
+)
 from jaxrl_orch.orchestrator.vclock import VirtualTimeLoop
 from jaxrl_orch.types import PolicyHandle, Rollout, SamplingParams
 
@@ -106,15 +111,6 @@ class ScriptedEnv:
         )
 
 
-class GroupEnv(ScriptedEnv):
-    def run_group(self, client, example, *, group_id, episode_ids, sampling):
-        self.calls.extend((group_id, e, client.idx, example) for e in episode_ids)
-        return self._group(group_id, episode_ids, example, sampling)
-
-    async def _group(self, group_id, episode_ids, example, sampling):
-        return [await self._run(group_id, e, example, sampling) for e in episode_ids]
-
-
 class FakeGate:
     def __init__(self, limit: int = 1 << 30) -> None:
         self.limit, self.running, self.admitted, self.accepted, self.rejected = limit, 0, 0, 0, 0
@@ -137,23 +133,20 @@ class FakeGate:
             self.rejected += n
 
 
-def make(loop, env, *, gate=None, pool=None, source=None, **kw):
+def make(loop, env, *, gate=None, pool=None, source=None, eval_plan=None, **config):
+    """A dispatcher of one env on ``loop``'s clock; ``config``: ``DispatchConfig`` fields."""
     gate = gate or FakeGate()
-    policy = kw.pop("policy", None) or PolicyHandle()
-    kw.setdefault("max_inflight", 4)
-    kw.setdefault("group_size", 2)
+    policy = PolicyHandle()
+    config = {"max_inflight": 4, "group_size": 2, "sampling": SAMPLING, **config}
     d = RolloutDispatcher(
         pool or FakePool(3),
         {env.name: env},
         source or CountingSource(),
         policy,
-        sampling=SAMPLING,
-        capacity_fn=gate.capacity,
-        on_admit=gate.on_admit,
-        on_finish=gate.on_finish,
+        DispatchConfig(**config),
+        gate=GateHooks(gate.capacity, gate.on_admit, gate.on_finish),
+        eval_plan=eval_plan,
         clock=loop.time,
-        poll_interval_s=0.5,
-        **kw,
     )
     return d, gate, policy
 
@@ -181,11 +174,11 @@ async def until(loop, cond, limit_s=1e5):
     max_inflight=st.integers(1, 6),
     group_size=st.integers(1, 4),
     n_groups=st.integers(1, 10),
-    max_off=st.sampled_from([None, 0, 1]),
+    drop_after=st.sampled_from([None, 0, 1]),
     gate_limit=st.integers(1, 8),
 )
 def test_every_dispatched_rollout_emitted_exactly_once(
-    seed, max_inflight, group_size, n_groups, max_off, gate_limit
+    seed, max_inflight, group_size, n_groups, drop_after, gate_limit
 ):
     rng = random.Random(seed)
     outcomes = ["ok"] * 5 + ["raise", "empty", "hang", "bad_type", "sync_raise"]
@@ -205,21 +198,16 @@ def test_every_dispatched_rollout_emitted_exactly_once(
             source=CountingSource(limit=n_groups),
             max_inflight=max_inflight,
             group_size=group_size,
-            max_off_policy_steps=max_off,
         )
         runner = asyncio.create_task(d.start())
-        for _ in range(rng.randint(0, 6)):  # random version bumps, pauses, cancellations
+        for _ in range(rng.randint(0, 6)):  # random version bumps and cancellations
             await asyncio.sleep(rng.uniform(0, 2))
-            action = rng.choice(["advance", "pause", "resume", "cancel"])
-            if action == "advance":
+            if rng.random() < 0.5:
                 policy.advance(policy.version + 1)
-            elif action == "pause":
-                d.pause()
-            elif action == "resume":
-                d.resume()
+                if drop_after is not None:  # what the loop's ``drop`` policy does
+                    d.cancel_stale(policy.version - drop_after)
             else:
                 d.cancel_stale(policy.version)
-        d.resume()
         await asyncio.sleep(200)  # every finite delay has elapsed; only hung rollouts remain
         d.stop_admitting_train()
         d.cancel_stale(1 << 30)  # releases hung rollouts and closes half-started groups
@@ -312,25 +300,6 @@ def test_rollouts_are_stamped_and_failures_become_error_rollouts():
     assert (gate.accepted, gate.rejected) == (2, 4)  # episode 5 is ok
 
 
-def test_pause_stops_admission_and_resume_restarts_it():
-    async def scenario(loop):
-        env = ScriptedEnv(script=lambda g, e: (1.0, "ok"))
-        d, _, _ = make(loop, env, max_inflight=2, group_size=1)
-        runner = asyncio.create_task(d.start())
-        await until(loop, lambda: len(env.calls) >= 4)
-        d.pause()
-        paused_at = len(env.calls)
-        await asyncio.sleep(20)
-        assert len(env.calls) == paused_at, "admitted while paused"
-        assert d.inflight == 0, "in-flight rollouts must finish while paused"
-        d.resume()
-        await until(loop, lambda: len(env.calls) >= paused_at + 4)
-        await d.stop()
-        await runner
-
-    run_virtual(scenario)
-
-
 def test_cancel_stale_cancels_inflight_and_closes_unstarted_remainder():
     async def scenario(loop):
         env = ScriptedEnv(script=lambda g, e: (0.0, "hang"))
@@ -353,27 +322,6 @@ def test_cancel_stale_cancels_inflight_and_closes_unstarted_remainder():
     assert d.gauges()["dispatcher/cancelled_total"] >= 3
 
 
-def test_version_advance_cancels_groups_beyond_max_off_policy_steps():
-    async def scenario(loop):
-        env = ScriptedEnv(script=lambda g, e: (0.0, "hang"))
-        d, _, policy = make(loop, env, max_inflight=2, group_size=2, max_off_policy_steps=1)
-        runner = asyncio.create_task(d.start())
-        await until(loop, lambda: len(env.calls) == 2)
-        policy.advance(1)  # group 0 (version 0) is 1 step old: still allowed
-        await asyncio.sleep(1)
-        assert d.out_q.empty()
-        policy.advance(2)  # now 2 steps old: cancelled by the dispatcher itself
-        await until(loop, lambda: d.out_q.qsize() == 2)  # one episode per rollout
-        rs = [r for ep in drain(d) for r in ep]
-        assert {r.group_id for r in rs} == {0} and all(r.has_error for r in rs)
-        assert "version 0" in rs[0].errors[0]
-        await until(loop, lambda: {g for g, _, _, _ in env.calls} == {0, 1})
-        await d.stop()
-        await runner
-
-    run_virtual(scenario)
-
-
 def test_eval_rollouts_run_alongside_training_outside_the_gate():
     async def scenario(loop):
         train, ev = ScriptedEnv("toy"), ScriptedEnv("evalenv")
@@ -384,10 +332,12 @@ def test_eval_rollouts_run_alongside_training_outside_the_gate():
             gate=gate,
             max_inflight=6,
             group_size=2,
-            eval_envs={"evalenv": ev},
-            eval_sources={"evalenv": CountingSource()},
-            eval_num_examples=3,
-            eval_sampling=SamplingParams(temperature=0.0),
+            eval_plan=EvalPlan(
+                envs={"evalenv": ev},
+                sources={"evalenv": CountingSource()},
+                num_examples=3,
+                sampling=SamplingParams(temperature=0.0),
+            ),
         )
         runner = asyncio.create_task(d.start())
         assert d.schedule_eval(5) == {"evalenv": 3}
@@ -400,39 +350,18 @@ def test_eval_rollouts_run_alongside_training_outside_the_gate():
         return d, gate, ev
 
     d, gate, ev = run_virtual(scenario)
-    evals = [r for ep in drain(d) for r in ep if r.is_eval]
+    episodes = drain(d)
+    evals = [r for ep in episodes for r in ep if r.is_eval]
     assert len(evals) == 6 and all(r.env == "evalenv" for r in evals)
-    assert sorted(r.example[EVAL_STEP_KEY] for r in evals) == [5] * 3 + [10] * 3
+    assert all(len(ep) == 1 for ep in episodes if ep[0].is_eval)  # one rollout per example
+    assert sorted(r.eval_step for r in evals) == [5] * 3 + [10] * 3
+    assert all(r.example == {"prompt": r.example["prompt"]} for r in evals)  # untouched
+    assert all(r.eval_step is None for ep in episodes for r in ep if not r.is_eval)
+    assert all(r.temperature == 0.0 for r in evals)
     # Every eval restarts its source: both passes saw prompts 0, 1, 2.
     assert [c[3]["prompt"] for c in ev.calls] == [0, 1, 2, 0, 1, 2]
     assert gate.max_running <= 2 and gate.admitted == d.admitted_total
     assert d.eval_admitted_total == 6
-
-
-def test_run_group_holds_group_permits_and_emits_one_episode():
-    async def scenario(loop):
-        env = GroupEnv(script=lambda g, e: (1.0, "raise" if e == 1 else "ok"))
-        d, gate, _ = make(
-            loop,
-            env,
-            source=CountingSource(limit=3),
-            max_inflight=5,
-            group_size=2,
-            use_run_group=True,
-        )
-        runner = asyncio.create_task(d.start())
-        await until(loop, lambda: d.gauges()["dispatcher/emitted_total"] == 6)
-        await d.stop()
-        await runner
-        return d, gate
-
-    d, gate = run_virtual(scenario)
-    episodes = drain(d)
-    assert [len(ep) for ep in episodes] == [2, 2, 2]
-    assert all(len({r.group_id for r in ep}) == 1 for ep in episodes)
-    # One raising member fails the whole group call: both rollouts carry the error.
-    assert all(r.has_error for r in episodes[0])
-    assert gate.max_running == 4  # two whole groups fit in 5 permits, a third does not
 
 
 def test_stop_emits_hung_rollouts_as_cancelled_and_restores_permits():
@@ -474,9 +403,7 @@ def test_per_env_sources_round_robin_and_finite_sources_run_dry():
             {"a": a, "b": b},
             {"a": CountingSource(2), "b": CountingSource(5)},
             PolicyHandle(),
-            max_inflight=2,
-            group_size={"a": 1, "b": 2},
-            sampling=SAMPLING,
+            DispatchConfig(max_inflight=2, group_size={"a": 1, "b": 2}, sampling=SAMPLING),
             clock=loop.time,
         )
         runner = asyncio.create_task(d.start())
@@ -517,29 +444,59 @@ def test_oldest_train_version_and_state_round_trip():
         fresh.restore({**saved, "sources": {"gone": {}}})
 
 
+def _dispatcher(*, envs=None, source=None, eval_plan=None, **config):
+    """A dispatcher with valid defaults, overridden by the arguments."""
+    envs = {"toy": ScriptedEnv()} if envs is None else envs
+    config = {"max_inflight": 4, "group_size": 2, "sampling": SAMPLING, **config}
+    return RolloutDispatcher(
+        FakePool(1),
+        envs,
+        CountingSource() if source is None else source,
+        PolicyHandle(),
+        DispatchConfig(**config),
+        eval_plan=eval_plan,
+    )
+
+
 @pytest.mark.parametrize(
-    "kw, match",
+    "build, match",
     [
-        ({"max_inflight": 0}, "max_inflight"),
-        ({"group_size": 0}, "group_size"),
-        ({"group_size": {"other": 2}}, "group_size keys"),
-        ({"max_off_policy_steps": -1}, "max_off_policy_steps"),
-        ({"eval_sources": {"nope": CountingSource()}}, "eval source 'nope'"),
-        ({"use_run_group": True, "group_size": 9}, "max_inflight is only 4"),
-        ({"source": {"toy": CountingSource(), "x": CountingSource()}}, "source keys"),
+        (lambda: DispatchConfig(0, 2, SAMPLING), "max_inflight must be an int >= 1, got 0"),
+        (lambda: DispatchConfig(4, 2, SAMPLING, poll_interval_s=0), "poll_interval_s .* got 0"),
+        (lambda: DispatchConfig(4, 2, SAMPLING, stop_timeout_s=-1), "stop_timeout_s .* got -1"),
+        (lambda: EvalPlan(num_examples=0), "eval num_examples must be an int >= 1, got 0"),
+        (lambda: _dispatcher(envs={}), "at least one training environment"),
+        (lambda: _dispatcher(group_size=0), "group_size for env 'toy' must be an int >= 1"),
+        (lambda: _dispatcher(group_size={"other": 2}), "group_size keys"),
+        (lambda: _dispatcher(sampling="greedy"), "sampling for env 'toy' must be a Sampling"),
+        (
+            lambda: _dispatcher(source={"toy": CountingSource(), "x": CountingSource()}),
+            "source keys",
+        ),
+        (
+            lambda: _dispatcher(envs={"a": ScriptedEnv("a"), "b": ScriptedEnv("b")}),
+            "need a source per env",
+        ),
+        (
+            lambda: _dispatcher(eval_plan=EvalPlan(sources={"nope": CountingSource()})),
+            "eval source 'nope'",
+        ),
+        (
+            lambda: _dispatcher(
+                eval_plan=EvalPlan(envs={"ev": ScriptedEnv("ev")}, sources={"ev": CountingSource()})
+            ),
+            r"eval envs \['ev'\] have no train sampling params",
+        ),
     ],
 )
-def test_bad_arguments_raise_clear_errors(kw, match):
-    env, kw = GroupEnv(), dict(kw)
+def test_bad_arguments_raise_clear_errors(build, match):
     with pytest.raises(ValueError, match=match):
-        RolloutDispatcher(
-            FakePool(1),
-            {"toy": env},
-            kw.pop("source", CountingSource()),
-            PolicyHandle(),
-            sampling=SAMPLING,
-            **{"max_inflight": 4, "group_size": 2, **kw},
-        )
+        build()
+
+
+def test_config_must_be_a_dispatch_config():
+    with pytest.raises(TypeError, match="config must be a DispatchConfig, got dict"):
+        RolloutDispatcher(FakePool(1), {"toy": ScriptedEnv()}, CountingSource(), PolicyHandle(), {})
 
 
 def test_runs_on_a_standard_event_loop_with_real_time():
@@ -547,11 +504,17 @@ def test_runs_on_a_standard_event_loop_with_real_time():
         loop = asyncio.get_running_loop()
         rng = random.Random(0)
         env = ScriptedEnv(script=lambda g, e: (rng.uniform(0, 0.002), rng.choice(["ok", "raise"])))
-        d, gate, _ = make(loop, env, source=CountingSource(limit=8), max_inflight=3, group_size=3)
-        d.poll_interval_s = 0.01
+        d, gate, _ = make(
+            loop,
+            env,
+            source=CountingSource(limit=8),
+            max_inflight=3,
+            group_size=3,
+            poll_interval_s=0.01,
+        )
         runner = asyncio.create_task(d.start())
         deadline = loop.time() + 60  # a safety cap, not a timing assertion
-        while d.emitted_total < 24:
+        while d.gauges()["dispatcher/emitted_total"] < 24:
             assert loop.time() < deadline, "rollouts never all came out"
             await asyncio.sleep(0.001)
         await d.stop()
@@ -607,7 +570,7 @@ def test_rollouts_that_never_suspend_are_emitted_in_the_same_pass_without_tasks(
 
     d, gate = run_virtual(scenario)
     assert d.permits == d.max_inflight and gate.running == 0
-    assert gate.accepted + gate.rejected == gate.admitted == d.emitted_total
+    assert gate.accepted + gate.rejected == gate.admitted == d.gauges()["dispatcher/emitted_total"]
 
 
 def test_instant_failures_and_bad_results_become_error_rollouts():
@@ -644,8 +607,7 @@ def test_notify_runs_a_fill_pass_without_waiting_for_the_poll():
     async def scenario(loop):
         env = ScriptedEnv(script=lambda g, e: (None, "ok"))
         gate = StalenessGate(max_staleness=0, batch_size=2, max_concurrent=8)
-        d, _, _ = make(loop, env, gate=gate, group_size=2)
-        d.poll_interval_s = 1e6
+        d, _, _ = make(loop, env, gate=gate, group_size=2, poll_interval_s=1e6)
         runner = asyncio.create_task(d.start())
         await until(loop, lambda: d.out_q.qsize() == 2)
         t0 = loop.time()

@@ -9,19 +9,19 @@ from jaxrl_orch.orchestrator.eval_sink import EvalSink
 from jaxrl_orch.types import Rollout
 
 
-def ev(env, reward, *, n_model=3, error=None, step=None, eid=0):
-    ex = {} if step is None else {"eval_step": step}
+def ev(env, reward, *, n_model=3, error=None, step=None, eid=0, example=None):
     r = Rollout(
         env=env,
         group_id=0,
         episode_id=eid,
-        example=ex,
+        example=dict(example or {}),
         token_ids=[1] * (2 + n_model),
         loss_mask=[False, False] + [True] * n_model,
         logprobs=[0.0] * (2 + n_model),
         versions=[0] * (2 + n_model),
         reward=reward,
         is_eval=True,
+        eval_step=step,
     )
     if error:
         r.capture_error(RuntimeError(error))
@@ -64,10 +64,12 @@ def test_fifo_per_env_and_explicit_step_tag():
     sink = EvalSink()
     sink.expect(5, "e", 2)
     sink.expect(10, "e", 1)
-    # Tagged for step 10: goes there even though step 5 is older.
+    # Rollout.eval_step names step 10: goes there even though step 5 is older.
     b10 = sink.add([ev("e", 1.0, step=10)])
     assert b10.step == 10
-    assert sink.add([ev("e", 0.0)]) is None
+    # eval_step None: the oldest open expectation of the env. A key of that name in the
+    # example is the dataset's business, not a step tag.
+    assert sink.add([ev("e", 0.0, example={"eval_step": 10})]) is None
     b5 = sink.add([ev("e", 1.0)])
     assert b5.step == 5 and b5.metrics["eval/e/pass_rate"] == 0.5
 

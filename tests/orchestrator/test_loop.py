@@ -15,12 +15,14 @@ import asyncio
 import numpy as np
 import pytest
 
+from jaxrl_orch.build.orchestrator import Telemetry, build_orchestrator
 from jaxrl_orch.orchestrator.gate import ResumeBurstError
-from jaxrl_orch.orchestrator.loop import EmptyBatchError, Orchestrator, OrchestratorConfig
+from jaxrl_orch.orchestrator.loop import EmptyBatchError
 from jaxrl_orch.orchestrator.vclock import run_virtual
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher, WatcherStallError
+from jaxrl_orch.settings import OrchestratorConfig
 from jaxrl_orch.simulate import Scenario, SimEngine, SimEnv, SimSource, SimTrainer, simulate
-from jaxrl_orch.types import SamplingParams
+from jaxrl_orch.types import PolicyHandle, SamplingParams
 
 
 def test_async_staleness_one_nearly_doubles_throughput():
@@ -116,8 +118,8 @@ def _run(
     async def main():
         loop = asyncio.get_running_loop()
         rng = np.random.default_rng(0)
-        policy_ref = []
-        engine = SimEngine(latency, policy_ref, rng)
+        policy = PolicyHandle(start_step - 1)
+        engine = SimEngine(latency, policy, rng)
         publisher = InProcessPublisher()
         trainer = SimTrainer(publisher, train_time)
         if not publish:
@@ -134,12 +136,11 @@ def _run(
         async def reload(version, params):
             return None
 
-        orch = Orchestrator(
-            cfg, pool=engine, envs={"sim": env_cls(rng)}, source=SimSource(),
+        orch = build_orchestrator(
+            cfg, policy, pool=engine, envs={"sim": env_cls(rng)}, source=SimSource(),
             sampling=SamplingParams(max_tokens=6), trainer=trainer, version_source=publisher,
-            reload_fn=reload, clock=loop.time, log_interval_s=1e9, start_step=start_step,
+            reload_fn=reload, clock=loop.time, telemetry=Telemetry(log_interval_s=1e9),
         )  # fmt: skip
-        policy_ref.append(orch.policy)
         trained = []
         orch.on_step = lambda step, state: trained.extend(orch.train_sink.trained_rollouts(step))
         try:
@@ -210,3 +211,48 @@ def test_slots_freed_by_discarded_flat_groups_are_refilled_at_once():
     assert orch.history[0].metrics["orch/step_s"] == 0.0
     assert [rec.metrics["orch/step_s"] for rec in orch.history[1:]] == pytest.approx([1.0] * 4)
     assert all(rec.metrics["train/groups_seen"] > 4 for rec in orch.history)  # flat ones replaced
+
+
+def _built(start_step, **cfg_kw):
+    """An orchestrator over the simulator's parts, built for a trainer at ``start_step - 1``."""
+    rng = np.random.default_rng(0)
+    publisher = InProcessPublisher()
+    cfg = OrchestratorConfig(
+        max_steps=start_step + 10, batch_size=16, group_size=4, max_concurrent=32, **cfg_kw
+    )
+
+    async def reload(version, params):
+        return None
+
+    policy = PolicyHandle(start_step - 1)
+    return build_orchestrator(
+        cfg, policy, pool=SimEngine("fixed:1", policy, rng), envs={"sim": SimEnv(rng)},
+        source=SimSource(), sampling=SamplingParams(max_tokens=6),
+        trainer=SimTrainer(publisher, 1.0), version_source=publisher, reload_fn=reload,
+        telemetry=Telemetry(log_interval_s=1e9),
+    )  # fmt: skip
+
+
+def test_restore_mirrors_state():
+    """A run's state, restored into an orchestrator built for its trainer's version, gives the
+    same data cursor, counters and step back; the gate's accepted counter follows its recovery
+    rule ((version) * B), not the saved value."""
+    done, _ = _run(steps=5, max_staleness=1)
+    saved = done.state()
+    again = _built(start_step=saved["step"], max_staleness=1)
+    again.restore(saved)
+    got = again.state()
+    assert got["step"] == saved["step"] == 6
+    assert got["dispatcher"] == saved["dispatcher"]
+    assert got["train_sink"]["totals"] == saved["train_sink"]["totals"]
+    assert got["train_sink"]["step"] == 6
+    assert got["gate"] == {"version": 5, "accepted": 5 * 16}
+    # A state saved by a loop that had shipped ahead of its trainer (up to lag + 1 steps)
+    # still restores; one from another run's step does not.
+    _built(start_step=6, max_staleness=1).restore({**saved, "step": 8})
+    with pytest.raises(ValueError, match=r"resumes at step 6 .* steps 6\.\.8"):
+        _built(start_step=6, max_staleness=1).restore({**saved, "step": 9})
+    with pytest.raises(ValueError, match=r"gate version 5\) but .* resumes at step 5"):
+        _built(start_step=5, max_staleness=1).restore(saved)
+    with pytest.raises(ValueError, match="lacks"):
+        _built(start_step=6).restore({"step": 6})

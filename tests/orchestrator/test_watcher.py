@@ -1,4 +1,4 @@
-"""WeightWatcher with both version sources, on a real asyncio loop with short waits."""
+"""WeightWatcher with an in-process version source, on a real asyncio loop with short waits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import threading
 import pytest
 
 from jaxrl_orch.orchestrator.watcher import (
-    CheckpointDirPoller,
     InProcessPublisher,
     WatcherStallError,
     WeightWatcher,
@@ -118,56 +117,6 @@ def test_publisher_rejects_non_increasing_versions():
     pub.publish(2, None)
     with pytest.raises(ValueError, match="last was 2, got 2"):
         pub.publish(2, None)
-
-
-def test_checkpoint_dir_poller_path(tmp_path):
-    def commit(step, marker=True):
-        d = tmp_path / str(step)
-        d.mkdir()
-        if marker:
-            (d / "COMMITTED").write_text("")
-        return d
-
-    loads = []
-
-    def load(path, step):
-        loads.append((path, step))
-        return {"step": step}
-
-    async def main():
-        policy = PolicyHandle()
-        poller = CheckpointDirPoller(
-            tmp_path, load, poll_interval_s=0.002, commit_marker="COMMITTED"
-        )
-        rec = Recorder(policy)
-        w = WeightWatcher(poller, rec.reload, policy, observers=[rec])
-        (tmp_path / "3.orbax-checkpoint-tmp-99").mkdir()  # an in-progress save
-        two = commit(2, marker=False)  # written but not committed yet
-        commit(1)
-        task = asyncio.create_task(w.start())
-        await w.wait_for_version(1, timeout=5)
-        await asyncio.sleep(0.02)
-        assert policy.version == 1, "an uncommitted step dir was loaded"
-        (two / "COMMITTED").write_text("")
-        await w.wait_for_version(2, timeout=5)
-        commit(4)
-        commit(5)
-        await w.wait_for_version(5, timeout=5)
-        await w.stop()
-        await task
-        return rec, poller
-
-    rec, poller = asyncio.run(main())
-    assert [s for _, s in loads] == [1, 2, 5] and all(p == str(tmp_path) for p, _ in loads)
-    assert [v for v, _ in rec.loaded] == [1, 2, 5]
-    assert poller.committed_steps() == [1, 2, 4, 5]
-
-
-def test_checkpoint_dir_poller_rejects_a_file_path(tmp_path):
-    f = tmp_path / "ckpt"
-    f.write_text("")
-    with pytest.raises(ValueError, match="not a directory"):
-        CheckpointDirPoller(f, lambda p, s: None)
 
 
 def test_stall_raises_a_clear_error_instead_of_halting():

@@ -1,5 +1,5 @@
 """Trainer as a component: SFT learns a copy task, background submit publishes versions in
-order, colocation hooks wrap each step, worker failures surface on the caller's thread."""
+order, worker failures surface on the caller's thread."""
 
 import threading
 
@@ -10,7 +10,7 @@ from conftest import TINY
 from jax.sharding import Mesh
 
 from jaxrl_orch.trainer import step as step_lib
-from jaxrl_orch.trainer.trainer import ColocationHooks, Trainer
+from jaxrl_orch.trainer.trainer import Trainer
 from jaxrl_orch.types import Sample, TrainBatch
 
 COPY_LEN = 6
@@ -65,7 +65,7 @@ def test_sft_copy_task_drives_loss_down(sft_trainer):
 
 
 @pytest.mark.slow
-def test_background_submit_publishes_in_order_with_colocation_hooks(sft_trainer):
+def test_background_submit_publishes_in_order(sft_trainer):
     rng = np.random.default_rng(1)
     events: list[tuple] = []
     main = threading.get_ident()
@@ -76,17 +76,13 @@ def test_background_submit_publishes_in_order_with_colocation_hooks(sft_trainer)
         assert threading.get_ident() != main
 
     sft_trainer.add_publisher(publisher)
-    sft_trainer.colocation = ColocationHooks(
-        release=lambda: events.append(("release",)), rebuild=lambda: events.append(("rebuild",))
-    )
     v0 = sft_trainer.version
     sft_trainer.start()
     try:
         for s in (v0 + 1, v0 + 2, v0 + 3):
             sft_trainer.submit(_copy_batch(s, rng))  # returns at once
         sft_trainer.wait_idle()
-        assert [e[1] for e in events if e[0] == "publish"] == [v0 + 1, v0 + 2, v0 + 3]
-        assert [e[0] for e in events] == ["release", "rebuild", "publish"] * 3
+        assert [e[1] for e in events] == [v0 + 1, v0 + 2, v0 + 3]
         g = sft_trainer.gauges()
         assert g["trainer/version"] == v0 + 3
         assert g["trainer/queue_depth"] == 0 and g["trainer/busy"] == 0
@@ -101,7 +97,6 @@ def test_background_submit_publishes_in_order_with_colocation_hooks(sft_trainer)
         with pytest.raises(RuntimeError):
             sft_trainer.submit(_copy_batch(v0 + 4, rng))
     finally:
-        sft_trainer.colocation = None
         with pytest.raises(RuntimeError):
             sft_trainer.stop()
     assert sft_trainer.version == v0 + 3

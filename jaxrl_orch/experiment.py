@@ -1,26 +1,27 @@
-"""Experiment: everything ``python -m jaxrl_orch.train`` builds and runs, for one workdir.
+"""Experiment: the stage sequence of ``python -m jaxrl_orch.train``, for one workdir.
 
 Owns the workdir layout::
 
-    config.gin          resolved gin config         metrics.jsonl   one object per step / eval
+    config.gin          resolved gin config         metrics.jsonl   one row per RL step / eval
     sft/                SFT warm-up checkpoint      gauges.jsonl    periodic component gauges
     checkpoints/        RL checkpoints (orbax)      rollouts/       trained rollouts per step
     tb/                 TensorBoard events          summary.json, report.md, *.png
     export/             final policy as an HF checkpoint (config.json, safetensors, tokenizer)
 
-The model is a preset (``models/configs.py``) or an HF checkpoint directory: its
-``config.json`` gives the shapes and, when the run starts fresh (no SFT or RL checkpoint in
-the workdir), its safetensors give the initial weights of the warm-up (or of RL when
-``sft_steps = 0``).
+Stages: ``validate`` (meshes, model, data, demonstrator: before any work), ``run`` = the
+warm-up (``warmup.py``: run, continue or restore it), then RL on an asyncio loop (or the
+imitation control, ``control.py``), ``finish`` (summary + report). The settings of each part
+come from ``build.py`` (model config, optimizer schedules) and ``TrainConfig.orchestrator``;
+the trainer -> engine weight path and the checkpoint cadence are ``weights.WeightPath``; the
+summary is ``summary.py``'s pure functions.
 
-Stages: ``validate`` (meshes, model, data: before any work), ``run`` = SFT (or restore it) then
-RL on an asyncio loop, ``finish`` (summary + report). Eval runs the held-out split twice per
-eval step: greedy (``eval/<env>/...``, the headline) and at the training temperature
-(``eval/<env>@t<T>/...``). The model's logits are limited to the tokenizer's ids
-(``model_config``), identically for engine and trainer. RL checkpoints are taken on the trainer's
-worker thread inside its publish callback, i.e. between two optimizer steps, with the
-orchestrator's state fetched from the event loop; the last one after the drain. On resume the
-engine is built with the restored weights, so no rollout can come from older ones.
+The model is a preset or an HF checkpoint directory: when the run starts fresh (no SFT or RL
+checkpoint in the workdir) its safetensors give the initial weights. Eval runs the held-out
+split twice per eval step: greedy (``eval/<env>/...``, the headline) and at the training
+temperature (``eval/<env>@t<T>/...``). RL checkpoints are taken on the trainer's worker thread
+between two optimizer steps, with the orchestrator's state fetched from the event loop; the
+last one after the drain. On resume the engine is built with the restored weights, so no
+rollout can come from older ones, and the orchestrator restores its state (``restore``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_orch.algorithms.losses import PolicyLossConfig
-from jaxrl_orch.build import first_examples, hf_checkpoint_dir, model_config, optim_config
+from jaxrl_orch.build.orchestrator import Telemetry, build_orchestrator
+from jaxrl_orch.build.parts import first_examples, hf_checkpoint_dir, model_config, optim_config
 from jaxrl_orch.config import TrainConfig
 from jaxrl_orch.control import run_imitation
 from jaxrl_orch.data.sources import make_source, text_file_path
@@ -50,6 +52,7 @@ from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.models.hf_import import load_hf_checkpoint, save_hf_checkpoint
 from jaxrl_orch.models.tokenizer import load_tokenizer, tokenizer_json_path
+from jaxrl_orch.orchestrator.dispatcher import EvalPlan
 from jaxrl_orch.orchestrator.logger import (
     ConsoleWriter,
     JsonlWriter,
@@ -57,16 +60,16 @@ from jaxrl_orch.orchestrator.logger import (
     TensorBoardWriter,
     stage,
 )
-from jaxrl_orch.orchestrator.loop import Orchestrator, OrchestratorConfig
-from jaxrl_orch.orchestrator.watcher import InProcessPublisher
+from jaxrl_orch.orchestrator.loop import Orchestrator
 from jaxrl_orch.report import write_report
 from jaxrl_orch.summary import eval_line, eval_summary, first_eval, merge_evals, train_reward_ends
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
 from jaxrl_orch.trainer.sft import sft_sample
 from jaxrl_orch.trainer.step import StepConfig
 from jaxrl_orch.trainer.trainer import Trainer
-from jaxrl_orch.types import Sample, SamplingParams
+from jaxrl_orch.types import PolicyHandle, Sample, SamplingParams
 from jaxrl_orch.warmup import run_warmup
+from jaxrl_orch.weights import WeightPath
 from sharding.mesh import make_meshes
 from sharding.reshard import reshard
 
@@ -306,57 +309,21 @@ class Experiment:
         # The engine starts on the trainer's current weights: after a resume, the restored ones.
         first = jax.tree.map(jnp.copy, trainer.params) if self.colocated else trainer.params
         driver = InferenceDriver(engine, reshard(first, engine.param_shardings), trainer.version)
-        publisher = InProcessPublisher()
-        # Per trained version: the trainer's diagnostics and the weight move, recorded on the
-        # trainer thread before the version is published, so its row is complete once the
-        # loop sees the version.
-        trained: dict[int, dict[str, float]] = {}
-
-        def on_publish(version: int, params: Any) -> None:
-            # Trainer thread, between two steps: params are donated by the next step.
-            t0 = time.perf_counter()
-            moved = jax.block_until_ready(reshard(params, engine.param_shardings))
-            row = {f"trainer/{k}": v for k, v in trainer.last_step_metrics.items()}
-            row["time/train_s"] = row.get("trainer/step_s", 0.0)
-            row["time/transfer_s"] = time.perf_counter() - t0
-            trained[version] = row
-            publisher.publish(version, moved)
-            if version % cfg.checkpoint_every == 0 and version < cfg.rl_steps:
-                self._checkpoint_from_trainer_thread(ckpt, trainer, version)
-
-        trainer.add_publisher(on_publish)
-
-        async def reload(version: int, params: Any) -> None:
-            await asyncio.wrap_future(driver.swap_params(params, version))
-
-        ocfg = OrchestratorConfig(
-            max_steps=cfg.rl_steps,
-            batch_size=cfg.batch_size,
-            group_size=cfg.group_size,
-            max_staleness=cfg.max_staleness,
-            max_concurrent=cfg.max_concurrent or (cfg.max_staleness + 1) * cfg.batch_size,
-            age_policy=cfg.age_policy,
-            eval_every=cfg.eval_every,
-            stall_timeout_s=cfg.stall_timeout_s,
+        weights = WeightPath(
+            trainer,
+            driver,
+            engine.param_shardings,
+            checkpoint_every=cfg.checkpoint_every,
+            last_step=cfg.rl_steps,
+            checkpoint=lambda v: self._checkpoint_from_trainer_thread(ckpt, trainer, v),
+            synchronous=cfg.max_staleness == 0,
         )
         sampling = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens)
         greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens)
         name = self.env.name
-        self.orch = orch = Orchestrator(
-            ocfg,
-            pool=ClientPool([EngineClient(driver)]),
-            envs={name: self.env},
-            source=self.train_source,
-            sampling=sampling,
-            trainer=trainer,
-            version_source=publisher,
-            reload_fn=reload,
-            algorithm=cfg.algorithm,
-            sink_kwargs={"dynamic_sampling": cfg.dynamic_sampling},
-            eval_envs={name: self.env, self.sampled_eval: AtTemperature(self.env, cfg.temperature)},
-            eval_sources={name: self.eval_source, self.sampled_eval: self.sampled_eval_source},
-            eval_num_examples=cfg.eval_examples,
-            eval_sampling=greedy,
+        views = {name: self.env, self.sampled_eval: AtTemperature(self.env, cfg.temperature)}
+        sources = {name: self.eval_source, self.sampled_eval: self.sampled_eval_source}
+        telemetry = Telemetry(
             writers=[
                 JsonlWriter(self.workdir / "metrics.jsonl"),
                 # Step and eval rows (rewards, evals, ages, trainer diagnostics) next to the
@@ -376,11 +343,26 @@ class Experiment:
             gauge_sources=[driver, trainer],
             log_interval_s=cfg.log_interval_s,
             store_dir=str(self.workdir / "rollouts"),
-            start_step=start_step,
-            **self._step_timeline(driver, trained),
+        )
+        self.orch = orch = build_orchestrator(
+            cfg.orchestrator,
+            PolicyHandle(trainer.version),
+            pool=ClientPool([EngineClient(driver)]),
+            envs={name: self.env},
+            source=self.train_source,
+            sampling=sampling,
+            trainer=trainer,
+            version_source=weights.publisher,
+            reload_fn=weights.swap,
+            algorithm=cfg.algorithm,
+            sink_kwargs={"dynamic_sampling": cfg.dynamic_sampling},
+            eval_plan=EvalPlan(views, sources, cfg.eval_examples, greedy),
+            telemetry=telemetry,
+            on_step=weights.on_ship,
+            step_metrics=weights.step_metrics,
         )
         if orch_state:
-            orch.dispatcher.restore(orch_state["dispatcher"])
+            orch.restore(orch_state)
         if self._stop.is_set():
             orch.request_drain()
         driver.start()
@@ -424,33 +406,6 @@ class Experiment:
             orchestrator_state=state,
         )
         ckpt.wait()  # the next step donates these arrays: the copy to disk must finish first
-
-    def _step_timeline(self, driver: InferenceDriver, trained: dict[int, dict]) -> dict[str, Any]:
-        """The orchestrator's ``on_step`` (engine time since the last ship, sampled when a
-        step ships) and ``step_metrics`` (the step's trainer row, once trained), so each RL
-        step is one ``metrics.jsonl`` row."""
-        generated: dict[int, float] = {}
-        last = {"gen": 0.0}
-
-        def on_step(step: int, _state: dict[str, Any]) -> None:
-            g = driver.gauges()
-            gen = g["inference/prefill_s"] + g["inference/decode_s"]
-            generated[step] = gen - last["gen"]
-            last["gen"] = gen
-
-        def step_metrics(step: int, row: dict[str, float]) -> dict[str, float] | None:
-            if step not in trained:
-                return None
-            m = trained.pop(step)
-            m["time/generate_s"] = gen_s = generated.pop(step, 0.0)
-            train_s, xfer_s = m["time/train_s"], m["time/transfer_s"]
-            # Only totals are known, not their overlap: synchronous runs never overlap
-            # generation and training, asynchronous ones are assumed to overlap fully.
-            busy = gen_s + train_s if self.cfg.max_staleness == 0 else max(gen_s, train_s)
-            m["time/idle_s"] = max(0.0, row.get("orch/step_s", 0.0) - busy - xfer_s)
-            return m
-
-        return {"on_step": on_step, "step_metrics": step_metrics}
 
     @property
     def sampled_eval(self) -> str:

@@ -1,0 +1,270 @@
+"""The dispatcher's groups after admission: running their rollouts and settling them on out_q.
+
+What it owns
+    ``Group``: the rollouts of one prompt (env, example, sampling, the version the group
+    opened at, the client it is pinned to, how many are unscheduled and how many run).
+    ``Flights``: every started rollout until it is on ``out_q`` (an unbounded
+    ``asyncio.Queue`` of episodes, ``list[Rollout]``), the Tasks of those that suspended
+    (``Flight``), and the emitted / error / cancelled counters. ``settle``: what a finished
+    rollout is.
+
+Running (``Flights.start``)
+    A rollout's coroutine is started eagerly (``eager.start_eagerly``): one that finishes
+    without suspending (an env that awaits nothing real, e.g. an instant engine) is handed
+    back to the dispatcher at once and never gets a Task, since nothing could cancel it or
+    wait on it; one that suspends continues under a Task, and only those are in flight for
+    ``cancel_stale``, ``stop`` and ``oldest_train_version``. Tasks report through
+    done-callbacks, and ``reap`` settles only the finished ones, so a pass costs O(finished),
+    not O(in flight).
+
+Settling (``settle``, ``Flights.emit``)
+    Whatever an environment returned is restamped with what only the dispatcher knows: env
+    name, group and episode ids, ``is_eval``, ``eval_step``, ``policy_version_at_start``,
+    ``admitted_at`` and ``finished_at``. Its fate is recorded on it: cancelled (error
+    ``"Cancelled: <reason>"``), failed (``Rollout.capture_error``; an env returning something
+    other than a ``Rollout`` fails with a ``TypeError`` naming it) or empty (``num_turns == 0``:
+    error ``"EmptyTrajectory: ..."``); each of those is untrainable. Work that produced no
+    rollout gets a placeholder per episode id. Every admitted train rollout is then reported
+    to the gate (``on_finish(n, accepted)``, ``accepted = not has_error``); never-started
+    placeholders are not, since the gate never admitted them. Each ending of a started
+    rollout first calls ``release(group, 1)`` so the dispatcher returns its permit.
+
+Who drives it: only ``dispatcher.RolloutDispatcher``. This is a helper of that component,
+not a component of its own: it reads no version, admits nothing and decides nothing.
+
+Never: import another orchestrator component (gate, sinks, watcher, logger, store, loop);
+read time except through the injected clock; settle a rollout twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jaxrl_orch.orchestrator.eager import start_eagerly
+from jaxrl_orch.types import Environment, Episode, InferenceClient, Rollout, SamplingParams
+
+
+@dataclasses.dataclass(eq=False)
+class Group:
+    group_id: int
+    env: str
+    example: dict[str, Any]
+    size: int
+    sampling: SamplingParams
+    version_at_start: int
+    is_eval: bool
+    eval_step: int | None = None
+    client: InferenceClient | None = None
+    unscheduled: int = 0
+    running: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class Flight:
+    group: Group
+    episode_id: int
+    admitted_at: float
+    cancel_reason: str | None = None
+
+
+def settle(
+    g: Group,
+    ids: list[int],
+    rollouts: list[Rollout],
+    admitted_at: float,
+    finished_at: float,
+    error: BaseException | None = None,
+    cancel: str | None = None,
+) -> list[Rollout]:
+    """Restamp the rollouts of episodes ``ids`` of ``g`` and record their fate (see the module
+    docstring). ``rollouts`` is empty when the work produced none: placeholders stand in."""
+    if cancel is not None or not rollouts:
+        temp = g.sampling.temperature
+        rollouts = [Rollout(g.env, g.group_id, i, g.example, temperature=temp) for i in ids]
+    for r, eid in zip(rollouts, ids, strict=True):
+        r.env, r.group_id, r.episode_id = g.env, g.group_id, eid
+        r.is_eval, r.eval_step = g.is_eval, g.eval_step
+        r.policy_version_at_start = g.version_at_start
+        r.admitted_at, r.finished_at = admitted_at, finished_at
+        if cancel is not None:
+            r.errors.append(f"Cancelled: {cancel}")
+            r.trainable = False
+        elif error is not None:
+            r.capture_error(error)
+        elif not r.errors and r.num_turns == 0:
+            r.errors.append("EmptyTrajectory: the environment returned a rollout with 0 turns")
+            r.trainable = False
+    return rollouts
+
+
+class Flights:
+    """Started rollouts until they are on ``out_q`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        on_finish: Callable[[int, bool], None],
+        release: Callable[[Group, int], None],
+        wake: Callable[[], None],
+    ) -> None:
+        self.clock, self.on_finish, self._release, self._wake = clock, on_finish, release, wake
+        self.out_q: asyncio.Queue[Episode] = asyncio.Queue()
+        self._tasks: dict[asyncio.Task, Flight] = {}
+        self._done: list[asyncio.Task] = []
+        self.errors_total = self.cancelled_total = self.emitted_total = 0
+
+    def __len__(self) -> int:
+        """Rollouts running under a Task."""
+        return len(self._tasks)
+
+    @property
+    def unreaped(self) -> bool:
+        """Some Task finished since the last ``reap``."""
+        return bool(self._done)
+
+    def oldest_train_version(self) -> int | None:
+        versions = [f.group.version_at_start for f in self._tasks.values() if not f.group.is_eval]
+        return min(versions) if versions else None
+
+    def start(self, g: Group, eid: int, now: float, env: Environment) -> Rollout | None:
+        """Create rollout ``eid``'s coroutine and run it eagerly up to its first suspension (as
+        Python 3.12's eager tasks do). Returns its rollout if it finished cleanly without
+        suspending; the caller settles it. Work that suspends continues under a Task; work
+        that failed has been settled. Both return None."""
+        example = dict(g.example)  # envs may mutate theirs; the group keeps the original
+        try:
+            coro = env.run(
+                g.client, example, group_id=g.group_id, episode_id=eid, sampling=g.sampling
+            )
+        except Exception as exc:  # an env failing before its coroutine exists: same fate
+            self.finish(g, eid, now, None, exc)
+            return None
+        if not asyncio.iscoroutine(coro):  # another awaitable: no first step to take here
+            task = asyncio.ensure_future(coro)
+        else:
+            try:
+                task, result = start_eagerly(coro)
+            except asyncio.CancelledError:
+                self.finish(g, eid, now, None, None, "rollout task was cancelled")
+                return None
+            except Exception as exc:
+                self.finish(g, eid, now, None, exc)
+                return None
+            if task is None:
+                if isinstance(result, Rollout):
+                    return result
+                self.finish(g, eid, now, result)  # not a rollout: the error path names it
+                return None
+        self._tasks[task] = Flight(g, eid, now)
+        task.add_done_callback(self._task_done)
+        return None
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._done.append(task)
+        self._wake()
+
+    def reap(self) -> None:
+        """Settle every Task that finished since the last call."""
+        done, self._done = self._done, []
+        for task in done:
+            self._complete(task)
+
+    def cancel_stale(self, min_version: int) -> int:
+        """Cancel the running train rollouts of groups opened before ``min_version``; they are
+        settled as cancelled once their Task unwinds. Returns how many were cancelled."""
+        n = 0
+        for task, flight in self._tasks.items():
+            g = flight.group
+            stale = not g.is_eval and g.version_at_start < min_version
+            # cancel() is False for a task that already finished: its result stands.
+            if stale and flight.cancel_reason is None and task.cancel():
+                flight.cancel_reason = (
+                    f"group started at version {g.version_at_start}, oldest trainable "
+                    f"version is now {min_version}"
+                )
+                n += 1
+        return n
+
+    async def stop(self, timeout: float) -> None:
+        """Cancel every Task, wait up to ``timeout`` for them to unwind, settle them all."""
+        tasks = list(self._tasks)
+        for task, flight in self._tasks.items():
+            if task.cancel() and flight.cancel_reason is None:
+                flight.cancel_reason = "dispatcher stopped"
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        for task in tasks:
+            self._complete(task)
+
+    def _complete(self, task: asyncio.Task) -> None:
+        flight = self._tasks.pop(task, None)
+        if flight is None:
+            return  # already handled (stop() and the loop can both see a task)
+        error: BaseException | None = None
+        cancel = flight.cancel_reason
+        if task.done() and not task.cancelled():
+            error = task.exception()  # retrieved even when cancelled, so asyncio does not warn
+            if error is not None and not isinstance(error, Exception):
+                raise error  # KeyboardInterrupt / SystemExit are not rollout failures
+        elif cancel is None:
+            # Cancelled by someone else, or still running after stop()'s grace period.
+            cancel = "rollout task was cancelled"
+        result = task.result() if cancel is None and error is None else None
+        self.finish(flight.group, flight.episode_id, flight.admitted_at, result, error, cancel)
+
+    def finish(
+        self,
+        g: Group,
+        eid: int,
+        admitted_at: float,
+        result: Any,
+        error: BaseException | None = None,
+        cancel: str | None = None,
+    ) -> None:
+        """One started rollout ended, whatever its fate: release its permit and emit it."""
+        self._release(g, 1)
+        rollouts: list[Rollout] = []
+        if cancel is None and error is None:
+            if isinstance(result, Rollout):
+                rollouts = [result]
+            else:
+                error = TypeError(
+                    f"env {g.env!r} returned {type(result).__name__} (expected 1 Rollout)"
+                )
+        self.emit(g, [eid], rollouts, admitted_at, self.clock(), error, cancel)
+
+    def emit(
+        self,
+        g: Group,
+        ids: list[int],
+        rollouts: list[Rollout],
+        admitted_at: float,
+        finished_at: float,
+        error: BaseException | None = None,
+        cancel: str | None = None,
+        admitted: bool = True,
+        each: bool = False,
+    ) -> None:
+        """Settle and queue finished rollouts: one episode, or one episode per rollout
+        (``each``: several rollouts that finished together)."""
+        rollouts = settle(g, ids, rollouts, admitted_at, finished_at, error, cancel)
+        bad = sum(r.has_error for r in rollouts)
+        self.errors_total += bad
+        if cancel is not None:
+            self.cancelled_total += len(rollouts)
+        self.emitted_total += len(rollouts)
+        if each:
+            for r in rollouts:
+                self.out_q.put_nowait([r])
+        else:
+            self.out_q.put_nowait(rollouts)
+        # Never-started placeholders were never admitted, so the gate must not hear of them.
+        if not g.is_eval and admitted:
+            ok = len(rollouts) - bad
+            if ok:
+                self.on_finish(ok, True)
+            if bad:
+                self.on_finish(bad, False)

@@ -1,0 +1,63 @@
+"""Settings of the orchestrator's loop, as data: importable from ``config.py`` without climbing.
+
+What it owns: ``OrchestratorConfig`` (the loop's own settings: step target, batch and group
+sizes, the staleness bound S, concurrency, the observed-age policy, the version hold, eval
+cadence, timeouts) and ``AGE_POLICIES``, with their validation. ``TrainConfig`` (``config.py``)
+composes it from its flat gin fields (``TrainConfig.orchestrator``), so a user still binds
+``TrainConfig.max_staleness = 2``; the orchestrator gets only this, never the root config.
+
+Pure dataclasses: no JAX, no asyncio, no imports of the package beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+AGE_POLICIES = ("admit", "drop", "pace")
+
+
+@dataclasses.dataclass(frozen=True)
+class OrchestratorConfig:
+    """The loop's settings (``orchestrator/loop.py`` documents what each bound does)."""
+
+    max_steps: int
+    batch_size: int  # rollouts per training batch (B)
+    group_size: int
+    max_staleness: int = 1  # S: the admission gate's bound, in policy versions
+    max_concurrent: int = 64  # in-flight train rollouts (dispatcher permits and gate)
+    age_policy: str = "admit"
+    max_lag: int | None = None  # version hold; None means max_staleness
+    empty_batch_limit: int = 10
+    eval_every: int | None = None
+    eval_at_start: bool = True
+    bench: bool = False
+    poll_s: float = 0.5
+    stall_timeout_s: float | None = 600.0
+    shutdown_timeout_s: float = 30.0
+    recover_gate_on_resume: bool = True  # False only to demonstrate the resume-burst alarm
+
+    def __post_init__(self) -> None:
+        if self.age_policy not in AGE_POLICIES:
+            raise ValueError(f"age_policy must be one of {AGE_POLICIES}, got {self.age_policy!r}")
+        for name in ("max_steps", "batch_size", "group_size", "max_concurrent"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of group_size "
+                f"({self.group_size}): a batch holds whole groups"
+            )
+        if self.max_concurrent < self.group_size:
+            raise ValueError(
+                f"max_concurrent ({self.max_concurrent}) must be >= group_size "
+                f"({self.group_size}) so a whole group can be in flight"
+            )
+        if self.max_staleness < 0 or (self.max_lag is not None and self.max_lag < 0):
+            raise ValueError(
+                f"max_staleness and max_lag must be >= 0, got {self.max_staleness}, {self.max_lag}"
+            )
+
+    @property
+    def lag(self) -> int:
+        return self.max_staleness if self.max_lag is None else self.max_lag
