@@ -32,6 +32,12 @@ from pathlib import Path
 from typing import Any
 
 _EVAL_KEY = re.compile(r"^eval/([^/@]+)/reward_mean$")
+# What each control is, in words (the plot's legend; the table names runs by their directory).
+_LEGEND = {
+    "permuted": "permuted advantages (noise only)",
+    "imitation": "more SFT on the mixed demos (imitation)",
+    "clean_sft": "SFT on clean demos (upper bound)",
+}
 
 
 def run_commands(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -51,22 +57,22 @@ def run_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     control = [
         *base,
         f"--gin_param=TrainConfig.seed={args.seeds[0]}",
-        f"--gin_param=TrainConfig.warmup_from='{warm}'",
+        f'--gin_param=TrainConfig.warmup_from="{warm}"',
     ]
     runs["permuted"] = [
         *control,
         f"--workdir={root / 'permuted'}",
-        f"--gin_param=TrainConfig.algorithm='permuted:{args.algorithm}'",
+        f'--gin_param=TrainConfig.algorithm="permuted:{args.algorithm}"',
     ]
     runs["imitation"] = [
         *control,
         f"--workdir={root / 'imitation'}",
-        "--gin_param=TrainConfig.after_warmup='sft'",
+        '--gin_param=TrainConfig.after_warmup="sft"',
     ]
     runs["clean_sft"] = [
         *control,
         f"--workdir={root / 'clean_sft'}",
-        "--gin_param=TrainConfig.after_warmup='sft'",
+        '--gin_param=TrainConfig.after_warmup="sft"',
         "--gin_param=TrainConfig.demonstrations=()",
     ]
     return runs
@@ -155,7 +161,7 @@ def comparison_markdown(rows: list[dict[str, Any]], commands: dict[str, list[str
             f"{'-' if r['wall_s'] is None else round(r['wall_s'])} |"
         )
     out += ["", "Commands:", ""]
-    out += [f"- {label}: `{shlex.join(cmd[1:])}`" for label, cmd in commands.items()]
+    out += [f"- {label}: `{shlex.join(['python', *cmd[1:]])}`" for label, cmd in commands.items()]
     return "\n".join(out) + "\n"
 
 
@@ -171,12 +177,13 @@ def plot(runs: dict[str, Path], out: Path) -> bool:
         curve = eval_curve(wd)
         if curve:
             xs = sorted(curve)
-            ax.plot(xs, [curve[x] for x in xs], marker="o", ms=3, label=label)
+            name = _LEGEND.get(label, label.replace("seed", "RL, seed "))
+            ax.plot(xs, [curve[x] for x in xs], marker="o", ms=3, label=name)
             drawn += 1
     if drawn:
         ax.set_xlabel("RL step (controls: the same number of optimizer updates)")
         ax.set_ylabel("held-out eval reward, greedy")
-        ax.set_title("RL vs its controls, from the same warm-up")
+        ax.set_title("RL (each seed from its warm-up) vs controls (from the first seed's)")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
@@ -213,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             if (runs[label] / "summary.json").is_file():
                 print(f"[lift] {label}: done already ({runs[label]})", flush=True)
                 continue
-            print(f"[lift] {label}: $ {shlex.join(cmd[1:])}", flush=True)
+            print(f"[lift] {label}: $ {shlex.join(['python', *cmd[1:]])}", flush=True)
             rc = subprocess.call(cmd)
             if rc != 0:
                 print(

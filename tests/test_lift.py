@@ -38,11 +38,11 @@ def test_commands_are_plain_train_commands_from_one_warm_up(tmp_path):
         assert cmd[1:3] == ["-m", "jaxrl_orch.train"]
         assert "--gin_file=configs/reverse_text.gin" in cmd
     assert "--gin_param=TrainConfig.seed=4" in cmds["seed4"]
-    warm = f"--gin_param=TrainConfig.warmup_from='{tmp_path / 'seed3'}'"
+    warm = f'--gin_param=TrainConfig.warmup_from="{tmp_path / "seed3"}"'
     for control in ("permuted", "imitation", "clean_sft"):
         assert warm in cmds[control]
-    assert "--gin_param=TrainConfig.algorithm='permuted:grpo'" in cmds["permuted"]
-    assert "--gin_param=TrainConfig.after_warmup='sft'" in cmds["imitation"]
+    assert '--gin_param=TrainConfig.algorithm="permuted:grpo"' in cmds["permuted"]
+    assert '--gin_param=TrainConfig.after_warmup="sft"' in cmds["imitation"]
     assert "--gin_param=TrainConfig.demonstrations=()" in cmds["clean_sft"]
     assert not any("demonstrations" in c for c in cmds["imitation"])  # the same mixed demos
 
@@ -57,6 +57,6 @@ def test_table_and_plot_from_the_runs(tmp_path):
     )
     assert "| permuted | 0.400 -> 0.410 (+0.010)" in md
     assert "imitation |" not in md  # not run: no row, but its command is listed
-    assert "- imitation: `-m jaxrl_orch.train" in md
+    assert "- imitation: `python -m jaxrl_orch.train" in md
     assert (tmp_path / "comparison.png").stat().st_size > 0
     assert lift.eval_curve(tmp_path / "seed0") == {0: 0.4, 30: 0.7, 60: 0.85}
