@@ -113,7 +113,7 @@ class Experiment:
         )
         env_kwargs = {} if cfg.instruction is None else {"instruction": cfg.instruction}
         self.env = make_env(cfg.env, tokenizer=self.tokenizer, **env_kwargs)
-        if cfg.sft_steps or cfg.demonstrations:
+        if cfg.sft_steps or cfg.demonstrations or cfg.after_warmup == "sft":
             self.demonstrator = MixedDemonstrator(self.env, cfg.demonstrations)
         # A text file is split in two unless a separate eval set is named: then all of it
         # trains, and an eval text file is held out whole (datasets use their own splits).

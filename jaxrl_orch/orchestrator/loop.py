@@ -1,11 +1,9 @@
 """Orchestrator: the main loop, driving the components it is handed.
 
-What it owns: running the components (``start``), the main loop that routes finished episodes
-and ships training batches (``main_loop`` / ``_try_ship``), one ``metrics.jsonl`` row per step
-(written once the trainer has trained it, with ``step_metrics``'s numbers merged in), the drain
-at the step target or on request, a bounded shutdown, and ``state()`` / ``restore()``. It
-builds nothing: ``build.orchestrator.build_orchestrator`` constructs the gate, dispatcher,
-sinks, watcher, store and logger and wires them by callbacks; the caller creates the shared
+What it owns: running the components, the main loop that routes finished episodes and ships
+training batches, the drain, a bounded shutdown, and ``state()`` / ``restore()``; the step rows
+are the ``StepLedger``'s (one per step, once trained). It builds nothing: ``build_orchestrator``
+(``build/orchestrator.py``) builds and wires the components; the caller creates the shared
 ``PolicyHandle``, whose version (the trainer's) fixes the first step.
 
 Shipping batch ``step`` (1-based; after it trains, the trainer publishes version ``step``):
@@ -21,19 +19,15 @@ Shipping batch ``step`` (1-based; after it trains, the trainer publishes version
 6. persist the trained rollouts, then ship, then ``step += 1``.
 
 Invariants: every episode taken off ``out_q`` goes to exactly one sink; a batch's rollouts are
-on disk before the trainer sees it; a background component that dies is re-raised here; the
-first step after a resume admits at most ``(S + 1) * B`` rollouts or the run fails
-(``ResumeBurstError``). It never blocks the event loop: the trainer works in the background.
+on disk before the trainer sees it; a background component that dies is re-raised here. It
+never blocks the event loop: the trainer works in the background.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import math
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -41,7 +35,7 @@ from jaxrl_orch.orchestrator.dispatcher import RolloutDispatcher
 from jaxrl_orch.orchestrator.eval_sink import EvalSink
 from jaxrl_orch.orchestrator.gate import StalenessGate
 from jaxrl_orch.orchestrator.logger import PeriodicLogger
-from jaxrl_orch.orchestrator.step_stats import head_versions, summaries
+from jaxrl_orch.orchestrator.step_ledger import StepLedger, StepRecord, drop_stale, stamp_ages
 from jaxrl_orch.orchestrator.store import RolloutStore
 from jaxrl_orch.orchestrator.train_sink import TrainSink
 from jaxrl_orch.orchestrator.watcher import WeightWatcher
@@ -58,14 +52,6 @@ from jaxrl_orch.types import (
 
 class EmptyBatchError(RuntimeError):
     """Too many consecutive batches had nothing trainable."""
-
-
-@dataclasses.dataclass
-class StepRecord:
-    """What the loop measured about one shipped step (also written as step metrics)."""
-
-    step: int
-    metrics: dict[str, float]
 
 
 class Orchestrator:
@@ -93,10 +79,6 @@ class Orchestrator:
         self.clock = clock
         self.trainer = trainer
         self.on_step = on_step
-        # With ``step_metrics`` a step's row waits until the trainer has trained that step, so
-        # one row carries what the loop saw at ship time and what the trainer measured.
-        self.step_metrics = step_metrics
-        self._unwritten: dict[int, dict[str, float]] = {}
         # Versions count finished optimizer steps, so a run resumed before step k holds k - 1.
         self.policy = policy
         self.step = self.start_step = policy.version + 1
@@ -108,18 +90,14 @@ class Orchestrator:
         self.writers = list(writers)
         self.stopped = asyncio.Event()
         self.draining = False
-        self.history: list[StepRecord] = []
         self.eval_history: list[EvalBatch] = []
         self.dropped_total = 0
-        # Observed head age (in versions) of every live rollout shipped: bounded memory.
-        self.age_histogram: Counter[int] = Counter()
         self._empty_batches = 0
         self._tasks: list[asyncio.Task] = []
         self._failed: asyncio.Task | None = None
         self._pace_since: float | None = None
-        self._parked_s = {"hold": 0.0, "pace": 0.0}
-        self._admitted_at_last_ship = 0
-        self._last_ship_time = clock()
+        # One row per step, written once trained (``step_metrics``) or at ship time.
+        self.ledger = StepLedger(clock, self.write_metrics, step_metrics)
         self._last_shipped_step = self.start_step - 1
         self._final_eval_due = False
 
@@ -143,7 +121,7 @@ class Orchestrator:
         ]
         for t in self._tasks:
             t.add_done_callback(self._task_finished)
-        self._last_ship_time = self.clock()
+        self.ledger.restart_clock()
         if self.config.eval_at_start:
             self._schedule_eval(self.step - 1)
 
@@ -153,18 +131,11 @@ class Orchestrator:
             self.draining = True
             self.dispatcher.stop_admitting_train()
 
-    def flush_step_rows(self, final: bool = False) -> None:
-        """Write the deferred rows of trained steps (``final``: every row, trained or not)."""
-        for step in sorted(self._unwritten):
-            extra = self.step_metrics(step, self._unwritten[step])
-            if extra is None and not final:
-                return  # rows go out in step order
-            metrics = self._unwritten.pop(step)
-            metrics.update(extra or {})
-            self.write_metrics(step, metrics)
+    history = property(lambda self: self.ledger.history, doc="one StepRecord per shipped step")
+    age_histogram = property(lambda self: self.ledger.age_histogram, doc="observed head ages")
 
     async def shutdown(self) -> None:
-        self.flush_step_rows(final=True)
+        self.ledger.flush(final=True)
         timeout = self.config.shutdown_timeout_s
         stops = (
             self.dispatcher.stop,
@@ -208,8 +179,8 @@ class Orchestrator:
                 # The dispatcher emits in bursts: take what is already queued in one run, up to
                 # the first episode after which there is something to ship.
                 episode = q.get_nowait() if q.qsize() and not self._ship_due() else None
-            if self._unwritten and self.policy.version >= min(self._unwritten):
-                self.flush_step_rows()
+            if self.ledger.due(self.policy.version):
+                self.ledger.flush()
             if self._ship_due():
                 self._check_tasks()
                 await self._try_ship()
@@ -302,7 +273,7 @@ class Orchestrator:
 
     def _unpark_pace(self) -> None:
         if self._pace_since is not None:
-            self._parked_s["pace"] += self.clock() - self._pace_since
+            self.ledger.parked_s["pace"] += self.clock() - self._pace_since
             self._pace_since = None
 
     def _pace_blocks(self) -> bool:
@@ -323,7 +294,7 @@ class Orchestrator:
                 # WatcherStallError instead of halting silently.
                 t0 = self.clock()
                 await self.watcher.wait_for_version(required, timeout=cfg.stall_timeout_s)
-                self._parked_s["hold"] += self.clock() - t0
+                self.ledger.parked_s["hold"] += self.clock() - t0
                 continue
             if self.train_sink.ready_count < cfg.batch_size:
                 return
@@ -336,7 +307,7 @@ class Orchestrator:
             if batch is None:
                 return
             if cfg.age_policy == "drop":
-                self._drop_stale(batch)
+                self.dropped_total += drop_stale(batch, self.step, self.config.max_staleness)
             if not batch.samples:
                 self._empty_batches += 1
                 if self._empty_batches >= cfg.empty_batch_limit:
@@ -348,44 +319,23 @@ class Orchestrator:
             self._empty_batches = 0
             await self._ship(batch)
 
-    def _stamp_ages(self, rollouts: Sequence[Rollout], step: int, now: float) -> None:
-        for r, head in zip(rollouts, head_versions(rollouts), strict=True):
-            r.shipped_at = now
-            if r.live_policy:
-                r.off_policy_steps = (step - 1) - head
-            for s in r.samples:
-                s.off_policy_steps = r.off_policy_steps
-
-    def _drop_stale(self, batch: TrainBatch) -> None:
-        bound = self.config.max_staleness
-        keep, dropped = [], 0
-        for r, head in zip(batch.trained, head_versions(batch.trained), strict=True):
-            if r.live_policy and (self.step - 1) - head > bound:
-                dropped += 1
-            else:
-                keep.append(r)
-        if dropped:
-            self.dropped_total += dropped
-            batch.trained = keep
-            batch.samples = [s for r in keep for s in r.samples]
-        batch.metrics["orch/dropped"] = float(dropped)
-
     async def _ship(self, batch: TrainBatch) -> None:
         step = self.step
         now = self.clock()
         batch.step = step
-        self._stamp_ages(batch.trained, step, now)
+        stamp_ages(batch.trained, step, now)
         if self.store is not None:
             await self.store.write_async(step, batch.trained)
         self.trainer.submit(batch)
         self._last_shipped_step = step
-        metrics = dict(batch.metrics)
-        metrics.update(self._step_metrics(batch, now))
-        self.history.append(StepRecord(step, metrics))
-        if self.step_metrics is None:
-            self.write_metrics(step, metrics)
-        else:
-            self._unwritten[step] = metrics  # the same dict: history sees what gets merged
+        self.ledger.record(
+            batch,
+            now,
+            version=self.policy.version,
+            admitted_total=self.gate.admitted_total,
+            out_q_depth=self.dispatcher.out_q.qsize(),
+            dropped_total=self.dropped_total,
+        )
         self.step += 1
         if self.config.age_policy == "drop":
             # In flight since before this version: it would land at least one step too late.
@@ -399,43 +349,6 @@ class Orchestrator:
             self._schedule_eval(step)
         if self.on_step is not None:
             await _maybe_await(self.on_step(step, self.state()))
-
-    def _step_metrics(self, batch: TrainBatch, now: float) -> dict[str, float]:
-        live = [r for r in batch.trained if r.live_policy and r.off_policy_steps is not None]
-        ages = [r.off_policy_steps for r in live]
-        self.age_histogram.update(ages)
-        last = batch.step - 1
-        landed = [r.metrics["orch/landed_version"] for r in live]
-        m: dict[str, float] = {
-            "step": float(batch.step),
-            "orch/version": float(self.policy.version),
-        }
-        m.update(
-            summaries(
-                {
-                    "orch/age": ages,
-                    # head = last - age: versions spent in flight, then waiting in the queue
-                    "orch/age_in_flight": [
-                        v - (last - a) for v, a in zip(landed, ages, strict=True)
-                    ],
-                    "orch/age_in_queue": [last - v for v in landed],
-                    "orch/in_flight_s": [r.finished_at - r.admitted_at for r in live],
-                    "orch/in_queue_s": [now - r.finished_at for r in live],
-                }
-            )
-        )
-        admitted = self.gate.admitted_total - self._admitted_at_last_ship
-        self._admitted_at_last_ship = self.gate.admitted_total
-        m["orch/admitted"] = float(admitted)
-        m["orch/step_s"] = now - self._last_ship_time
-        self._last_ship_time = now
-        for reason, secs in self._parked_s.items():
-            m[f"orch/parked_{reason}_s"] = secs
-            self._parked_s[reason] = 0.0
-        m["orch/out_q_depth"] = float(self.dispatcher.out_q.qsize())
-        m["orch/trainable_samples"] = float(len(batch.samples))
-        m["orch/dropped_total"] = float(self.dropped_total)
-        return {k: v for k, v in m.items() if math.isfinite(v)}
 
     def _begin_final_drain(self) -> None:
         self.request_drain()
