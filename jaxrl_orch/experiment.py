@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -41,16 +40,21 @@ from flax import nnx
 
 from jaxrl_orch.algorithms.losses import PolicyLossConfig
 from jaxrl_orch.build.orchestrator import Telemetry, build_orchestrator
-from jaxrl_orch.build.parts import first_examples, hf_checkpoint_dir, model_config, optim_config
+from jaxrl_orch.build.parts import (
+    build_data,
+    build_placement,
+    hf_checkpoint_dir,
+    model_config,
+    optim_config,
+)
 from jaxrl_orch.config import TrainConfig
 from jaxrl_orch.control import run_imitation
-from jaxrl_orch.data.sources import make_source, text_file_path
 from jaxrl_orch.envs.base import AtTemperature, make_env
 from jaxrl_orch.envs.demonstrator import MixedDemonstrator
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
-from jaxrl_orch.models.hf_import import load_hf_checkpoint, save_hf_checkpoint
+from jaxrl_orch.models.hf_import import export_hf_dir, load_hf_checkpoint
 from jaxrl_orch.models.tokenizer import load_tokenizer, tokenizer_json_path
 from jaxrl_orch.orchestrator.dispatcher import EvalPlan
 from jaxrl_orch.orchestrator.logger import (
@@ -70,7 +74,6 @@ from jaxrl_orch.trainer.trainer import Trainer
 from jaxrl_orch.types import PolicyHandle, Sample, SamplingParams
 from jaxrl_orch.warmup import run_warmup
 from jaxrl_orch.weights import WeightPath
-from sharding.mesh import make_meshes
 from sharding.reshard import reshard
 
 _CONSOLE_KEYS = (
@@ -100,43 +103,15 @@ class Experiment:
     def validate(self) -> None:
         """Fail before any work: mesh shapes vs devices, env, data (built once if bundled)."""
         cfg = self.cfg
-        n = len(jax.devices())
-        self.colocated = (n == 1) if cfg.colocated is None else cfg.colocated
-        trainer_shape = dict(cfg.trainer_mesh) or (
-            {"fsdp": n} if self.colocated else {"fsdp": n // 2}
-        )
-        decode_shape = dict(cfg.decode_mesh) or (
-            {"tp": n} if self.colocated else {"tp": n - n // 2}
-        )
-        self.decode_mesh, self.trainer_mesh = make_meshes(
-            decode_shape, trainer_shape, colocated=self.colocated
-        )
+        placement = build_placement(cfg, len(jax.devices()))
+        self.colocated, self.decode_mesh, self.trainer_mesh = placement
         env_kwargs = {} if cfg.instruction is None else {"instruction": cfg.instruction}
         self.env = make_env(cfg.env, tokenizer=self.tokenizer, **env_kwargs)
         if cfg.sft_steps or cfg.demonstrations or cfg.after_warmup == "sft":
             self.demonstrator = MixedDemonstrator(self.env, cfg.demonstrations)
-        # A text file is split in two unless a separate eval set is named: then all of it
-        # trains, and an eval text file is held out whole (datasets use their own splits).
-        train_split = "all" if cfg.eval_dataset and text_file_path(cfg.dataset) else "train"
-        self.train_source = make_source(
-            cfg.dataset, split=train_split, data_dir=cfg.data_dir, seed=cfg.seed
-        )
-        if cfg.rl_prompt_pool is not None:
-            self.train_source = first_examples(self.train_source, cfg.rl_prompt_pool, cfg.seed)
-        self.sft_source = make_source(
-            cfg.dataset, split=train_split, data_dir=cfg.data_dir, seed=cfg.seed + 1
-        )
-        eval_name = cfg.eval_dataset or cfg.dataset
-        eval_split = "all" if cfg.eval_dataset and text_file_path(eval_name) else "eval"
-        self.eval_source = make_source(
-            eval_name, split=eval_split, data_dir=cfg.data_dir, shuffle=False
-        )
-        # The same held-out examples again, sampled at the training temperature.
-        self.sampled_eval_source = make_source(
-            eval_name, split=eval_split, data_dir=cfg.data_dir, shuffle=False
-        )
-        if train_split == "all" and eval_split == "all":
-            self._check_held_out(cfg.dataset, eval_name)
+        data = build_data(cfg)
+        self.train_source, self.sft_source = data.train, data.sft
+        self.eval_source, self.sampled_eval_source = data.eval, data.sampled_eval
         if cfg.warmup_from is not None and not (Path(cfg.warmup_from) / "sft").is_dir():
             raise ValueError(
                 f"warmup_from {cfg.warmup_from!r} has no sft/ checkpoint directory; name the "
@@ -151,17 +126,6 @@ class Experiment:
             f"{len(self.eval_source)} held-out examples (eval on {cfg.eval_examples}); "
             f"warm-up demonstrator: {mix}",
         )
-
-    def _check_held_out(self, train_name: str, eval_name: str) -> None:
-        """Two user text files: an eval line that also trains would not be held out."""
-        train = {ex["text"] for ex in self.train_source.data}
-        shared = [ex["text"] for ex in self.eval_source.data if ex["text"] in train]
-        if shared:
-            raise ValueError(
-                f"{len(shared)} of {len(self.eval_source)} lines of eval_dataset {eval_name!r} "
-                f"also appear in dataset {train_name!r} (e.g. {shared[0]!r}); eval lines must "
-                "be held out of training"
-            )
 
     def _check_sft_fits(self, n: int = 64) -> None:
         """Warm-up samples must fit a row (RL rollouts are truncated, reference answers are
@@ -194,18 +158,6 @@ class Experiment:
         mc = self.model_cfg
         _, model = load_hf_checkpoint(path, dtype=mc.dtype, param_dtype=mc.param_dtype)
         return nnx.split(model)[1]
-
-    def _export(self, params: Any) -> Path:
-        """Write ``params`` as an HF checkpoint to ``WORKDIR/export`` (replaced whole, so a
-        crash mid-write never leaves a half-written export behind the old one's name)."""
-        out, tmp = self.workdir / "export", self.workdir / "export.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_hf_checkpoint(params, self.model_cfg, tmp)
-        if self.cfg.tokenizer != "byte":
-            shutil.copy(tokenizer_json_path(self.cfg.tokenizer), tmp / "tokenizer.json")
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-        return out
 
     @property
     def stop_requested(self) -> bool:
@@ -382,7 +334,10 @@ class Experiment:
                 stage(
                     "export", f"the final policy as an HF checkpoint to {self.workdir / 'export'}"
                 )
-            exported = self._export(trainer.params) if cfg.export_hf else None
+            exported = None
+            if cfg.export_hf:
+                tok = None if cfg.tokenizer == "byte" else tokenizer_json_path(cfg.tokenizer)
+                exported = export_hf_dir(trainer.params, self.model_cfg, self.workdir, tok)
         finally:
             trainer.stop()
             driver.stop()

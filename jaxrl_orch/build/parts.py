@@ -4,7 +4,8 @@ What it owns: pure functions from ``TrainConfig`` (and the tokenizer) to the set
 are built with. ``model_config`` resolves a preset or a local HF checkpoint directory and limits
 the logits to the tokenizer's ids (engine and trainer share it); ``hf_checkpoint_dir`` tells a
 checkpoint from a preset name (nothing is downloaded); ``optim_config`` gives each stage its
-schedule; ``first_examples`` is the ``rl_prompt_pool`` probe's source. No state, no devices.
+schedule; ``first_examples`` is the ``rl_prompt_pool`` probe's source; ``build_placement``
+splits the devices into the decode and trainer meshes; ``build_data`` opens the run's sources.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl_orch.config import TrainConfig
-from jaxrl_orch.data.sources import DatasetSource
+from jaxrl_orch.data.sources import DatasetSource, make_source, text_file_path
 from jaxrl_orch.models.configs import ModelConfig, get_config
 from jaxrl_orch.models.hf_import import config_from_hf
 from jaxrl_orch.trainer.step import OptimConfig
+from sharding.mesh import make_meshes
 
 
 def model_config(name: str, tokenizer: Any) -> ModelConfig:
@@ -82,3 +84,53 @@ def first_examples(source: DatasetSource, n: int, seed: int) -> DatasetSource:
     if n > len(source):
         raise ValueError(f"rl_prompt_pool {n} exceeds the {len(source)} training examples")
     return DatasetSource([source.example_at(i) for i in range(n)], seed=seed, name=f"first{n}")
+
+
+def build_placement(cfg: TrainConfig, n_devices: int) -> tuple[bool, Any, Any]:
+    """(colocated, decode mesh, trainer mesh): with one device (or ``colocated``) engine and
+    trainer share every device; otherwise they split them (trainer fsdp, decode tp) unless the
+    config names both meshes. An impossible shape fails here, naming it."""
+    colocated = (n_devices == 1) if cfg.colocated is None else cfg.colocated
+    half = n_devices if colocated else n_devices // 2
+    trainer_shape = dict(cfg.trainer_mesh) or {"fsdp": half}
+    decode_shape = dict(cfg.decode_mesh) or {"tp": n_devices if colocated else n_devices - half}
+    decode_mesh, trainer_mesh = make_meshes(decode_shape, trainer_shape, colocated=colocated)
+    return colocated, decode_mesh, trainer_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSources:
+    """The run's example streams: RL prompts, warm-up examples (their own order), and the
+    held-out set twice (greedy eval and eval at the training temperature)."""
+
+    train: Any
+    sft: Any
+    eval: Any
+    sampled_eval: Any
+
+
+def build_data(cfg: TrainConfig) -> DataSources:
+    """The sources of ``TrainConfig.dataset`` / ``eval_dataset``. A text file is split in two
+    unless a separate eval set is named: then all of it trains, an eval text file is held out
+    whole (datasets use their own splits), and a line in both fails."""
+    train_split = "all" if cfg.eval_dataset and text_file_path(cfg.dataset) else "train"
+    train = make_source(cfg.dataset, split=train_split, data_dir=cfg.data_dir, seed=cfg.seed)
+    if cfg.rl_prompt_pool is not None:
+        train = first_examples(train, cfg.rl_prompt_pool, cfg.seed)
+    sft = make_source(cfg.dataset, split=train_split, data_dir=cfg.data_dir, seed=cfg.seed + 1)
+    eval_name = cfg.eval_dataset or cfg.dataset
+    eval_split = "all" if cfg.eval_dataset and text_file_path(eval_name) else "eval"
+    held_out = [
+        make_source(eval_name, split=eval_split, data_dir=cfg.data_dir, shuffle=False)
+        for _ in range(2)
+    ]
+    if train_split == "all" and eval_split == "all":
+        seen = {ex["text"] for ex in train.data}
+        shared = [ex["text"] for ex in held_out[0].data if ex["text"] in seen]
+        if shared:
+            raise ValueError(
+                f"{len(shared)} of {len(held_out[0])} lines of eval_dataset {eval_name!r} "
+                f"also appear in dataset {cfg.dataset!r} (e.g. {shared[0]!r}); eval lines must "
+                "be held out of training"
+            )
+    return DataSources(train, sft, *held_out)

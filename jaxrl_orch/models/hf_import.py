@@ -9,7 +9,9 @@ families (``config.json`` plus ``model.safetensors`` or a sharded set indexed by
   weights are ``[out, in]``) and our pure-dict params (kernels ``[in, ...out]``, heads split
   out as their own axis);
 - ``load_hf_checkpoint(path, dtype=...) -> (config, model)`` and
-  ``save_hf_checkpoint(model, config, path, max_shard_size=...)``.
+  ``save_hf_checkpoint(model, config, path, max_shard_size=...)``;
+- ``export_hf_dir(params, config, workdir, tokenizer_json)``: a run's final policy written to
+  ``workdir/export`` atomically (via ``export.tmp``).
 
 Invariants: export then import gives bit-identical params (only transposes and reshapes, no
 arithmetic); every tensor the model needs must be present and of the exact shape, and a
@@ -27,6 +29,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -362,3 +366,19 @@ def save_hf_checkpoint(
     with open(os.path.join(path, _INDEX), "w") as f:
         json.dump(index, f, indent=2)
     return ["config.json", *names, _INDEX]
+
+
+def export_hf_dir(
+    params: Any, cfg: ModelConfig, workdir: str | Path, tokenizer_json: str | Path | None
+) -> Path:
+    """``params`` as an HF checkpoint in ``workdir/export`` (with ``tokenizer_json`` copied as
+    ``tokenizer.json`` when given), replaced whole via ``export.tmp``, so a crash mid-write
+    never leaves a half-written export behind the old one's name."""
+    out, tmp = Path(workdir) / "export", Path(workdir) / "export.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf_checkpoint(params, cfg, tmp)
+    if tokenizer_json is not None:
+        shutil.copy(tokenizer_json, tmp / "tokenizer.json")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

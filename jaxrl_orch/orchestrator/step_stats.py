@@ -11,6 +11,8 @@ on their own:
   among its model tokens), read off the samples the train sink built, in one pass.
 - ``behaviour_shares(rollouts)``: the share of rollouts an env labelled with each
   ``behaviour/<name>`` (used by both sinks, so train and eval count behaviours alike).
+- ``window_stats(rollouts)``: the train sink's window counts (errors, untrainable, filtered)
+  and the mean / std of its scored rewards, with the behaviour shares.
 
 Pure host NumPy: no state, no asyncio, no imports of orchestrator components.
 """
@@ -18,6 +20,7 @@ Pure host NumPy: no state, no asyncio, no imports of orchestrator components.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -96,3 +99,32 @@ def behaviour_shares(rollouts: Sequence[Rollout]) -> dict[str, float]:
     keys = sorted({k for r in rollouts for k in r.metrics if k.startswith("behaviour/")})
     n = len(rollouts)
     return {k: sum(r.metrics.get(k, 0.0) for r in rollouts) / n for k in keys} if n else {}
+
+
+def window_stats(window: Sequence[Rollout]) -> dict[str, float]:
+    """Counts and reward statistics of the rollouts the train sink saw since its last batch."""
+    # One pass in plain Python: a few dozen rollouts, so NumPy calls (~5 us each) would cost
+    # more than the arithmetic.
+    errors = untrainable = filtered = 0
+    scored = []
+    for r in window:
+        if r.errors:
+            errors += 1
+        else:
+            untrainable += not r.trainable
+            if math.isfinite(r.reward):
+                scored.append(r)
+        filtered += r.filtered
+    m = {
+        "rollouts_seen": float(len(window)),
+        "errors": float(errors),
+        "untrainable": float(untrainable),
+        "filtered": float(filtered),
+    }
+    if scored:
+        rewards = [r.reward for r in scored]
+        mean = math.fsum(rewards) / len(rewards)
+        m["reward_mean"] = mean
+        m["reward_std"] = math.sqrt(math.fsum((x - mean) ** 2 for x in rewards) / len(rewards))
+    m.update(behaviour_shares(scored))
+    return m

@@ -63,7 +63,7 @@ import numpy as np
 from jaxrl_orch.algorithms.advantages import NonFiniteRewardError, get_algorithm
 from jaxrl_orch.algorithms.filters import Filter, apply_filters, flag
 from jaxrl_orch.orchestrator.samples import GroupArrays, group_to_samples, trace_to_sample
-from jaxrl_orch.orchestrator.step_stats import behaviour_shares
+from jaxrl_orch.orchestrator.step_stats import window_stats
 from jaxrl_orch.types import Algorithm, Episode, Rollout, Sample, TrainBatch
 
 # How many recent cohorts ``trained_rollouts`` keeps. The loop persists ``TrainBatch.trained``
@@ -341,28 +341,11 @@ class TrainSink:
             ) from None
 
     def _metrics(self, trained: list[Rollout], samples: list[Sample]) -> dict[str, float]:
-        # One pass over the window in plain Python: it is a few dozen rollouts, so NumPy calls
-        # (about 5 us each) would cost more than the arithmetic.
         window = self._window
-        errors = untrainable = filtered = 0
-        rewards = []
-        for r in window:
-            if r.errors:
-                errors += 1
-            else:
-                if not r.trainable:
-                    untrainable += 1
-                if math.isfinite(r.reward):
-                    rewards.append(r.reward)
-            if r.filtered:
-                filtered += 1
+        m = {f"train/{k}": v for k, v in window_stats(window).items()}
         masks = np.concatenate([s.loss_mask for s in samples]) if samples else np.zeros(0, bool)
         groups, with_signal = self._window_groups, self._window_signal
-        m: dict[str, float] = {
-            "train/rollouts_seen": float(len(window)),
-            "train/errors": float(errors),
-            "train/untrainable": float(untrainable),
-            "train/filtered": float(filtered),
+        m |= {
             "train/groups_seen": float(groups),
             "train/groups_with_signal": float(with_signal),
             "train/trainable_samples": float(len(samples)),
@@ -370,15 +353,6 @@ class TrainSink:
             "train/loss_tokens": float(np.count_nonzero(masks)),
             "train/ready_carryover": float(len(self._ready)),
         }
-        if rewards:
-            mean = math.fsum(rewards) / len(rewards)
-            m["train/reward_mean"] = mean
-            m["train/reward_std"] = math.sqrt(
-                math.fsum((x - mean) ** 2 for x in rewards) / len(rewards)
-            )
-        scored = [r for r in window if not r.errors and math.isfinite(r.reward)]
-        for k, v in behaviour_shares(scored).items():
-            m[f"train/{k}"] = v
         if trained:
             m["train/batch_reward_mean"] = math.fsum(r.reward for r in trained) / len(trained)
         if groups:
