@@ -31,7 +31,7 @@ from jaxrl_orch.inference.client import EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.orchestrator.eval_sink import eval_metrics
-from jaxrl_orch.orchestrator.logger import ConsoleWriter, JsonlWriter
+from jaxrl_orch.orchestrator.writers import ConsoleWriter, JsonlWriter
 from jaxrl_orch.summary import eval_summary
 from jaxrl_orch.trainer.sft import run_sft
 from jaxrl_orch.types import SamplingParams

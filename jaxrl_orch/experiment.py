@@ -57,14 +57,14 @@ from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.models.hf_import import export_hf_dir, load_hf_checkpoint
 from jaxrl_orch.models.tokenizer import load_tokenizer, tokenizer_json_path
 from jaxrl_orch.orchestrator.dispatcher import EvalPlan
-from jaxrl_orch.orchestrator.logger import (
+from jaxrl_orch.orchestrator.loop import Orchestrator
+from jaxrl_orch.orchestrator.writers import (
     ConsoleWriter,
     JsonlWriter,
     ProgressWriter,
     TensorBoardWriter,
     stage,
 )
-from jaxrl_orch.orchestrator.loop import Orchestrator
 from jaxrl_orch.report import write_report
 from jaxrl_orch.summary import eval_line, eval_summary, first_eval, merge_evals, train_reward_ends
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxrl_orch.orchestrator.logger import ConsoleWriter, JsonlWriter, ProgressWriter, stage
+from jaxrl_orch.orchestrator.writers import ConsoleWriter, JsonlWriter, ProgressWriter, stage
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
 from jaxrl_orch.trainer.sft import run_sft
 

@@ -40,6 +40,11 @@ PLANTS = {
     "independent": ("orchestrator/gate.py", "from jaxrl_orch.orchestrator import store"),
     # the orchestrator reaching for JAX or an engine module instead of a types.py Protocol
     "no engine, trainer": ("orchestrator/gate.py", "import jax"),
+    # a helper module reaching for a component
+    "helpers hold no component": (
+        "orchestrator/step_ledger.py",
+        "from jaxrl_orch.orchestrator import gate",
+    ),
     # config climbing above the orchestrator
     "layering": ("config.py", "from jaxrl_orch.orchestrator import loop"),
 }

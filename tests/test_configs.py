@@ -157,7 +157,7 @@ def test_probe_settings_restrict_the_prompts_and_reuse_another_runs_warm_up(tmp_
 
     from jaxrl_orch.config import TrainConfig
     from jaxrl_orch.experiment import Experiment
-    from jaxrl_orch.orchestrator.logger import JsonlWriter
+    from jaxrl_orch.orchestrator.writers import JsonlWriter
 
     gin.clear_config()
     small = dict(

@@ -22,7 +22,7 @@ from jaxrl_orch.experiment import Experiment
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.models.hf_import import load_hf_checkpoint, save_hf_checkpoint
 from jaxrl_orch.models.transformer import Transformer
-from jaxrl_orch.orchestrator.logger import JsonlWriter
+from jaxrl_orch.orchestrator.writers import JsonlWriter
 
 pytestmark = pytest.mark.slow
 

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
-import inspect
 import threading
 import time
 from collections.abc import Sequence
@@ -48,49 +46,16 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_orch.inference.requests import (
+    NO_LP,
+    STOPPED,
+    Group,
+    Seq,
+    accepts,
+    first_token,
+    resolve,
+)
 from jaxrl_orch.types import Completion, SamplingParams
-
-_STOPPED = "InferenceDriver stopped before the request finished"
-# An engine that reports no log-probs yields NaN: the trainer must recompute them (DESIGN 5).
-_NO_LP = float("nan")
-
-
-@dataclasses.dataclass(eq=False)
-class _Group:
-    prompt: np.ndarray
-    members: list[tuple[concurrent.futures.Future, SamplingParams]]
-    prefix: Any = None
-    prefix_version: int | None = None
-    first: tuple[int, float] | None = None  # a token the engine sampled at prefill, if any
-
-
-@dataclasses.dataclass(eq=False)
-class _Seq:
-    future: concurrent.futures.Future
-    sampling: SamplingParams
-    prompt_len: int
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-
-
-def _accepts(fn: Any, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _resolve(future: concurrent.futures.Future, *, result: Any = None, error: Any = None) -> None:
-    if future.done():
-        return
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass  # cancelled by the caller in the meantime: nobody is waiting for it
 
 
 class InferenceDriver:
@@ -117,23 +82,23 @@ class InferenceDriver:
         self._n_slots = int(engine.max_concurrent_decodes)
         self._max_prefill = int(engine.max_prefill_length)
         self._cache_len = getattr(engine, "max_target_length", None)
-        self._pass_sampling = _accepts(engine.insert, "sampling")
+        self._pass_sampling = accepts(engine.insert, "sampling")
         self._max_stop = getattr(engine, "max_stop_tokens", None)
-        self._pass_version = _accepts(engine.generate, "version")
+        self._pass_version = accepts(engine.generate, "version")
         # Narrow decoding needs both halves of the extension: width-limited generate calls and
         # a way to pack running requests below the width.
         widths = getattr(engine, "decode_widths", None)
         narrow = (
             widths
             and max(widths) == self._n_slots
-            and _accepts(engine.generate, "width")
+            and accepts(engine.generate, "width")
             and hasattr(engine, "move_slot")
         )
         self._widths = tuple(sorted(int(w) for w in widths)) if narrow else (self._n_slots,)
         self._width = self._n_slots
         self._cv = threading.Condition()
-        self._pending: collections.deque[_Group] = collections.deque()
-        self._slots: list[_Seq | None] = [None] * self._n_slots
+        self._pending: collections.deque[Group] = collections.deque()
+        self._slots: list[Seq | None] = [None] * self._n_slots
         self._decode_state: Any = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -191,7 +156,7 @@ class InferenceDriver:
                     group.members.extend(members)
                     break
             else:
-                self._pending.append(_Group(prompt, members))
+                self._pending.append(Group(prompt, members))
             self._cv.notify_all()
         return futures
 
@@ -227,9 +192,9 @@ class InferenceDriver:
             self._thread.join()
         with self._cv:
             self._stopped = True
-            self._fail_everything(RuntimeError(_STOPPED))
+            self._fail_everything(RuntimeError(STOPPED))
             for waiter in self._swap_waiters:
-                _resolve(waiter, error=RuntimeError(_STOPPED))
+                resolve(waiter, error=RuntimeError(STOPPED))
             self._swap_waiters.clear()
 
     def gauges(self) -> dict[str, float]:
@@ -263,7 +228,7 @@ class InferenceDriver:
                 if self._pending_swap is not None:
                     (self._params, self._version), self._pending_swap = self._pending_swap, None
                     for waiter in self._swap_waiters:
-                        _resolve(waiter, result=self._version)
+                        resolve(waiter, result=self._version)
                     self._swap_waiters.clear()
             try:
                 self._reap_cancelled()
@@ -302,7 +267,7 @@ class InferenceDriver:
                 with self._cv:
                     self._pending.remove(group)
                 for f, _ in group.members:
-                    _resolve(f, error=exc)
+                    resolve(f, error=exc)
                 continue
             while free and group.members:
                 with self._cv:
@@ -310,7 +275,7 @@ class InferenceDriver:
                 if future.cancelled():
                     continue
                 slot = free.pop(0)
-                seq = _Seq(future, sampling, int(group.prompt.size))
+                seq = Seq(future, sampling, int(group.prompt.size))
                 self._slots[slot] = seq
                 kwargs = {"sampling": sampling} if self._pass_sampling else {}
                 state = self._decode_state
@@ -321,7 +286,7 @@ class InferenceDriver:
                 if not group.members and self._pending and self._pending[0] is group:
                     self._pending.popleft()
 
-    def _ensure_prefix(self, group: _Group) -> None:
+    def _ensure_prefix(self, group: Group) -> None:
         if group.prefix is not None and group.prefix_version == self._version:
             return
         key = (group.prompt.tobytes(), self._version)
@@ -339,7 +304,7 @@ class InferenceDriver:
                 padded_tokens=padded,
                 true_length=int(group.prompt.size),
             )
-            group.prefix, group.first = prefix, self._first_token(result)
+            group.prefix, group.first = prefix, first_token(result)
             self._prefill_s += time.perf_counter() - t0
             self.num_prefills += 1
             if self._prefix_cache_size:
@@ -354,20 +319,6 @@ class InferenceDriver:
         while bucket < length:
             bucket *= 2
         return min(bucket, self._max_prefill)
-
-    @staticmethod
-    def _first_token(result: Any) -> tuple[int, float] | None:
-        """A JetStream-style engine samples the first token at prefill; ours defers it."""
-        if result is None:
-            return None
-        data = result.get_result_at_slot(0)
-        valid = np.asarray(data.valid).reshape(-1)
-        if valid.size == 0 or not valid[0]:
-            return None
-        lp = (
-            float(np.asarray(data.logprobs).reshape(-1)[0]) if data.logprobs is not None else _NO_LP
-        )
-        return int(np.asarray(data.tokens).reshape(-1)[0]), lp
 
     def _narrow(self) -> dict[str, int]:
         """Pick the narrowest decode width holding every running request, packing requests
@@ -401,7 +352,7 @@ class InferenceDriver:
                 continue
             data = result.get_result_at_slot(slot)
             for j in np.flatnonzero(np.asarray(data.valid).reshape(-1)):
-                lp = float(data.logprobs[j]) if data.logprobs is not None else _NO_LP
+                lp = float(data.logprobs[j]) if data.logprobs is not None else NO_LP
                 ver = int(data.versions[j]) if data.versions is not None else version
                 produced += 1
                 if self._append(slot, seq, int(data.tokens[j]), lp, ver):
@@ -411,7 +362,7 @@ class InferenceDriver:
         while self._token_times and self._token_times[0][0] < horizon:
             self._token_times.popleft()
 
-    def _append(self, slot: int, seq: _Seq, token: int, logprob: float, version: int) -> bool:
+    def _append(self, slot: int, seq: Seq, token: int, logprob: float, version: int) -> bool:
         """Record one token; finish and free the slot when a rule says so. True if finished."""
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
@@ -426,14 +377,14 @@ class InferenceDriver:
         if reason is None:
             return False
         self._slots[slot] = None
-        _resolve(seq.future, result=Completion(seq.token_ids, seq.logprobs, seq.versions, reason))
+        resolve(seq.future, result=Completion(seq.token_ids, seq.logprobs, seq.versions, reason))
         return True
 
     def _fail_active(self, exc: BaseException) -> None:
         """An engine call failed mid-batch: its callers get the error; the state starts over."""
         for i, seq in enumerate(self._slots):
             if seq is not None:
-                _resolve(seq.future, error=exc)
+                resolve(seq.future, error=exc)
                 self._slots[i] = None
         self._decode_state = None
 
@@ -441,4 +392,4 @@ class InferenceDriver:
         self._fail_active(exc)
         while self._pending:
             for f, _ in self._pending.popleft().members:
-                _resolve(f, error=exc)
+                resolve(f, error=exc)

@@ -147,25 +147,12 @@ class DecodeEngine:
 
     # ------------------------------------------------------------------ JetStream properties
 
-    @property
-    def max_concurrent_decodes(self) -> int:
-        return self._slots
-
-    @property
-    def max_prefill_length(self) -> int:
-        return self._max_prefill
-
-    @property
-    def samples_per_slot(self) -> int:
-        return 1
-
-    @property
-    def mesh(self) -> Mesh:
-        return self._mesh
-
-    @property
-    def colocated_cpus(self) -> None:
-        return None
+    # JetStream's read-only properties.
+    max_concurrent_decodes = property(lambda self: self._slots)
+    max_prefill_length = property(lambda self: self._max_prefill)
+    samples_per_slot = property(lambda self: 1)
+    mesh = property(lambda self: self._mesh)
+    colocated_cpus = property(lambda self: None)
 
     def get_tokenizer(self) -> Any:
         if self._tokenizer is None and self.config.vocab_size == ByteTokenizer().vocab_size:

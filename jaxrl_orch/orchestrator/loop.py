@@ -40,14 +40,7 @@ from jaxrl_orch.orchestrator.store import RolloutStore
 from jaxrl_orch.orchestrator.train_sink import TrainSink
 from jaxrl_orch.orchestrator.watcher import WeightWatcher
 from jaxrl_orch.settings import OrchestratorConfig
-from jaxrl_orch.types import (
-    EvalBatch,
-    MetricsWriter,
-    PolicyHandle,
-    Rollout,
-    TrainBatch,
-    Trainer,
-)
+from jaxrl_orch.types import EvalBatch, MetricsWriter, PolicyHandle, Rollout, TrainBatch, Trainer
 
 
 class EmptyBatchError(RuntimeError):
@@ -83,9 +76,8 @@ class Orchestrator:
         self.policy = policy
         self.step = self.start_step = policy.version + 1
         self.resumed = self.start_step > 1
-        self.gate, self.dispatcher, self.watcher = gate, dispatcher, watcher
-        self.train_sink, self.eval_sink = train_sink, eval_sink
-        self.store, self.logger = store, logger
+        self.gate, self.dispatcher, self.watcher, self.logger = gate, dispatcher, watcher, logger
+        self.train_sink, self.eval_sink, self.store = train_sink, eval_sink, store
         # Per-step and per-eval metrics go here; periodic gauge snapshots go to gauge_writers.
         self.writers = list(writers)
         self.stopped = asyncio.Event()
@@ -95,7 +87,6 @@ class Orchestrator:
         self._empty_batches = 0
         self._tasks: list[asyncio.Task] = []
         self._failed: asyncio.Task | None = None
-        self._pace_since: float | None = None
         # One row per step, written once trained (``step_metrics``) or at ship time.
         self.ledger = StepLedger(clock, self.write_metrics, step_metrics)
         self._last_shipped_step = self.start_step - 1
@@ -170,7 +161,11 @@ class Orchestrator:
         q = self.dispatcher.out_q
         while not self.stopped.is_set():
             self._check_tasks()
-            episode = q.get_nowait() if q.qsize() else await self._next_episode()
+            episode = (
+                q.get_nowait()
+                if q.qsize()
+                else await next_episode(self.dispatcher.out_q, self.policy, self.config.poll_s)
+            )
             while episode is not None:
                 self._route(episode)
                 if not episode[0].is_eval:
@@ -197,27 +192,6 @@ class Orchestrator:
             or (not cfg.bench and self.policy.version < self.step - 1 - cfg.lag)
             or self.train_sink.ready_count >= cfg.batch_size
         )
-
-    async def _next_episode(self) -> list[Rollout] | None:
-        q = self.dispatcher.out_q
-        if not q.empty():
-            return q.get_nowait()
-        get = asyncio.ensure_future(q.get())
-        advanced = asyncio.ensure_future(self.policy.wait_advanced())
-        await asyncio.wait(
-            {get, advanced}, timeout=self.config.poll_s, return_when=asyncio.FIRST_COMPLETED
-        )
-        advanced.cancel()
-        if get.done():
-            return get.result()
-        # A cancelled Queue.get leaves any item it was about to take in the queue.
-        get.cancel()
-        try:
-            await get
-        except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():
-                raise
-        return None
 
     def _route(self, episode: list[Rollout]) -> None:
         landed = float(self.policy.version)
@@ -267,15 +241,6 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ shipping
 
-    def _park_pace(self) -> None:
-        if self._pace_since is None:
-            self._pace_since = self.clock()
-
-    def _unpark_pace(self) -> None:
-        if self._pace_since is not None:
-            self.ledger.parked_s["pace"] += self.clock() - self._pace_since
-            self._pace_since = None
-
     def _pace_blocks(self) -> bool:
         oldest = self.dispatcher.oldest_train_version()
         return oldest is not None and oldest < self.step - self.config.max_staleness
@@ -300,9 +265,9 @@ class Orchestrator:
                 return
             if cfg.age_policy == "pace" and self._pace_blocks():
                 # Not blocking: stragglers must keep landing in the sink while we wait.
-                self._park_pace()
+                self.ledger.park("pace")
                 return
-            self._unpark_pace()
+            self.ledger.unpark("pace")
             batch = self.train_sink.take_batch()
             if batch is None:
                 return
@@ -373,20 +338,49 @@ class Orchestrator:
         lag + 1]`` means the checkpoint's parts disagree and fails. The gate's saved counters
         are not copied: the constructor already recovered it by its rule (``gate.resume``), so
         the first step after a resume admits at most ``(S + 1) * B``."""
-        missing = {"step", "gate", "train_sink", "dispatcher"} - set(state)
-        if missing:
-            raise ValueError(f"orchestrator state lacks {sorted(missing)}; got {sorted(state)}")
-        saved, lo = int(state["step"]), self.step
-        hi = lo + self.config.lag + 1
-        if not lo <= saved <= hi or int(state["gate"]["version"]) > self.policy.version:
-            raise ValueError(
-                f"orchestrator state is for step {saved} (gate version {state['gate']['version']})"
-                f" but the restored trainer resumes at step {lo} (version {self.policy.version}):"
-                f" a matching state lies in steps {lo}..{hi}; the checkpoint's parts disagree"
-            )
+        check_resume_state(state, self.step, self.policy.version, self.config.lag)
         # Lifetime counters come back; batches are numbered from the trainer's step.
         self.train_sink.restore({**state["train_sink"], "step": self.step})
         self.dispatcher.restore(state["dispatcher"])
+
+
+def check_resume_state(state: Mapping[str, Any], step: int, version: int, lag: int) -> None:
+    """A saved orchestrator state fits a loop resuming at ``step`` (trainer at ``version``):
+    the saved loop shipped at most ``lag + 1`` steps the trainer had not trained."""
+    missing = {"step", "gate", "train_sink", "dispatcher"} - set(state)
+    if missing:
+        raise ValueError(f"orchestrator state lacks {sorted(missing)}; got {sorted(state)}")
+    saved, lo = int(state["step"]), step
+    hi = lo + lag + 1
+    if not lo <= saved <= hi or int(state["gate"]["version"]) > version:
+        raise ValueError(
+            f"orchestrator state is for step {saved} (gate version {state['gate']['version']})"
+            f" but the restored trainer resumes at step {lo} (version {version}):"
+            f" a matching state lies in steps {lo}..{hi}; the checkpoint's parts disagree"
+        )
+
+
+async def next_episode(
+    q: asyncio.Queue, policy: PolicyHandle, poll_s: float
+) -> list[Rollout] | None:
+    """The next finished episode, or None after ``poll_s`` or when the policy version advances
+    (the loop then re-checks its hold and drain)."""
+    if not q.empty():
+        return q.get_nowait()
+    get = asyncio.ensure_future(q.get())
+    advanced = asyncio.ensure_future(policy.wait_advanced())
+    await asyncio.wait({get, advanced}, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
+    advanced.cancel()
+    if get.done():
+        return get.result()
+    # A cancelled Queue.get leaves any item it was about to take in the queue.
+    get.cancel()
+    try:
+        await get
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise
+    return None
 
 
 async def _maybe_await(value: Any) -> Any:

@@ -68,9 +68,18 @@ class StepLedger:
         # Observed head age (in versions) of every live rollout shipped: bounded memory.
         self.age_histogram: Counter[int] = Counter()
         self.parked_s = {"hold": 0.0, "pace": 0.0}
+        self._parked_since: dict[str, float] = {}
         self._admitted_at_last_ship = 0
         self._last_ship_time = clock()
         self._unwritten: dict[int, dict[str, float]] = {}
+
+    def park(self, reason: str) -> None:
+        """The loop waits for ``reason`` from now (until ``unpark``); idempotent."""
+        self._parked_since.setdefault(reason, self.clock())
+
+    def unpark(self, reason: str) -> None:
+        if reason in self._parked_since:
+            self.parked_s[reason] += self.clock() - self._parked_since.pop(reason)
 
     def restart_clock(self) -> None:
         self._last_ship_time = self.clock()

@@ -13,11 +13,10 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl_orch.orchestrator.logger import (
+from jaxrl_orch.orchestrator.logger import LagMonitor, PeriodicLogger
+from jaxrl_orch.orchestrator.writers import (
     ConsoleWriter,
     JsonlWriter,
-    LagMonitor,
-    PeriodicLogger,
     ProgressWriter,
     TensorBoardWriter,
 )
