@@ -52,6 +52,8 @@ from jaxrl_orch.inference.requests import (
     Group,
     Seq,
     accepts,
+    check_request,
+    decode_widths,
     first_token,
     resolve,
 )
@@ -85,16 +87,7 @@ class InferenceDriver:
         self._pass_sampling = accepts(engine.insert, "sampling")
         self._max_stop = getattr(engine, "max_stop_tokens", None)
         self._pass_version = accepts(engine.generate, "version")
-        # Narrow decoding needs both halves of the extension: width-limited generate calls and
-        # a way to pack running requests below the width.
-        widths = getattr(engine, "decode_widths", None)
-        narrow = (
-            widths
-            and max(widths) == self._n_slots
-            and accepts(engine.generate, "width")
-            and hasattr(engine, "move_slot")
-        )
-        self._widths = tuple(sorted(int(w) for w in widths)) if narrow else (self._n_slots,)
+        self._widths = decode_widths(engine, self._n_slots)
         self._width = self._n_slots
         self._cv = threading.Condition()
         self._pending: collections.deque[Group] = collections.deque()
@@ -125,27 +118,9 @@ class InferenceDriver:
         ``sampling`` is one ``SamplingParams`` for all ``n`` samples (default 1), or a sequence
         with one per sample (then ``n`` defaults to, and must equal, its length).
         """
-        prompt = np.asarray(list(prompt_ids), dtype=np.int32)
-        if prompt.ndim != 1 or prompt.size == 0:
-            raise ValueError(f"prompt_ids must be a non-empty 1-D sequence, got {prompt_ids!r}")
-        if prompt.size > self._max_prefill:
-            raise ValueError(
-                f"prompt has {prompt.size} tokens; this engine allows at most "
-                f"max_prefill_length={self._max_prefill}"
-            )
-        samplings = (
-            [sampling] * (n or 1) if isinstance(sampling, SamplingParams) else list(sampling)
+        prompt, samplings = check_request(
+            prompt_ids, sampling, n, max_prefill=self._max_prefill, max_stop=self._max_stop
         )
-        if n is not None and n != len(samplings) or not samplings:
-            raise ValueError(f"n must be >= 1 and match the sampling list, got n={n!r}")
-        for sp in samplings:
-            if not isinstance(sp, SamplingParams):
-                raise TypeError(f"sampling must be SamplingParams, got {type(sp).__name__}")
-            if self._max_stop is not None and len(sp.stop_token_ids) > self._max_stop:
-                raise ValueError(
-                    f"{len(sp.stop_token_ids)} stop_token_ids {sp.stop_token_ids}; this engine "
-                    f"holds at most max_stop_tokens={self._max_stop}"
-                )
         futures = [concurrent.futures.Future() for _ in samplings]
         members = list(zip(futures, samplings, strict=True))
         with self._cv:

@@ -5,7 +5,9 @@ and the prefilled prefix they share) and ``Seq`` (one running sample: its future
 log-probs and versions generated so far); ``resolve`` (settle a future exactly once, whatever
 the caller did with it); ``accepts`` (whether an engine method takes an optional keyword, so a
 plain JetStream-shaped engine can be driven too); ``first_token`` (the token a JetStream-style
-engine samples at prefill). Host-side only; the thread that uses them is ``driver.py``'s.
+engine samples at prefill); ``check_request`` (a submission validated against the engine's
+limits) and ``decode_widths`` (which narrow decode widths an engine supports). Host-side
+only; the thread that uses them is ``driver.py``'s.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -72,3 +75,50 @@ def first_token(result: Any) -> tuple[int, float] | None:
         return None
     lp = float(np.asarray(data.logprobs).reshape(-1)[0]) if data.logprobs is not None else NO_LP
     return int(np.asarray(data.tokens).reshape(-1)[0]), lp
+
+
+def check_request(
+    prompt_ids: Any,
+    sampling: SamplingParams | Sequence[SamplingParams],
+    n: int | None,
+    *,
+    max_prefill: int,
+    max_stop: int | None,
+) -> tuple[np.ndarray, list[SamplingParams]]:
+    """A submission's prompt as int32 ids and one ``SamplingParams`` per sample, validated
+    against the engine's limits (every error names the bad value and the limit)."""
+    prompt = np.asarray(list(prompt_ids), dtype=np.int32)
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError(f"prompt_ids must be a non-empty 1-D sequence, got {prompt_ids!r}")
+    if prompt.size > max_prefill:
+        raise ValueError(
+            f"prompt has {prompt.size} tokens; this engine allows at most "
+            f"max_prefill_length={max_prefill}"
+        )
+    samplings = [sampling] * (n or 1) if isinstance(sampling, SamplingParams) else list(sampling)
+    if n is not None and n != len(samplings) or not samplings:
+        raise ValueError(f"n must be >= 1 and match the sampling list, got n={n!r}")
+    for sp in samplings:
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(sp).__name__}")
+        if max_stop is not None and len(sp.stop_token_ids) > max_stop:
+            raise ValueError(
+                f"{len(sp.stop_token_ids)} stop_token_ids {sp.stop_token_ids}; this engine "
+                f"holds at most max_stop_tokens={max_stop}"
+            )
+    return prompt, samplings
+
+
+def decode_widths(engine: Any, n_slots: int) -> tuple[int, ...]:
+    """The decode widths to use: the engine's ``decode_widths`` when it offers both halves of
+    narrow decoding (width-limited ``generate`` and ``move_slot``), else the full width."""
+    # Narrow decoding needs both halves of the extension: width-limited generate calls and
+    # a way to pack running requests below the width.
+    widths = getattr(engine, "decode_widths", None)
+    narrow = (
+        widths
+        and max(widths) == n_slots
+        and accepts(engine.generate, "width")
+        and hasattr(engine, "move_slot")
+    )
+    return tuple(sorted(int(w) for w in widths)) if narrow else (n_slots,)
