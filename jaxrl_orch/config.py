@@ -114,10 +114,14 @@ class TrainConfig:
             )
         if self.age_policy not in AGE_POLICIES:
             raise ValueError(f"age_policy must be one of {AGE_POLICIES}, got {self.age_policy!r}")
+        if self.group_size < 2:
+            raise ValueError(
+                f"TrainConfig.group_size must be >= 2, got {self.group_size}: group-relative "
+                "advantages compare the rollouts of one prompt, so a group of one has none"
+            )
         for name in (
             "rl_steps",
             "prompts_per_step",
-            "group_size",
             "sft_batch_size",
             "minibatches",
             "ppo_epochs",

@@ -129,14 +129,20 @@ class Experiment:
 
     def _check_sft_fits(self, n: int = 64) -> None:
         """Warm-up samples must fit a row (RL rollouts are truncated, reference answers are
-        not): check the first ``n`` held-out examples, which share the train split's shape."""
-        src = self.eval_source
-        longest = max(len(self._sft_sample(src.example_at(i))) for i in range(min(n, len(src))))
-        if longest > self.cfg.row_len:
-            raise ValueError(
-                f"an SFT warm-up sample has {longest} tokens but TrainConfig.row_len is "
-                f"{self.cfg.row_len}: raise row_len or shorten TrainConfig.instruction"
-            )
+        not): check the ``n`` longest examples (by their text) of the warm-up's source, so one
+        over-long line anywhere fails here, naming it, instead of mid-warm-up."""
+        src = self.sft_source
+        longest = sorted(range(len(src)), key=lambda i: -len(str(src.example_at(i))))[:n]
+        for i in longest:
+            ex = src.example_at(i)
+            tokens = len(self._sft_sample(ex))
+            if tokens > self.cfg.row_len:
+                shown = str(ex) if len(str(ex)) <= 80 else str(ex)[:77] + "..."
+                raise ValueError(
+                    f"an SFT warm-up sample has {tokens} tokens but TrainConfig.row_len is "
+                    f"{self.cfg.row_len}: example {i} of {src.name} ({shown}); raise row_len, "
+                    "shorten TrainConfig.instruction or drop the example"
+                )
 
     def write_config(self, text: str) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)

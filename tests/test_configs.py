@@ -232,3 +232,33 @@ def test_a_refused_config_leaves_no_bindings_behind():
     with pytest.raises(ValueError, match="after_warmup"):
         load_config([], ["TrainConfig.rl_steps = 7", "TrainConfig.after_warmup = 'dpo'"])
     assert TrainConfig().rl_steps == 60 and TrainConfig().after_warmup == "rl"
+
+
+def test_a_group_of_one_is_refused_before_any_work():
+    with pytest.raises(ValueError, match=r"group_size must be >= 2, got 1: group-relative"):
+        load_config([], ["TrainConfig.group_size = 1"])
+
+
+def test_one_over_long_line_anywhere_fails_before_any_work_naming_it(tmp_path):
+    """The fit check reads the longest warm-up examples, not the first few held-out ones."""
+    import gin
+
+    from jaxrl_orch.config import TrainConfig
+    from jaxrl_orch.experiment import Experiment
+
+    gin.clear_config()
+    lines = [f"sentence number {i} is short" for i in range(300)]
+    lines.insert(137, "x" * 10_000)
+    (tmp_path / "corpus.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "eval.txt").write_text("an eval line\nanother eval line\n")
+    cfg = TrainConfig(
+        dataset=f"text:{tmp_path / 'corpus.txt'}",
+        eval_dataset=f"text:{tmp_path / 'eval.txt'}",
+        trainer_mesh=(("fsdp", 1),),
+        decode_mesh=(("tp", 1),),
+        demonstrations=(),
+    )
+    with pytest.raises(
+        ValueError, match=r"has 20051 tokens .* example 137 of \S*corpus.txt:all \(\{'text': 'xxx"
+    ):
+        Experiment(cfg, tmp_path / "run").validate()

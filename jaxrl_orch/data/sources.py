@@ -247,7 +247,16 @@ class TextFileSource(DatasetSource):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"text file source {str(path)!r} does not exist")
-        lines = [s.strip() for s in path.read_text(encoding="utf-8").splitlines()]
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw[: exc.start].count(b"\n") + 1
+            raise ValueError(
+                f"text file source {str(path)!r} is not UTF-8 text: byte {exc.start} (line "
+                f"{line}) is {raw[exc.start : exc.start + 1]!r}; give one UTF-8 example per line"
+            ) from None
+        lines = [s.strip() for s in text.splitlines()]
         lines = [s for s in lines if s]
         if not lines:
             raise ValueError(f"text file source {str(path)!r} has no non-empty lines")

@@ -144,3 +144,10 @@ def test_text_file_splits_are_disjoint_stable_and_reachable_by_name(tmp_path):
         make_source(f"text:{tmp_path / 'nope.txt'}")
     with pytest.raises(ValueError, match="takes no config or fields"):
         make_source(str(path), fields={"text": "line"})
+
+
+def test_a_text_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    path = tmp_path / "mixed.txt"
+    path.write_bytes(b"one fine line\nanother\n\xff\xfebinary garbage\n")
+    with pytest.raises(ValueError, match=r"mixed.txt' is not UTF-8 text: byte 22 \(line 3\)"):
+        TextFileSource(path)
