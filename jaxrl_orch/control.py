@@ -29,7 +29,6 @@ import jax
 from jaxrl_orch.envs.base import AtTemperature
 from jaxrl_orch.inference.client import EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
-from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.orchestrator.eval_sink import eval_metrics
 from jaxrl_orch.orchestrator.writers import ConsoleWriter, JsonlWriter
 from jaxrl_orch.summary import eval_summary
@@ -67,15 +66,7 @@ def run_imitation(exp: Any, params: Any) -> dict[str, Any]:
     per_step = cfg.minibatches * cfg.ppo_epochs
     updates = cfg.rl_steps * per_step
     trainer = exp.make_trainer("sft", cfg.rl_learning_rate, optim_kind="rl", init_params=params)
-    engine = DecodeEngine(
-        exp.model_cfg,
-        mesh=exp.decode_mesh,
-        max_concurrent_decodes=cfg.decode_slots,
-        max_target_length=cfg.max_target_length,
-        steps_per_call=cfg.steps_per_call,
-        tokenizer=exp.tokenizer,
-        seed=cfg.seed,
-    )
+    engine = exp.make_engine()
     first = jax.tree.map(jax.numpy.copy, trainer.params)
     driver = InferenceDriver(engine, reshard(first, engine.param_shardings), 0)
     client = EngineClient(driver)

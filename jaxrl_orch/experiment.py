@@ -128,20 +128,16 @@ class Experiment:
         )
 
     def _check_sft_fits(self, n: int = 64) -> None:
-        """Warm-up samples must fit a row (RL rollouts are truncated, reference answers are
-        not): check the ``n`` longest examples (by their text) of the warm-up's source, so one
-        over-long line anywhere fails here, naming it, instead of mid-warm-up."""
+        """Warm-up samples must fit a row (reference answers are not truncated): check the
+        ``n`` longest examples of the warm-up's source, so one over-long line fails here."""
         src = self.sft_source
-        longest = sorted(range(len(src)), key=lambda i: -len(str(src.example_at(i))))[:n]
-        for i in longest:
-            ex = src.example_at(i)
-            tokens = len(self._sft_sample(ex))
+        for i in sorted(range(len(src)), key=lambda i: -len(str(src.example_at(i))))[:n]:
+            tokens = len(self._sft_sample(ex := src.example_at(i)))
             if tokens > self.cfg.row_len:
-                shown = str(ex) if len(str(ex)) <= 80 else str(ex)[:77] + "..."
                 raise ValueError(
                     f"an SFT warm-up sample has {tokens} tokens but TrainConfig.row_len is "
-                    f"{self.cfg.row_len}: example {i} of {src.name} ({shown}); raise row_len, "
-                    "shorten TrainConfig.instruction or drop the example"
+                    f"{self.cfg.row_len}: example {i} of {src.name} ({str(ex)[:80]}...); raise "
+                    "row_len, shorten TrainConfig.instruction or drop the example"
                 )
 
     def write_config(self, text: str) -> None:
@@ -165,9 +161,7 @@ class Experiment:
         _, model = load_hf_checkpoint(path, dtype=mc.dtype, param_dtype=mc.param_dtype)
         return nnx.split(model)[1]
 
-    @property
-    def stop_requested(self) -> bool:
-        return self._stop.is_set()
+    stop_requested = property(lambda self: self._stop.is_set(), doc="SIGTERM / Ctrl-C seen")
 
     def sft_batches(self) -> Iterator[list[Sample]]:
         while True:
@@ -179,6 +173,19 @@ class Experiment:
     def _sft_sample(self, ex: dict[str, Any]) -> Sample:
         answer = self.tokenizer.encode(self.demonstrator.completion(ex))
         return sft_sample(self.env.prompt_ids(ex), [*answer, self.tokenizer.eos_id])
+
+    def make_engine(self) -> DecodeEngine:
+        """The decoding engine on the decode mesh, with the run's slots and lengths."""
+        cfg = self.cfg
+        return DecodeEngine(
+            self.model_cfg,
+            mesh=self.decode_mesh,
+            max_concurrent_decodes=cfg.decode_slots,
+            max_target_length=cfg.max_target_length,
+            steps_per_call=cfg.steps_per_call,
+            tokenizer=self.tokenizer,
+            seed=cfg.seed,
+        )
 
     def make_trainer(
         self, kind: str, lr: float, *, optim_kind: str | None = None, **kw: Any
@@ -255,15 +262,7 @@ class Experiment:
         if ckpt.latest_step() is not None:
             orch_state = restore_trainer(ckpt, trainer)
         start_step = trainer.version + 1
-        engine = DecodeEngine(
-            self.model_cfg,
-            mesh=self.decode_mesh,
-            max_concurrent_decodes=cfg.decode_slots,
-            max_target_length=cfg.max_target_length,
-            steps_per_call=cfg.steps_per_call,
-            tokenizer=self.tokenizer,
-            seed=cfg.seed,
-        )
+        engine = self.make_engine()
         # The engine starts on the trainer's current weights: after a resume, the restored ones.
         first = jax.tree.map(jnp.copy, trainer.params) if self.colocated else trainer.params
         driver = InferenceDriver(engine, reshard(first, engine.param_shardings), trainer.version)
