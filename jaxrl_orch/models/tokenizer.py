@@ -12,8 +12,13 @@ Both classes share one interface (``Tokenizer``): ``encode``, ``decode``, ``voca
   model pays per byte of prompt in every train and decode step, and ChatML's spelled-out
   headers cost it ~19 ids per single-turn prompt against 3 here.
 - ``HFTokenizer``: a Hugging Face ``tokenizer.json`` through the ``tokenizers`` library; the
-  bos/eos/pad tokens come from an adjacent ``tokenizer_config.json`` when present, else from
-  well-known special-token names found in the vocab, else from explicit arguments.
+  bos/eos/pad tokens come from explicit arguments, else an adjacent ``tokenizer_config.json``,
+  else well-known special-token names found in the vocab. Its chat template is the
+  checkpoint's own (``chat_template.jinja`` or ``tokenizer_config.json``'s ``chat_template``,
+  rendered with jinja2 as ``transformers`` renders it: ``models/chat_template.py``); only a
+  checkpoint without one falls back to a built-in layout, Llama 3 headers when the vocab has
+  ``<|start_header_id|>`` and no ``<|im_start|>``, else ChatML. ``chat_template_origin``
+  names which one a run uses.
 
 Invariants: ``encode`` never adds BOS/EOS on its own (the chat template and the caller decide);
 special-token strings inside text encode to their single special id, so
@@ -25,12 +30,16 @@ text out for scoring and logs). It never touches the model or devices.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from jaxrl_orch.models.chat_template import (
+    ChatTemplate,
+    read_tokenizer_config,
+    token_str,
+)
 from jaxrl_orch.models.configs import BYTE_VOCAB_SIZE
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -184,13 +193,6 @@ _PAD_CANDIDATES = ("<|pad|>", "<pad>", "<|finetune_right_pad_id|>", "<|endoftext
 _STOP_CANDIDATES = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
 
 
-def _token_str(value: object) -> str | None:
-    # tokenizer_config.json stores specials either as strings or as AddedToken dicts.
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` behind the ``Tokenizer`` interface."""
 
@@ -201,6 +203,7 @@ class HFTokenizer:
         eos_token: str | None = None,
         bos_token: str | None = None,
         pad_token: str | None = None,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         self._tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -210,12 +213,18 @@ class HFTokenizer:
         self.bos_id = bos
         pad = self._resolve("pad", pad_token, _PAD_CANDIDATES, required=False)
         self.pad_id = self.eos_id if pad is None else pad
-        if tokenizer.token_to_id("<|im_start|>") is None and (
+        self.chat_template = chat_template
+        if chat_template is not None:
+            self._template = chat_template.render
+            self.chat_template_origin = chat_template.origin
+        elif tokenizer.token_to_id("<|im_start|>") is None and (
             tokenizer.token_to_id("<|start_header_id|>") is not None
         ):
             self._template = llama3_chat
+            self.chat_template_origin = "built-in llama3_chat (the checkpoint has none)"
         else:
             self._template = chatml
+            self.chat_template_origin = "built-in chatml (the checkpoint has none)"
 
     @classmethod
     def from_file(
@@ -226,24 +235,25 @@ class HFTokenizer:
         bos_token: str | None = None,
         pad_token: str | None = None,
     ) -> HFTokenizer:
-        """Load ``tokenizer.json``; specials default to an adjacent ``tokenizer_config.json``."""
+        """Load ``tokenizer.json``; specials and the chat template default to the files beside
+        it (``tokenizer_config.json``, ``chat_template.jinja``). Explicit tokens win, also as
+        the template's ``bos_token`` / ``eos_token`` / ``pad_token``."""
         from tokenizers import Tokenizer as _RustTokenizer
 
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer file not found: {path!r}")
-        config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
-        if os.path.isfile(config_path):
-            with open(config_path) as f:
-                cfg = json.load(f)
-            eos_token = eos_token or _token_str(cfg.get("eos_token"))
-            bos_token = bos_token or _token_str(cfg.get("bos_token"))
-            pad_token = pad_token or _token_str(cfg.get("pad_token"))
+        directory = os.path.dirname(path)
+        cfg = read_tokenizer_config(directory)
+        explicit = {"eos_token": eos_token, "bos_token": bos_token, "pad_token": pad_token}
+        cfg = {**cfg, **{k: v for k, v in explicit.items() if v is not None}}
+        template = ChatTemplate.from_dir(directory, cfg)
         return cls(
             _RustTokenizer.from_file(path),
-            eos_token=eos_token,
-            bos_token=bos_token,
-            pad_token=pad_token,
+            eos_token=token_str(cfg.get("eos_token")),
+            bos_token=token_str(cfg.get("bos_token")),
+            pad_token=token_str(cfg.get("pad_token")),
+            chat_template=template,
         )
 
     def _resolve(
@@ -291,6 +301,7 @@ class HFTokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
+        _check_messages(messages)
         return self._template(messages, add_generation_prompt)
 
 

@@ -1,0 +1,155 @@
+"""Small checkpoint-style tokenizer directories with their own jinja chat templates (no network).
+
+A Qwen-style one (ChatML as jinja, a default system turn, eos ``<|im_end|>``) and a
+Llama-3-style one (header ids, ``bos_token`` written by the template, content trimmed): each a
+tiny byte-level BPE ``tokenizer.json`` trained here with the family's special tokens, plus a
+``tokenizer_config.json`` carrying the template and the bos/eos/pad tokens, as the Hub's files
+do. The templates are the published ones of Qwen2.5-Instruct and Meta-Llama-3-Instruct, so what
+the tests compare against ``transformers`` is what those checkpoints render.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+QWEN_TEMPLATE = (
+    "{%- if tools %}\n"
+    "    {{- '<|im_start|>system\\n' }}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n"
+    "    {%- else %}\n"
+    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n"
+    "    {%- endif %}\n"
+    '    {{- "\\n\\n# Tools\\n\\n<tools>" }}\n'
+    "    {%- for tool in tools %}\n"
+    '        {{- "\\n" }}\n'
+    "        {{- tool | tojson }}\n"
+    "    {%- endfor %}\n"
+    '    {{- "\\n</tools><|im_end|>\\n" }}\n'
+    "{%- else %}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "    {%- else %}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a "
+    "helpful assistant.<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) '
+    'or (message.role == "assistant" and not message.tool_calls) %}\n'
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + "
+    "'\\n' }}\n"
+    '    {%- elif message.role == "assistant" %}\n'
+    "        {{- '<|im_start|>' + message.role }}\n"
+    "        {%- if message.content %}\n"
+    "            {{- '\\n' + message.content }}\n"
+    "        {%- endif %}\n"
+    "        {%- for tool_call in message.tool_calls %}\n"
+    "            {%- if tool_call.function is defined %}\n"
+    "                {%- set tool_call = tool_call.function %}\n"
+    "            {%- endif %}\n"
+    '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n'
+    "            {{- tool_call.name }}\n"
+    '            {{- \'", "arguments": \' }}\n'
+    "            {{- tool_call.arguments | tojson }}\n"
+    "            {{- '}\\n</tool_call>' }}\n"
+    "        {%- endfor %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    '    {%- elif message.role == "tool" %}\n'
+    '        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n'
+    "            {{- '<|im_start|>user' }}\n"
+    "        {%- endif %}\n"
+    "        {{- '\\n<tool_response>\\n' }}\n"
+    "        {{- message.content }}\n"
+    "        {{- '\\n</tool_response>' }}\n"
+    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
+    "            {{- '<|im_end|>\\n' }}\n"
+    "        {%- endif %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}"
+)
+
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+LLAMA3_SPECIALS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+)
+CORPUS = [
+    "Reverse in <answer></answer>:",
+    "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+    "system user assistant the quick brown fox jumps over the lazy dog",
+    "hello world, reverse the text please",
+]
+
+
+def write_tokenizer(directory: Path, specials: tuple[str, ...], vocab_size: int = 300) -> Path:
+    """A byte-level BPE with ``specials`` as added special tokens, saved as tokenizer.json."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def _write_config(directory: Path, config: dict) -> None:
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_qwen_tokenizer(directory: Path, template: object = QWEN_TEMPLATE) -> Path:
+    """Qwen2.5-Instruct's layout: no bos, eos ``<|im_end|>``, pad ``<|endoftext|>``."""
+    write_tokenizer(directory, QWEN_SPECIALS)
+    _write_config(
+        directory,
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "chat_template": template,
+            "model_max_length": 32768,
+        },
+    )
+    return directory
+
+
+def write_llama3_tokenizer(directory: Path, template: object = LLAMA3_TEMPLATE) -> Path:
+    """Meta-Llama-3-Instruct's layout: bos ``<|begin_of_text|>`` (written by the template),
+    eos ``<|eot_id|>``, no pad token."""
+    write_tokenizer(directory, LLAMA3_SPECIALS)
+    _write_config(
+        directory,
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|eot_id|>",
+            "chat_template": template,
+            "model_max_length": 8192,
+        },
+    )
+    return directory
