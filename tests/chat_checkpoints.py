@@ -4,8 +4,9 @@ A Qwen-style one (ChatML as jinja, a default system turn, eos ``<|im_end|>``) an
 Llama-3-style one (header ids, ``bos_token`` written by the template, content trimmed): each a
 tiny byte-level BPE ``tokenizer.json`` trained here with the family's special tokens, plus a
 ``tokenizer_config.json`` carrying the template and the bos/eos/pad tokens, as the Hub's files
-do. The templates are the published ones of Qwen2.5-Instruct and Meta-Llama-3-Instruct, so what
-the tests compare against ``transformers`` is what those checkpoints render.
+do. The templates are the published ones of Qwen2.5-Instruct, Meta-Llama-3-Instruct and (without
+its tool branches) Meta-Llama-3.1-Instruct, so what the tests compare against ``transformers`` is
+what those checkpoints render.
 """
 
 from __future__ import annotations
@@ -82,6 +83,46 @@ LLAMA3_TEMPLATE = (
     "{% endif %}"
 )
 
+# Meta-Llama-3.1-Instruct's template without its tool-calling branches: a system turn with the
+# knowledge and today's dates always comes first, then the trimmed turns.
+LLAMA31_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- if not date_string is defined %}\n"
+    '    {%- set date_string = "26 Jul 2024" %}\n'
+    "{%- endif %}\n"
+    "{%- if not tools is defined %}\n"
+    "    {%- set tools = none %}\n"
+    "{%- endif %}\n"
+    "\n"
+    "{#- This block extracts the system message, so we can slot it into the right place. #}\n"
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {%- set system_message = messages[0]['content']|trim %}\n"
+    "    {%- set messages = messages[1:] %}\n"
+    "{%- else %}\n"
+    '    {%- set system_message = "" %}\n'
+    "{%- endif %}\n"
+    "\n"
+    '{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}\n'
+    "{%- if tools is not none %}\n"
+    '    {{- "Environment: ipython\\n" }}\n'
+    "{%- endif %}\n"
+    '{{- "Cutting Knowledge Date: December 2023\\n" }}\n'
+    '{{- "Today Date: " + date_string + "\\n\\n" }}\n'
+    "{{- system_message }}\n"
+    '{{- "<|eot_id|>" }}\n'
+    "\n"
+    "{%- for message in messages %}\n"
+    "    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in "
+    "message) %}\n"
+    "        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ "
+    "message['content'] | trim + '<|eot_id|>' }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+    "{%- endif %}\n"
+)
+
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 LLAMA3_SPECIALS = (
     "<|begin_of_text|>",
@@ -95,6 +136,7 @@ CORPUS = [
     "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
     "system user assistant the quick brown fox jumps over the lazy dog",
     "hello world, reverse the text please",
+    "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024",
 ]
 
 
@@ -138,8 +180,8 @@ def write_qwen_tokenizer(directory: Path, template: object = QWEN_TEMPLATE) -> P
     return directory
 
 
-def write_llama3_tokenizer(directory: Path, template: object = LLAMA3_TEMPLATE) -> Path:
-    """Meta-Llama-3-Instruct's layout: bos ``<|begin_of_text|>`` (written by the template),
+def write_llama3_tokenizer(directory: Path, template: object = LLAMA31_TEMPLATE) -> Path:
+    """Meta-Llama-3.1-Instruct's layout: bos ``<|begin_of_text|>`` (written by the template),
     eos ``<|eot_id|>``, no pad token."""
     write_tokenizer(directory, LLAMA3_SPECIALS)
     _write_config(

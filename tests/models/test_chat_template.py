@@ -32,7 +32,11 @@ CONVERSATIONS = {
         {"role": "user", "content": "now: lazy dog\n"},
     ],
 }
-WRITERS = {"qwen": write_qwen_tokenizer, "llama3": write_llama3_tokenizer}
+WRITERS = {
+    "qwen": write_qwen_tokenizer,
+    "llama3": lambda d: write_llama3_tokenizer(d, template=LLAMA3_TEMPLATE),
+    "llama3.1": write_llama3_tokenizer,
+}
 
 
 def _hf(directory):
@@ -48,7 +52,7 @@ def _hf_ids(hf, messages, add_generation_prompt):
 
 @pytest.fixture(scope="module", params=sorted(WRITERS))
 def checkpoint(request, tmp_path_factory):
-    directory = WRITERS[request.param](tmp_path_factory.mktemp(request.param))
+    directory = WRITERS[request.param](tmp_path_factory.mktemp(request.param.replace(".", "_")))
     return request.param, directory, load_tokenizer(directory), _hf(directory)
 
 
@@ -68,12 +72,13 @@ def test_text_and_ids_equal_transformers(checkpoint, conversation, add_generatio
 
 def test_the_checkpoints_template_is_used_not_the_built_in_layout(checkpoint):
     family, _, ours, _ = checkpoint
-    # Qwen's template adds its default system turn; Llama 3's trims each turn's content.
+    # Qwen's template adds its default system turn; Llama 3's trims each turn's content (and
+    # Llama 3.1's always opens with a dated system turn).
     messages = CONVERSATIONS["user_only" if family == "qwen" else "system_user"]
-    built_in = {"qwen": chatml, "llama3": llama3_chat}[family]
+    built_in = chatml if family == "qwen" else llama3_chat
     assert ours.apply_chat_template(messages) != built_in(messages)
     ids = ours.encode(ours.apply_chat_template(messages))
-    if family == "llama3":
+    if family.startswith("llama3"):
         assert ids[0] == ours.bos_id == ours.token_to_id("<|begin_of_text|>")
         assert ours.eos_id == ours.token_to_id("<|eot_id|>") and ids.count(ours.eos_id) == 2
     else:
@@ -184,7 +189,7 @@ def test_explicit_tokens_reach_the_template(tmp_path):
     write_llama3_tokenizer(tmp_path)
     tok = HFTokenizer.from_file(tmp_path / "tokenizer.json", bos_token="<|end_of_text|>")
     text = tok.apply_chat_template(CONVERSATIONS["user_only"])
-    assert text.startswith("<|end_of_text|><|start_header_id|>user")
+    assert text.startswith("<|end_of_text|><|start_header_id|>system")
     assert tok.bos_id == tok.token_to_id("<|end_of_text|>")
     with pytest.raises(ValueError, match="allowed roles"):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
