@@ -1,0 +1,68 @@
+"""configs/pretrained.gin: a pretrained checkpoint's settings parse, name the checkpoint once for
+weights and tokenizer, and validate against a Qwen-style checkpoint directory (its own
+tokenizer and chat template, every bundled prompt within the engine's and the row's limits)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from chat_checkpoints import write_qwen_tokenizer
+
+from jaxrl_orch.train import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/pretrained.gin"
+PLACEHOLDER = "/path/to/Qwen2.5-0.5B-Instruct"
+
+
+@pytest.fixture(autouse=True)
+def _repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+def test_no_warm_up_a_pretrained_learning_rate_and_the_checkpoints_tokenizer():
+    cfg = load_config([CONFIG], [])
+    assert cfg.model == cfg.tokenizer == PLACEHOLDER
+    assert cfg.sft_steps == 0 and cfg.demonstrations == ()
+    assert cfg.rl_learning_rate == 1e-6 and cfg.rl_warmup_steps == 10
+    assert cfg.param_dtype == "float32"  # a 1e-6 step needs fp32 master weights
+    assert cfg.instruction is None and cfg.kl_beta == 0.0
+    assert cfg.max_new_tokens < cfg.row_len and cfg.max_target_length // 2 >= 128
+    assert (ROOT / CONFIG).read_text().startswith("#")
+
+
+def test_one_binding_names_the_checkpoint_for_weights_and_tokenizer():
+    cfg = load_config([CONFIG], ["CHECKPOINT = '/data/ckpt'"])
+    assert cfg.model == cfg.tokenizer == "/data/ckpt"
+    cfg = load_config([CONFIG], ["TrainConfig.model = '/a'", "TrainConfig.tokenizer = '/b'"])
+    assert (cfg.model, cfg.tokenizer) == ("/a", "/b")
+
+
+def test_the_placeholder_fails_naming_the_path():
+    from jaxrl_orch.experiment import Experiment
+
+    cfg = load_config([CONFIG], [])
+    with pytest.raises(ValueError, match=f"{PLACEHOLDER}.*neither 'byte'|{PLACEHOLDER}.*exist"):
+        Experiment(cfg, Path("unused"))
+
+
+def test_validates_against_a_qwen_style_checkpoint(tmp_path):
+    from flax import nnx
+
+    from jaxrl_orch.experiment import Experiment
+    from jaxrl_orch.models.configs import ModelConfig
+    from jaxrl_orch.models.hf_import import save_hf_checkpoint
+    from jaxrl_orch.models.transformer import Transformer
+
+    ckpt = write_qwen_tokenizer(tmp_path / "ckpt")
+    shape = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
+    model = ModelConfig(vocab_size=320, qkv_bias=True, max_seq_len=512, **shape)
+    save_hf_checkpoint(Transformer(model, rngs=nnx.Rngs(0)), model, ckpt)
+    cfg = load_config([CONFIG], [f"CHECKPOINT = '{ckpt}'"])
+    exp = Experiment(cfg, tmp_path / "run")
+    exp.validate()  # every bundled prompt, rendered with the checkpoint's template, fits
+    assert exp.tokenizer.chat_template_origin == str(ckpt / "tokenizer_config.json")
+    assert exp.env.instruction == "Reverse in <answer></answer>:"
+    prompt = exp.env.prompt_text({"text": "hello world"})
+    assert prompt.startswith("<|im_start|>system\nYou are Qwen")  # the template's system turn
