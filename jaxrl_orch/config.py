@@ -83,7 +83,10 @@ class TrainConfig:
     eval_examples: int = 128
     checkpoint_every: int = 10
     max_to_keep: int = 2
-    stall_timeout_s: float = 600.0
+    stall_timeout_s: float = 600.0  # no rollout landed, no step shipped or trained: fail
+    env_timeout_s: float = 600.0  # one rollout (generation + environment) longer: cancelled
+    drain_timeout_s: float = 60.0  # SIGTERM / Ctrl-C: in-flight work past it is cancelled
+    loop_block_warn_s: float = 2.0  # code blocking the event loop longer is named
     log_interval_s: float = 30.0
     export_hf: bool = True  # write the final policy as an HF checkpoint to WORKDIR/export
 
@@ -150,6 +153,9 @@ class TrainConfig:
             age_policy=self.age_policy,
             eval_every=self.eval_every,
             stall_timeout_s=self.stall_timeout_s,
+            env_timeout_s=self.env_timeout_s,
+            drain_timeout_s=self.drain_timeout_s,
+            loop_block_warn_s=self.loop_block_warn_s,
         )
 
     @property

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_orch.algorithms.losses import PolicyLossConfig
+from jaxrl_orch.build.checks import check_examples
 from jaxrl_orch.build.orchestrator import Telemetry, build_orchestrator
 from jaxrl_orch.build.parts import (
     build_data,
@@ -51,6 +52,7 @@ from jaxrl_orch.config import TrainConfig
 from jaxrl_orch.control import run_imitation
 from jaxrl_orch.envs.base import AtTemperature, make_env
 from jaxrl_orch.envs.demonstrator import MixedDemonstrator
+from jaxrl_orch.history import BeforeRLRecorder, rl_evals, rl_step_rows, trim_for_rl
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
@@ -66,7 +68,7 @@ from jaxrl_orch.orchestrator.writers import (
     stage,
 )
 from jaxrl_orch.report import write_report
-from jaxrl_orch.summary import eval_line, eval_summary, first_eval, merge_evals, train_reward_ends
+from jaxrl_orch.summary import eval_line, eval_summary, merge_evals, train_reward_ends
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
 from jaxrl_orch.trainer.sft import sft_sample
 from jaxrl_orch.trainer.step import StepConfig
@@ -117,8 +119,8 @@ class Experiment:
                 f"warmup_from {cfg.warmup_from!r} has no sft/ checkpoint directory; name the "
                 "workdir of a run whose warm-up finished"
             )
-        if cfg.sft_steps:
-            self._check_sft_fits()
+        self.max_prefill = cfg.max_target_length // 2  # the engine's prompt limit
+        check_examples(self)
         mix = ", ".join(f"{b} {x:.0%}" for b, x in cfg.demonstrations) or "always right"
         stage(
             "data",
@@ -126,19 +128,6 @@ class Experiment:
             f"{len(self.eval_source)} held-out examples (eval on {cfg.eval_examples}); "
             f"warm-up demonstrator: {mix}",
         )
-
-    def _check_sft_fits(self, n: int = 64) -> None:
-        """Warm-up samples must fit a row (reference answers are not truncated): check the
-        ``n`` longest examples of the warm-up's source, so one over-long line fails here."""
-        src = self.sft_source
-        for i in sorted(range(len(src)), key=lambda i: -len(str(src.example_at(i))))[:n]:
-            tokens = len(self._sft_sample(ex := src.example_at(i)))
-            if tokens > self.cfg.row_len:
-                raise ValueError(
-                    f"an SFT warm-up sample has {tokens} tokens but TrainConfig.row_len is "
-                    f"{self.cfg.row_len}: example {i} of {src.name} ({str(ex)[:80]}...); raise "
-                    "row_len, shorten TrainConfig.instruction or drop the example"
-                )
 
     def write_config(self, text: str) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -148,7 +137,7 @@ class Experiment:
         """SIGTERM / Ctrl-C: stop the SFT loop, or drain the RL loop (checkpoint, exit 0)."""
         self._stop.set()
         if self._loop is not None and self.orch is not None:
-            self._loop.call_soon_threadsafe(self.orch.request_drain)
+            self._loop.call_soon_threadsafe(self.orch.request_drain, self.cfg.drain_timeout_s)
 
     # ------------------------------------------------------------------ SFT
 
@@ -167,10 +156,10 @@ class Experiment:
         while True:
             batch = []
             for _ in range(self.cfg.sft_batch_size):
-                batch.append(self._sft_sample(self.sft_source.next_example()))
+                batch.append(self.sft_sample(self.sft_source.next_example()))
             yield batch
 
-    def _sft_sample(self, ex: dict[str, Any]) -> Sample:
+    def sft_sample(self, ex: dict[str, Any]) -> Sample:
         answer = self.tokenizer.encode(self.demonstrator.completion(ex))
         return sft_sample(self.env.prompt_ids(ex), [*answer, self.tokenizer.eos_id])
 
@@ -182,6 +171,7 @@ class Experiment:
             mesh=self.decode_mesh,
             max_concurrent_decodes=cfg.decode_slots,
             max_target_length=cfg.max_target_length,
+            max_prefill_length=self.max_prefill,
             steps_per_call=cfg.steps_per_call,
             tokenizer=self.tokenizer,
             seed=cfg.seed,
@@ -262,6 +252,11 @@ class Experiment:
         if ckpt.latest_step() is not None:
             orch_state = restore_trainer(ckpt, trainer)
         start_step = trainer.version + 1
+        # Rows an interrupted attempt wrote past the restored step are written again below.
+        dropped = trim_for_rl(self.workdir, start_step, cfg.orchestrator.eval_at_start)
+        if any(dropped.values()):
+            what = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in dropped.items())
+            stage("resume", f"at step {start_step}; the earlier attempt's rows past it: {what}")
         engine = self.make_engine()
         # The engine starts on the trainer's current weights: after a resume, the restored ones.
         first = jax.tree.map(jnp.copy, trainer.params) if self.colocated else trainer.params
@@ -292,6 +287,7 @@ class Experiment:
                     initial=min(start_step - 1, cfg.rl_steps),
                     postfix_keys=["train/reward_mean", "orch/age_max"],
                 ),
+                BeforeRLRecorder(self.workdir / "eval_before_rl.json", name, self.sampled_eval),
             ],
             gauge_writers=[
                 JsonlWriter(self.workdir / "gauges.jsonl"),
@@ -321,7 +317,7 @@ class Experiment:
         if orch_state:
             orch.restore(orch_state)
         if self._stop.is_set():
-            orch.request_drain()
+            orch.request_drain(cfg.drain_timeout_s)
         driver.start()
         trainer.start()
         t0 = time.perf_counter()
@@ -373,24 +369,21 @@ class Experiment:
         return f"{self.env.name}@t{self.cfg.temperature:g}"
 
     def _rl_summary(self, orch: Orchestrator, version: int, start: int, secs: float) -> dict:
-        evals = merge_evals(orch.eval_history)
-        # Written once at step 0 so a resumed run still reports the warm-up's numbers.
+        """The RL keys of ``summary.json``, from every attempt's rows on disk (``history``)."""
         before_path = self.workdir / "eval_before_rl.json"
-        first = first_eval(evals, self.env.name, self.sampled_eval)
-        if first is not None:
-            before_path.write_text(json.dumps(first))
         before = json.loads(before_path.read_text()) if before_path.exists() else {}
         return {
-            **eval_summary(evals, self.env.name, self.sampled_eval, before),
+            **eval_summary(rl_evals(self.workdir), self.env.name, self.sampled_eval, before),
             "eval_temperature": self.cfg.temperature,
             "rl_steps": version,
             "rl_steps_this_run": version - (start - 1),
             "resumed_from_step": start - 1 if start > 1 else None,
             "rl_seconds": secs,
-            **train_reward_ends(r.metrics for r in orch.history),
+            **train_reward_ends(rl_step_rows(self.workdir)),
             "age_histogram": {str(k): v for k, v in sorted(orch.age_histogram.items())},
             "age_policy": self.cfg.age_policy,
             "dropped": orch.dropped_total,
+            "env_errors": orch.faults.digest(),
         }
 
     def finish(self, summary: dict[str, Any]) -> None:

@@ -32,8 +32,13 @@ class OrchestratorConfig:
     eval_at_start: bool = True
     bench: bool = False
     poll_s: float = 0.5
+    # No progress (no rollout landed, no step shipped or trained) for this long raises
+    # PipelineStallError naming what the pipeline waits on; None disables (the simulator).
     stall_timeout_s: float | None = 600.0
     shutdown_timeout_s: float = 30.0
+    env_timeout_s: float | None = 600.0  # a rollout running longer is cancelled (an error)
+    drain_timeout_s: float = 60.0  # after SIGTERM: in-flight work past it is cancelled
+    loop_block_warn_s: float | None = 2.0  # event-loop stalls longer are reported by name
     recover_gate_on_resume: bool = True  # False only to demonstrate the resume-burst alarm
 
     def __post_init__(self) -> None:
@@ -53,6 +58,10 @@ class OrchestratorConfig:
                 f"max_concurrent ({self.max_concurrent}) must be >= group_size "
                 f"({self.group_size}) so a whole group can be in flight"
             )
+        for name in ("stall_timeout_s", "env_timeout_s", "loop_block_warn_s", "drain_timeout_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0 seconds (or None to disable), got {v!r}")
         if self.max_staleness < 0 or (self.max_lag is not None and self.max_lag < 0):
             raise ValueError(
                 f"max_staleness and max_lag must be >= 0, got {self.max_staleness}, {self.max_lag}"

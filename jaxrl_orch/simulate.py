@@ -229,6 +229,9 @@ async def run_scenario(sc: Scenario) -> dict[str, Any]:
         eval_at_start=False,
         poll_s=0.5,
         stall_timeout_s=None,
+        # Virtual time: no wall-clock watchdogs (every timeout here would be virtual).
+        env_timeout_s=None,
+        loop_block_warn_s=None,
         recover_gate_on_resume=sc.recover_gate_on_resume,
     )
     orch = build_orchestrator(

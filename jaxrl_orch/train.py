@@ -8,7 +8,9 @@ binding, an impossible mesh or missing data fails before any work, naming the ba
 building the pieces (meshes, tokenizer, environment, data sources, trainer, decoding engine,
 weight publisher) and handing them to the orchestrator, the SFT stage (skipped when its
 checkpoint exists), checkpoints (periodic, taken on the trainer's thread between two steps, and
-a final one after the drain), SIGTERM/Ctrl-C (drain, checkpoint, exit 0), resume (restore the
+a final one after the drain), SIGTERM/Ctrl-C (drain, at most ``drain_timeout_s``, checkpoint,
+exit 0; a second signal exits at once, non-zero), a full disk or a read-only / forbidden
+workdir (one line naming the path, exit 1; the same command resumes once fixed), resume (restore the
 trainer and the orchestrator's state, give the engine the restored weights before any
 rollout), and the outputs: ``config.gin``, ``metrics.jsonl``, TensorBoard events,
 ``summary.json`` and the report (``jaxrl_orch.report``).
@@ -29,7 +31,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
+import os
+import re
 import signal
 import sys
 import time
@@ -173,27 +178,74 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    exp.write_config(gin.config_str())
     stop_requested = {"signal": None}
 
     def on_signal(signum: int, _frame: Any) -> None:
+        if stop_requested["signal"] is not None:
+            # A second signal: no drain. Metrics rows are flushed as written and checkpoints
+            # are committed atomically, so the last committed checkpoint is what resumes.
+            print(
+                f"\n{signal.Signals(signum).name} again: exiting now without the drain; the same "
+                "command resumes from the last checkpoint",
+                file=sys.stderr,
+            )
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + signum)
         stop_requested["signal"] = signum
+        print(
+            f"\n{signal.Signals(signum).name}: draining (at most drain_timeout_s="
+            f"{cfg.drain_timeout_s:g}s), then a checkpoint; send it again to exit at once",
+            file=sys.stderr,
+        )
         exp.request_stop()
 
     # Restored afterwards: main() is also called in-process (tests, the console script).
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        exp.write_config(gin.config_str())
         t0 = time.time()
         summary = exp.run()
         summary["wall_seconds"] = time.time() - t0
         summary["stopped_by_signal"] = stop_requested["signal"]
         exp.finish(summary)
+    except Exception as exc:
+        storage = storage_error(exc)
+        if storage is None:
+            raise
+        print(f"error: {storage}", file=sys.stderr)
+        return 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     print(json.dumps({k: summary[k] for k in _HEADLINE if k in summary}))
     print(outputs_line(args.workdir))
     return 0
+
+
+_TENSORSTORE_ERRNO = re.compile(r"(os_error_code='(\d+)')")
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def storage_error(exc: BaseException) -> str | None:
+    """The one line for a run stopped by its storage (disk full, read-only, permissions), found
+    anywhere in ``exc``'s chain (orbax and the event loop wrap the ``OSError``); else None."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    fix = "free space or fix the permissions there, then rerun the same command: it resumes "
+    fix += "from the last checkpoint"
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
+            return (
+                f"{e.strerror or os.strerror(e.errno)} writing {e.filename or 'the workdir'}; {fix}"
+            )
+        found = _TENSORSTORE_ERRNO.search(str(e))  # tensorstore's errors are not OSErrors
+        if found and int(found.group(2)) in _STORAGE_ERRNOS:
+            text = str(e).splitlines()[0][:400]
+            return f"{os.strerror(int(found.group(2)))} ({text}); {fix}"
+        e = e.__cause__ or e.__context__
+    return None
 
 
 _HEADLINE = (

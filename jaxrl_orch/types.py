@@ -32,6 +32,23 @@ import numpy as np
 NO_VERSION = -1
 
 
+class NonFiniteReward(ValueError):
+    """An environment produced a NaN / inf reward. Its rollout becomes an error rollout whose
+    error text starts with the class name, so sinks count it apart from other failures."""
+
+
+class EnvTimeout(TimeoutError):
+    """A rollout ran past ``env_timeout_s`` and was cancelled (an error rollout)."""
+
+
+def has_nonfinite_reward(rollout: Rollout) -> bool:
+    """The rollout's reward was NaN / inf: rejected by the env's check (``NonFiniteReward``),
+    by the advantage estimator (``NonFiniteRewardError``), or still on the rollout."""
+    if rollout.errors:
+        return any(e.startswith(NonFiniteReward.__name__) for e in rollout.errors)
+    return not math.isfinite(rollout.reward)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How the engine samples one completion. ``temperature == 0`` means greedy."""

@@ -4,7 +4,8 @@ What it owns: ``run_warmup(exp, writer)``, the stage before RL. Its checkpoint l
 ``WORKDIR/sft`` (one kept). A checkpoint records whether the warm-up was ``complete`` and the
 SFT data cursor; so the same command after a SIGTERM or a crash continues from the last
 checkpoint (one every ``sft_checkpoint_every`` steps, and one at the step a SIGTERM stopped)
-with the same data order, and a complete warm-up (this run's, or another run's copied via
+with the same data order (rows past the restored step are trimmed from ``metrics.jsonl``,
+``history.trim_for_sft``), and a complete warm-up (this run's, or another run's copied via
 ``warmup_from``) is restored and skipped. A fresh warm-up starts from the model's initial or
 pretrained weights; a resumed one never reloads them.
 
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxrl_orch.history import trim_for_sft
 from jaxrl_orch.orchestrator.writers import ConsoleWriter, JsonlWriter, ProgressWriter, stage
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
 from jaxrl_orch.trainer.sft import run_sft
@@ -44,6 +46,7 @@ def run_warmup(exp: Any, writer: JsonlWriter) -> tuple[Any, dict[str, float]]:
     try:
         if latest is not None:
             state = restore_trainer(ckpt, trainer)
+            latest = ckpt.latest_step()  # a corrupt newest one was set aside: the restored one
             # Checkpoints without the flag are complete warm-ups (e.g. via warmup_from).
             if state.get("complete", True) or latest >= cfg.sft_steps:
                 stage("warm-up", f"restored after {latest} SFT steps from {own}")
@@ -54,6 +57,8 @@ def run_warmup(exp: Any, writer: JsonlWriter) -> tuple[Any, dict[str, float]]:
             exp.sft_source.restore(state["sft_source"])
             done = latest
             info["sft_resumed_from_step"] = float(latest)
+        # Rows an interrupted attempt wrote past the restored step are written again.
+        trim_for_sft(exp.workdir, done)
         if not cfg.sft_steps:
             return trainer.params, info
         stage(

@@ -9,6 +9,7 @@ paths that must go on to run), so only argument and config parsing are real.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import re
 import signal
@@ -298,3 +299,47 @@ def test_outputs_line_omits_what_is_absent(tmp_path):
     assert "export" not in line and ".png" not in line and "plots" not in line
     assert str(tmp_path / "report.md") in line
     assert "none found" in train.outputs_line(tmp_path / "empty")
+
+
+# --- a run stopped by its storage ------------------------------------------------------------
+
+
+def test_storage_errors_anywhere_in_the_chain_become_one_line_naming_the_path():
+    full = OSError(errno.ENOSPC, "No space left on device", "/w/metrics.jsonl")
+    try:
+        raise RuntimeError("the trainer thread failed") from full
+    except RuntimeError as exc:
+        wrapped = exc
+    line = train.storage_error(wrapped)
+    assert line.startswith("No space left on device writing /w/metrics.jsonl; free space")
+    assert "rerun the same command" in line and "\n" not in line
+    # tensorstore (orbax's writer) reports the errno in its message, not as an OSError
+    ts = ValueError(
+        'RESOURCE_EXHAUSTED: Error writing "x/0": Failed to write 25 bytes to file 15: No space '
+        "left on device [os_error_code='28']\nmore"
+    )
+    assert train.storage_error(ts).startswith("No space left on device (RESOURCE_EXHAUSTED")
+    ro = PermissionError(errno.EROFS, "Read-only file system", "/ro/run")
+    assert train.storage_error(ro).startswith("Read-only file system writing /ro/run;")
+    assert train.storage_error(ValueError("bad value")) is None
+    assert train.storage_error(FileNotFoundError(errno.ENOENT, "gone", "/x")) is None
+
+
+class _FullDiskExperiment(_FakeExperiment):
+    def run(self) -> dict:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.workdir / "ckpt"))
+        except OSError as exc:
+            raise RuntimeError("checkpoint failed on the trainer thread") from exc
+
+
+def test_a_full_disk_ends_the_command_with_one_line_and_exit_1(monkeypatch, capsys, tmp_path):
+    module = types.ModuleType("jaxrl_orch.experiment")
+    module.Experiment = _FullDiskExperiment
+    monkeypatch.setitem(sys.modules, "jaxrl_orch.experiment", module)
+    assert train.main(["--gin_param=TrainConfig.rl_steps = 3", f"--workdir={tmp_path}"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"error: No space left on device writing {tmp_path / 'ckpt'}; free space or fix the "
+        "permissions there, then rerun the same command: it resumes from the last checkpoint"
+    ]

@@ -240,7 +240,8 @@ def test_a_group_of_one_is_refused_before_any_work():
 
 
 def test_one_over_long_line_anywhere_fails_before_any_work_naming_it(tmp_path):
-    """The fit check reads the longest warm-up examples, not the first few held-out ones."""
+    """Every example is checked, warm-up samples against row_len and RL / eval prompts against
+    the engine's prefill limit; the error names the file, the line and the limit."""
     import gin
 
     from jaxrl_orch.config import TrainConfig
@@ -250,15 +251,32 @@ def test_one_over_long_line_anywhere_fails_before_any_work_naming_it(tmp_path):
     lines = [f"sentence number {i} is short" for i in range(300)]
     lines.insert(137, "x" * 10_000)
     (tmp_path / "corpus.txt").write_text("\n".join(lines) + "\n")
-    (tmp_path / "eval.txt").write_text("an eval line\nanother eval line\n")
-    cfg = TrainConfig(
-        dataset=f"text:{tmp_path / 'corpus.txt'}",
-        eval_dataset=f"text:{tmp_path / 'eval.txt'}",
-        trainer_mesh=(("fsdp", 1),),
-        decode_mesh=(("tp", 1),),
-        demonstrations=(),
+    (tmp_path / "eval.txt").write_text("a held-out line\n\n" + "y" * 400 + "\n")
+    (tmp_path / "ok_eval.txt").write_text("an eval line\nanother eval line\n")
+    base = dict(trainer_mesh=(("fsdp", 1),), decode_mesh=(("tp", 1),), demonstrations=())
+
+    def fails(match, **kw):
+        cfg = TrainConfig(**{**base, **kw})
+        with pytest.raises(ValueError, match=match):
+            Experiment(cfg, tmp_path / "run").validate()
+
+    corpus, ok_eval = f"text:{tmp_path / 'corpus.txt'}", f"text:{tmp_path / 'ok_eval.txt'}"
+    fails(
+        r"a warm-up sample \(prompt \+ demonstration \+ EOS\) has 20051 tokens, over the limit "
+        r"of 256: \S*corpus.txt line 138 \(\{'text': 'xxx.*raise TrainConfig.row_len",
+        dataset=corpus,
+        eval_dataset=ok_eval,
     )
-    with pytest.raises(
-        ValueError, match=r"has 20051 tokens .* example 137 of \S*corpus.txt:all \(\{'text': 'xxx"
-    ):
-        Experiment(cfg, tmp_path / "run").validate()
+    fails(  # no warm-up: the RL prompt itself is over the engine's prefill limit
+        r"an RL prompt has 10033 tokens, over the limit of 128: \S*corpus.txt line 138 .*"
+        r"prefill limit 128 \(max_target_length // 2\) and row_len 256 - max_new_tokens 68",
+        dataset=corpus,
+        eval_dataset=ok_eval,
+        sft_steps=0,
+    )
+    fails(  # the held-out set is read whole too
+        r"an eval prompt has 433 tokens, over the limit of 128: \S*eval.txt line 3 ",
+        dataset=ok_eval,
+        eval_dataset=f"text:{tmp_path / 'eval.txt'}",
+        sft_steps=0,
+    )

@@ -132,7 +132,7 @@ def test_split_placement_run_writes_metrics_checkpoints_and_report(tmp_path):
         ("TrainConfig.dataset = 'text:/no/such/corpus.txt'", "corpus.txt"),
         ("TrainConfig.model = '/no/such/model_dir'", "model_dir"),
         ("TrainConfig.age_policy = 'yolo'", "yolo"),
-        ("TrainConfig.row_len = 96", "SFT warm-up sample has"),
+        ("TrainConfig.row_len = 96", "a warm-up sample (prompt + demonstration + EOS) has"),
     ],
 )
 def test_bad_config_fails_before_any_work_naming_the_value(tmp_path, param, needle):
@@ -177,16 +177,20 @@ def test_kill9_then_resume_continues_without_repeating_or_skipping(tmp_path):
     )
     try:
         deadline = time.monotonic() + 300
-        while not _checkpoints(wd):
+        # Killed once a step past the newest checkpoint is on record: its rows must not stay.
+        while not (_checkpoints(wd) and _rl_rows(wd)[-1:]) or (
+            _rl_rows(wd)[-1]["step"] <= _checkpoints(wd)[-1]
+        ):
             assert proc.poll() is None, "run ended before its first checkpoint"
             assert time.monotonic() < deadline
-            time.sleep(0.1)
+            time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
         proc.kill()
     resumed_at = _checkpoints(wd)[-1]
     assert resumed_at < 8, "the run finished before it could be killed"
+    assert max(r["step"] for r in _rl_rows(wd)) > resumed_at  # rows the resume must trim
 
     res = _run(wd, *steps)  # the same command again
     assert res.returncode == 0, res.stderr[-3000:]
@@ -204,6 +208,17 @@ def test_kill9_then_resume_continues_without_repeating_or_skipping(tmp_path):
     ]
     assert versions and min(versions) >= resumed_at
     assert _checkpoints(wd)[-1] == 8
+    # Every RL step and every eval exactly once across both attempts; the pre-RL eval kept.
+    assert [r["step"] for r in _rl_rows(wd)] == list(range(1, 9))
+    evals = [
+        (r["step"], k)
+        for r in _all_rows(wd)
+        for k in r
+        if k.endswith("/reward_mean") and "eval/" in k
+    ]
+    assert len(evals) == len(set(evals)) and {s for s, _ in evals} == {0, 2, 4, 6, 8}
+    assert summary["eval_reward_before_rl"] is not None
+    assert summary["train_reward_first"] == _rl_rows(wd)[0]["train/reward_mean"]  # from step 1
 
 
 def test_sigterm_in_the_warm_up_keeps_its_progress_and_resumes_there(tmp_path):

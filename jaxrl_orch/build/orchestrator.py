@@ -11,7 +11,8 @@ reload function, writers), and wiring them together by constructor arguments and
   freed, and the dispatcher is woken to use them);
 - gate <- weight watcher: an observer of the shared ``PolicyHandle``;
 - logger <- every component: it pulls ``gauges()``, stamped with the policy version (the last
-  trained step).
+  trained step);
+- fault log (error rollouts to ``<store_dir>/errors.jsonl``) and loop watchdog -> the loop.
 
 The caller creates the ``PolicyHandle`` (its version is the trainer's: a resumed run starts at
 ``version + 1``) and passes the same handle to anything else that reads it (a simulated engine
@@ -22,6 +23,7 @@ what the product builds.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,6 +35,7 @@ from jaxrl_orch.orchestrator.dispatcher import (
     RolloutDispatcher,
 )
 from jaxrl_orch.orchestrator.eval_sink import EvalSink
+from jaxrl_orch.orchestrator.faults import FaultLog, LoopWatchdog
 from jaxrl_orch.orchestrator.gate import StalenessGate
 from jaxrl_orch.orchestrator.logger import PeriodicLogger
 from jaxrl_orch.orchestrator.loop import Orchestrator
@@ -99,6 +102,7 @@ def build_orchestrator(
             max_inflight=cfg.max_concurrent + eval_slots,
             group_size=cfg.group_size,
             sampling=sampling,
+            env_timeout_s=cfg.env_timeout_s,
         ),
         gate=GateHooks(gate.capacity, gate.on_admit, gate.on_finish),
         eval_plan=eval_plan,
@@ -123,8 +127,11 @@ def build_orchestrator(
     eval_sink = EvalSink()
     watcher = WeightWatcher(version_source, reload_fn, policy, observers=[gate], clock=clock)
     t = telemetry
+    faults = FaultLog(os.path.join(t.store_dir, "errors.jsonl") if t.store_dir else None)
+    watchdog = LoopWatchdog(cfg.loop_block_warn_s) if cfg.loop_block_warn_s else None
+    sources = [dispatcher, gate, train_sink, eval_sink, watcher, faults, *t.gauge_sources]
     logger = PeriodicLogger(
-        [dispatcher, gate, train_sink, eval_sink, watcher, *t.gauge_sources],
+        [*sources, *([watchdog] if watchdog else [])],
         list(t.gauge_writers),
         interval_s=t.log_interval_s,
         clock=clock,
@@ -146,4 +153,6 @@ def build_orchestrator(
         clock=clock,
         on_step=on_step,
         step_metrics=step_metrics,
+        faults=faults,
+        watchdog=watchdog,
     )

@@ -139,6 +139,10 @@ class DatasetSource:
     def __len__(self) -> int:
         return self.cursor.size
 
+    def where(self, i: int) -> str:
+        """Where example ``i`` comes from, for error messages."""
+        return f"example {i} of {self.name}"
+
     def example_at(self, i: int) -> dict[str, Any]:
         record = self.data[i]
         if self.fields is None:
@@ -256,17 +260,23 @@ class TextFileSource(DatasetSource):
                 f"text file source {str(path)!r} is not UTF-8 text: byte {exc.start} (line "
                 f"{line}) is {raw[exc.start : exc.start + 1]!r}; give one UTF-8 example per line"
             ) from None
-        lines = [s.strip() for s in text.splitlines()]
-        lines = [s for s in lines if s]
-        if not lines:
+        numbered = [(n, s.strip()) for n, s in enumerate(text.splitlines(), 1) if s.strip()]
+        if not numbered:
             raise ValueError(f"text file source {str(path)!r} has no non-empty lines")
         if split != "all":
-            lines = [s for s in dict.fromkeys(lines) if text_split_of(s) == split]
-            if not lines:
+            first = {}
+            for n, s in numbered:
+                first.setdefault(s, n)
+            numbered = [(n, s) for s, n in first.items() if text_split_of(s) == split]
+            if not numbered:
                 raise ValueError(
                     f"text file source {str(path)!r} has no line in its {split!r} split (about "
                     f"1 in {TEXT_EVAL_BUCKETS} distinct lines goes to 'eval'); add lines, or "
                     "name a separate eval file with TrainConfig.eval_dataset"
                 )
-        records = [{field: s} for s in lines]
+        self.path, self.line_numbers = path, [n for n, _ in numbered]
+        records = [{field: s} for _, s in numbered]
         super().__init__(records, seed=seed, shuffle=shuffle, extra=extra, name=f"{path}:{split}")
+
+    def where(self, i: int) -> str:
+        return f"{self.path} line {self.line_numbers[i]}"

@@ -8,8 +8,9 @@ What this module owns
   ids the engine sampled, so the trainer scores the context the model actually saw.
 - ``SingleTurnEnv``: render prompt -> ids, one ``generate`` call, decode the completion only
   to *score* it, build the ``Rollout``. Subclasses supply ``build_messages`` and ``score``.
-- ``check_reward``: a reward must be a finite float. NaN/inf raises (the dispatcher turns the
-  exception into an error rollout) instead of silently poisoning the group's advantages.
+- ``check_reward``: a reward must be a finite float. NaN/inf raises ``NonFiniteReward`` (the
+  dispatcher turns the exception into an error rollout, counted as ``nonfinite_rewards``)
+  instead of silently poisoning the group's advantages.
 - ``AtTemperature(env, t)``: a view of an env that always samples at temperature ``t`` (the
   sampled eval next to the greedy one).
 - ``make_env(name, **kwargs)``: the registry of bundled environments (plus ``register_env``
@@ -38,7 +39,14 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from jaxrl_orch.types import NO_VERSION, Completion, InferenceClient, Rollout, SamplingParams
+from jaxrl_orch.types import (
+    NO_VERSION,
+    Completion,
+    InferenceClient,
+    NonFiniteReward,
+    Rollout,
+    SamplingParams,
+)
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -81,7 +89,7 @@ def check_reward(reward: Any, *, env: str) -> float:
     except (TypeError, ValueError) as exc:
         raise TypeError(f"env {env!r} produced a non-numeric reward {reward!r}") from exc
     if not math.isfinite(value):
-        raise ValueError(
+        raise NonFiniteReward(
             f"env {env!r} produced a non-finite reward {value!r}; rewards must be finite floats"
         )
     return value
@@ -200,6 +208,13 @@ class SingleTurnEnv:
     def prompt_ids(self, example: dict[str, Any]) -> list[int]:
         return render_prompt_ids(
             self.tokenizer, self.build_messages(example), self.response_prefix, self.add_bos
+        )
+
+    def prompt_text(self, example: dict[str, Any]) -> str:
+        """The rendered prompt before encoding (its UTF-8 length bounds its token count)."""
+        messages = self.build_messages(example)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True) + (
+            self.response_prefix
         )
 
     async def run(

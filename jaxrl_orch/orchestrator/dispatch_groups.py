@@ -13,7 +13,9 @@ Running (``Flights.start``)
     without suspending (an env that awaits nothing real, e.g. an instant engine) is handed
     back to the dispatcher at once and never gets a Task, since nothing could cancel it or
     wait on it; one that suspends continues under a Task, and only those are in flight for
-    ``cancel_stale``, ``stop`` and ``oldest_train_version``. Tasks report through
+    ``cancel_stale``, ``stop`` and ``oldest_train_version``. A Task still running
+    ``timeout_s`` after it started is cancelled and settled as an ``EnvTimeout`` error
+    (``timeouts_total``); a loop timer, so a hung environment costs no polling. Tasks report through
     done-callbacks, and ``reap`` settles only the finished ones, so a pass costs O(finished),
     not O(in flight).
 
@@ -22,10 +24,11 @@ Settling (``settle``, ``Flights.emit``)
     name, group and episode ids, ``is_eval``, ``eval_step``, ``policy_version_at_start``,
     ``admitted_at`` and ``finished_at``. Its fate is recorded on it: cancelled (error
     ``"Cancelled: <reason>"``), failed (``Rollout.capture_error``; an env returning something
-    other than a ``Rollout`` fails with a ``TypeError`` naming it) or empty (``num_turns == 0``:
-    error ``"EmptyTrajectory: ..."``); each of those is untrainable. Work that produced no
-    rollout gets a placeholder per episode id. Every admitted train rollout is then reported
-    to the gate (``on_finish(n, accepted)``, ``accepted = not has_error``); never-started
+    other than a ``Rollout`` or an awaitable of one fails with a ``TypeError`` naming it),
+    timed out (``"EnvTimeout: ..."``) or empty (``num_turns == 0``: error
+    ``"EmptyTrajectory: ..."``); each of those is untrainable. Work that produced no rollout
+    gets a placeholder per episode id. Every admitted train rollout is then reported to the
+    gate (``on_finish(n, accepted)``, ``accepted = not has_error``); never-started
     placeholders are not, since the gate never admitted them. Each ending of a started
     rollout first calls ``release(group, 1)`` so the dispatcher returns its permit.
 
@@ -40,11 +43,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from jaxrl_orch.orchestrator.eager import start_eagerly
-from jaxrl_orch.types import Environment, Episode, InferenceClient, Rollout, SamplingParams
+from jaxrl_orch.types import (
+    Environment,
+    EnvTimeout,
+    Episode,
+    InferenceClient,
+    Rollout,
+    SamplingParams,
+)
 
 
 @dataclasses.dataclass(eq=False)
@@ -68,6 +79,8 @@ class Flight:
     episode_id: int
     admitted_at: float
     cancel_reason: str | None = None
+    timer: asyncio.TimerHandle | None = None  # the env_timeout_s deadline
+    timed_out: bool = False
 
 
 def settle(
@@ -109,12 +122,14 @@ class Flights:
         on_finish: Callable[[int, bool], None],
         release: Callable[[Group, int], None],
         wake: Callable[[], None],
+        timeout_s: float | None = None,
     ) -> None:
         self.clock, self.on_finish, self._release, self._wake = clock, on_finish, release, wake
+        self.timeout_s = timeout_s
         self.out_q: asyncio.Queue[Episode] = asyncio.Queue()
         self._tasks: dict[asyncio.Task, Flight] = {}
         self._done: list[asyncio.Task] = []
-        self.errors_total = self.cancelled_total = self.emitted_total = 0
+        self.errors_total = self.cancelled_total = self.emitted_total = self.timeouts_total = 0
 
     def __len__(self) -> int:
         """Rollouts running under a Task."""
@@ -142,6 +157,9 @@ class Flights:
         except Exception as exc:  # an env failing before its coroutine exists: same fate
             self.finish(g, eid, now, None, exc)
             return None
+        if not inspect.isawaitable(coro):  # e.g. a plain function returning a Rollout
+            self.finish(g, eid, now, coro)  # a Rollout is used; anything else names its type
+            return None
         if not asyncio.iscoroutine(coro):  # another awaitable: no first step to take here
             task = asyncio.ensure_future(coro)
         else:
@@ -158,11 +176,27 @@ class Flights:
                     return result
                 self.finish(g, eid, now, result)  # not a rollout: the error path names it
                 return None
-        self._tasks[task] = Flight(g, eid, now)
+        flight = self._tasks[task] = Flight(g, eid, now)
+        if self.timeout_s is not None:
+            loop = asyncio.get_running_loop()
+            flight.timer = loop.call_later(self.timeout_s, self._time_out, task)
         task.add_done_callback(self._task_done)
         return None
 
+    def _time_out(self, task: asyncio.Task) -> None:
+        flight = self._tasks.get(task)
+        if flight is not None and flight.cancel_reason is None and task.cancel():
+            flight.timed_out = True
+            flight.cancel_reason = (
+                f"env {flight.group.env!r} rollout ran past env_timeout_s={self.timeout_s:g}s "
+                "and was cancelled"
+            )
+            self.timeouts_total += 1
+
     def _task_done(self, task: asyncio.Task) -> None:
+        flight = self._tasks.get(task)
+        if flight is not None and flight.timer is not None:
+            flight.timer.cancel()
         self._done.append(task)
         self._wake()
 
@@ -212,6 +246,8 @@ class Flights:
         elif cancel is None:
             # Cancelled by someone else, or still running after stop()'s grace period.
             cancel = "rollout task was cancelled"
+        if flight.timed_out:  # an error of the env's, not a deliberate cancellation
+            error, cancel = EnvTimeout(flight.cancel_reason), None
         result = task.result() if cancel is None and error is None else None
         self.finish(flight.group, flight.episode_id, flight.admitted_at, result, error, cancel)
 

@@ -46,14 +46,16 @@ def _int_at_least_1(name: str, v: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class DispatchConfig:
     """``max_inflight`` permits (train and eval together); each env's ``group_size`` and
-    ``sampling`` (one value for every env, or a mapping by env name); how long a pass may sleep
-    with nothing waking it; how long ``stop()`` waits for cancelled rollouts to unwind."""
+        ``sampling`` (one value for every env, or a mapping by env name); how long a pass may sleep
+        with nothing waking it; how long ``stop()`` waits for cancelled rollouts to unwind; how long
+    one rollout may run before it is cancelled as an ``EnvTimeout`` error (None: unbounded)."""
 
     max_inflight: int
     group_size: int | Mapping[str, int]
     sampling: SamplingParams | Mapping[str, SamplingParams]
     poll_interval_s: float = 0.5
     stop_timeout_s: float = 30.0
+    env_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         _int_at_least_1("max_inflight", self.max_inflight)
@@ -61,6 +63,9 @@ class DispatchConfig:
             raise ValueError(f"poll_interval_s must be > 0 seconds, got {self.poll_interval_s!r}")
         if not (isinstance(self.stop_timeout_s, int | float) and self.stop_timeout_s >= 0):
             raise ValueError(f"stop_timeout_s must be >= 0 seconds, got {self.stop_timeout_s!r}")
+        t = self.env_timeout_s
+        if t is not None and not (isinstance(t, int | float) and t > 0):
+            raise ValueError(f"env_timeout_s must be > 0 seconds or None, got {t!r}")
 
     def resolve(
         self, envs: Mapping[str, Environment], source: Source | Mapping[str, Source]

@@ -95,7 +95,9 @@ class RolloutDispatcher:
         self.capacity_fn, self.on_admit = gate.capacity_fn, gate.on_admit
         self.clock = clock
         self._wake = asyncio.Event()
-        self._flights = Flights(clock, gate.on_finish, self._release, self._wake.set)
+        self._flights = Flights(
+            clock, gate.on_finish, self._release, self._wake.set, config.env_timeout_s
+        )
         self.out_q = self._flights.out_q
         self._groups: dict[int, Group] = {}  # open train groups, insertion order = age
         self._eval_groups: dict[int, Group] = {}  # running eval rollouts (groups of one)
@@ -229,6 +231,12 @@ class RolloutDispatcher:
         finally:
             watch.cancel()
 
+    def drop_pending_evals(self) -> int:
+        """Forget eval work not started yet (a forced drain); returns how many were dropped."""
+        n = len(self._eval_pending)
+        self._eval_pending.clear()
+        return n
+
     async def stop(self) -> None:
         """Cancel everything in flight (emitted as cancelled rollouts) and end the loop."""
         self._stopping = True
@@ -358,6 +366,7 @@ class RolloutDispatcher:
             "dispatcher/eval_admitted_total": float(self.eval_admitted_total),
             "dispatcher/emitted_total": float(self._flights.emitted_total),
             "dispatcher/errors_total": float(self._flights.errors_total),
+            "dispatcher/env_timeouts_total": float(self._flights.timeouts_total),
             "dispatcher/cancelled_total": float(self._flights.cancelled_total),
             "dispatcher/open_groups": float(len(self._groups) + len(self._eval_groups)),
             "dispatcher/eval_pending": float(len(self._eval_pending)),

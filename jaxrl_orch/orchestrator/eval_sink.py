@@ -36,7 +36,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from jaxrl_orch.orchestrator.step_stats import behaviour_shares
-from jaxrl_orch.types import Episode, EvalBatch, Rollout
+from jaxrl_orch.types import Episode, EvalBatch, Rollout, has_nonfinite_reward
 
 
 class _Expectation:
@@ -55,7 +55,7 @@ def eval_metrics(env: str, rollouts: list[Rollout], pass_threshold: float) -> di
     """The per-env summary of one evaluation (see the module docstring for the keys)."""
     p = f"eval/{env}/"
     errors = sum(r.has_error for r in rollouts)
-    nonfinite = sum(not r.has_error and not math.isfinite(r.reward) for r in rollouts)
+    nonfinite = sum(has_nonfinite_reward(r) for r in rollouts)
     scored = [r for r in rollouts if not r.has_error and math.isfinite(r.reward)]
     m = {p + "rollouts": float(len(rollouts)), p + "errors": float(errors)}
     m[p + "nonfinite_rewards"] = float(nonfinite)

@@ -18,9 +18,13 @@ Shipping batch ``step`` (1-based; after it trains, the trainer publishes version
    discards rollouts past the bound here and cancels in-flight ones that can no longer make it;
 6. persist the trained rollouts, then ship, then ``step += 1``.
 
-Invariants: every episode taken off ``out_q`` goes to exactly one sink; a batch's rollouts are
-on disk before the trainer sees it; a background component that dies is re-raised here. It
-never blocks the event loop: the trainer works in the background.
+Bounded: nothing moving for ``stall_timeout_s`` raises ``PipelineStallError`` (``progress``);
+a SIGTERM drain past ``drain_timeout_s`` cancels what is in flight; error rollouts are
+reported and recorded by the ``FaultLog``; the ``LoopWatchdog`` names code blocking the loop.
+
+Invariants: every episode taken off ``out_q`` goes to exactly one sink (eval ones are dropped
+once a drain is abandoned); a batch's rollouts are on disk before the trainer sees it; a
+background component that dies is re-raised here. The trainer works in the background.
 """
 
 from __future__ import annotations
@@ -33,8 +37,16 @@ from typing import Any
 
 from jaxrl_orch.orchestrator.dispatcher import RolloutDispatcher
 from jaxrl_orch.orchestrator.eval_sink import EvalSink
+from jaxrl_orch.orchestrator.faults import FaultLog, LoopWatchdog, warn
 from jaxrl_orch.orchestrator.gate import StalenessGate
 from jaxrl_orch.orchestrator.logger import PeriodicLogger
+from jaxrl_orch.orchestrator.progress import (
+    Progress,
+    check_resume_state,
+    maybe_await,
+    next_episode,
+    waiting_on,
+)
 from jaxrl_orch.orchestrator.step_ledger import StepLedger, StepRecord, drop_stale, stamp_ages
 from jaxrl_orch.orchestrator.store import RolloutStore
 from jaxrl_orch.orchestrator.train_sink import TrainSink
@@ -67,6 +79,8 @@ class Orchestrator:
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[int, dict[str, Any]], Any] | None = None,
         step_metrics: Callable[[int, dict[str, float]], dict[str, float] | None] | None = None,
+        faults: FaultLog | None = None,
+        watchdog: LoopWatchdog | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -91,6 +105,10 @@ class Orchestrator:
         self.ledger = StepLedger(clock, self.write_metrics, step_metrics)
         self._last_shipped_step = self.start_step - 1
         self._final_eval_due = False
+        self.faults, self.watchdog = faults or FaultLog(), watchdog
+        self.progress = Progress(clock, config.stall_timeout_s, self._waiting_on)
+        self._drain_deadline: float | None = None
+        self.abandoned = False  # the drain deadline passed: in-flight work was cancelled
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -110,14 +128,19 @@ class Orchestrator:
             asyncio.create_task(self.watcher.start(), name="watcher"),
             asyncio.create_task(self.logger.start(), name="logger"),
         ]
+        if self.watchdog is not None:
+            self._tasks.append(asyncio.create_task(self.watchdog.run(), name="watchdog"))
         for t in self._tasks:
             t.add_done_callback(self._task_finished)
         self.ledger.restart_clock()
         if self.config.eval_at_start:
             self._schedule_eval(self.step - 1)
 
-    def request_drain(self) -> None:
-        """Stop admitting train work; let in-flight work land, then stop (SIGTERM path)."""
+    def request_drain(self, deadline_s: float | None = None) -> None:
+        """Stop admitting train work; let in-flight work land, then stop. With ``deadline_s``
+        (the SIGTERM path), work still in flight after it is cancelled (``_abandon``)."""
+        if deadline_s is not None and self._drain_deadline is None:
+            self._drain_deadline = self.clock() + deadline_s
         if not self.draining:
             self.draining = True
             self.dispatcher.stop_admitting_train()
@@ -138,12 +161,13 @@ class Orchestrator:
         for stop in stops:
             # Bounded: everything that matters is already on disk.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(_maybe_await(stop()), timeout)
+                await asyncio.wait_for(maybe_await(stop()), timeout)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for w in self.writers:
             w.close()
+        self.faults.close()
 
     def _check_tasks(self) -> None:
         self.dispatcher.check()
@@ -161,6 +185,9 @@ class Orchestrator:
         q = self.dispatcher.out_q
         while not self.stopped.is_set():
             self._check_tasks()
+            self.progress.check(self.policy.version)
+            if self._drain_deadline is not None and self.clock() > self._drain_deadline:
+                await self._abandon()
             episode = (
                 q.get_nowait()
                 if q.qsize()
@@ -194,10 +221,12 @@ class Orchestrator:
         )
 
     def _route(self, episode: list[Rollout]) -> None:
+        self.progress.moved()
         landed = float(self.policy.version)
         for r in episode:
             r.metrics["orch/landed_version"] = landed
-        if episode[0].is_eval:
+        self.faults.note(episode, self.policy.version)
+        if episode[0].is_eval and not self.abandoned:
             batch = self.eval_sink.add(episode)
             if batch is not None:
                 self.eval_history.append(batch)
@@ -223,7 +252,7 @@ class Orchestrator:
     def _drained(self) -> bool:
         if not self.dispatcher.idle or not self.dispatcher.out_q.empty():
             return False
-        if self.eval_sink.pending():
+        if self.eval_sink.pending() and not self.abandoned:
             return False
         # The trainer must have finished what was shipped: the final state matches the data.
         if not self.config.bench and self.policy.version < self._last_shipped_step:
@@ -234,6 +263,24 @@ class Orchestrator:
             self._schedule_eval(self._last_shipped_step)
             return False
         return True
+
+    async def _abandon(self) -> None:
+        """The drain deadline passed: cancel what is in flight (it lands as cancelled rollouts)
+        and queued evals; the drain then ends once the trainer has trained what was shipped."""
+        self._drain_deadline = None
+        self.abandoned = True
+        self._final_eval_due = False
+        n, dropped = self.dispatcher.inflight, self.dispatcher.drop_pending_evals()
+        await self.dispatcher.stop()
+        warn(
+            f"!! drain deadline (drain_timeout_s={self.config.drain_timeout_s:g}) passed: "
+            f"cancelled {n} rollouts in flight and {dropped} queued eval rollouts; stopping "
+            f"after the trainer's step {self._last_shipped_step}"
+        )
+
+    def _waiting_on(self) -> str:
+        awaited = sum(self.eval_sink.pending().values())
+        return waiting_on(self.dispatcher.gauges(), self.gate.gauges(), self.train_sink, awaited)
 
     def _schedule_eval(self, step: int) -> None:
         for env, n in self.dispatcher.schedule_eval(step).items():
@@ -292,6 +339,7 @@ class Orchestrator:
         if self.store is not None:
             await self.store.write_async(step, batch.trained)
         self.trainer.submit(batch)
+        self.progress.moved()
         self._last_shipped_step = step
         self.ledger.record(
             batch,
@@ -313,7 +361,7 @@ class Orchestrator:
         ):
             self._schedule_eval(step)
         if self.on_step is not None:
-            await _maybe_await(self.on_step(step, self.state()))
+            await maybe_await(self.on_step(step, self.state()))
 
     def _begin_final_drain(self) -> None:
         self.request_drain()
@@ -342,48 +390,3 @@ class Orchestrator:
         # Lifetime counters come back; batches are numbered from the trainer's step.
         self.train_sink.restore({**state["train_sink"], "step": self.step})
         self.dispatcher.restore(state["dispatcher"])
-
-
-def check_resume_state(state: Mapping[str, Any], step: int, version: int, lag: int) -> None:
-    """A saved orchestrator state fits a loop resuming at ``step`` (trainer at ``version``):
-    the saved loop shipped at most ``lag + 1`` steps the trainer had not trained."""
-    missing = {"step", "gate", "train_sink", "dispatcher"} - set(state)
-    if missing:
-        raise ValueError(f"orchestrator state lacks {sorted(missing)}; got {sorted(state)}")
-    saved, lo = int(state["step"]), step
-    hi = lo + lag + 1
-    if not lo <= saved <= hi or int(state["gate"]["version"]) > version:
-        raise ValueError(
-            f"orchestrator state is for step {saved} (gate version {state['gate']['version']})"
-            f" but the restored trainer resumes at step {lo} (version {version}):"
-            f" a matching state lies in steps {lo}..{hi}; the checkpoint's parts disagree"
-        )
-
-
-async def next_episode(
-    q: asyncio.Queue, policy: PolicyHandle, poll_s: float
-) -> list[Rollout] | None:
-    """The next finished episode, or None after ``poll_s`` or when the policy version advances
-    (the loop then re-checks its hold and drain)."""
-    if not q.empty():
-        return q.get_nowait()
-    get = asyncio.ensure_future(q.get())
-    advanced = asyncio.ensure_future(policy.wait_advanced())
-    await asyncio.wait({get, advanced}, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
-    advanced.cancel()
-    if get.done():
-        return get.result()
-    # A cancelled Queue.get leaves any item it was about to take in the queue.
-    get.cancel()
-    try:
-        await get
-    except asyncio.CancelledError:
-        if asyncio.current_task().cancelling():
-            raise
-    return None
-
-
-async def _maybe_await(value: Any) -> Any:
-    if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
-        return await value
-    return value

@@ -11,7 +11,8 @@ on their own:
   among its model tokens), read off the samples the train sink built, in one pass.
 - ``behaviour_shares(rollouts)``: the share of rollouts an env labelled with each
   ``behaviour/<name>`` (used by both sinks, so train and eval count behaviours alike).
-- ``window_stats(rollouts)``: the train sink's window counts (errors, untrainable, filtered)
+- ``window_stats(rollouts)``: the train sink's window counts (errors, of them ``nonfinite_rewards``,
+  untrainable, filtered)
   and the mean / std of its scored rewards, with the behaviour shares.
 
 Pure host NumPy: no state, no asyncio, no imports of orchestrator components.
@@ -25,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxrl_orch.types import Rollout
+from jaxrl_orch.types import Rollout, has_nonfinite_reward
 
 _QUANTILES = np.array([0.50, 0.95, 0.99])
 _STATS = ("max", "mean", "p50", "p95", "p99")
@@ -105,9 +106,10 @@ def window_stats(window: Sequence[Rollout]) -> dict[str, float]:
     """Counts and reward statistics of the rollouts the train sink saw since its last batch."""
     # One pass in plain Python: a few dozen rollouts, so NumPy calls (~5 us each) would cost
     # more than the arithmetic.
-    errors = untrainable = filtered = 0
+    errors = untrainable = filtered = nonfinite = 0
     scored = []
     for r in window:
+        nonfinite += has_nonfinite_reward(r)  # an env's error, or a NaN the sink filtered
         if r.errors:
             errors += 1
         else:
@@ -120,6 +122,7 @@ def window_stats(window: Sequence[Rollout]) -> dict[str, float]:
         "errors": float(errors),
         "untrainable": float(untrainable),
         "filtered": float(filtered),
+        "nonfinite_rewards": float(nonfinite),
     }
     if scored:
         rewards = [r.reward for r in scored]

@@ -132,7 +132,8 @@ class ProgressWriter:
 
 
 class JsonlWriter:
-    """Appends one JSON object per write; flushed each time so a crash loses nothing."""
+    """Appends one JSON object per write; flushed each time so a crash loses nothing. The file
+    is opened at the first write, so a resume may trim it after the writer exists."""
 
     def __init__(self, path: str | os.PathLike, clock: Callable[[], float] = time.time) -> None:
         self.path = os.fspath(path)
@@ -140,9 +141,11 @@ class JsonlWriter:
         if parent:
             os.makedirs(parent, exist_ok=True)
         self.clock = clock
-        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._f: TextIO | None = None  # opened at the first write (after any resume trim)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        if self._f is None:
+            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - see close()
         row: dict[str, Any] = {"step": int(step), "time": self.clock()}
         for k, v in clean_metrics(metrics).items():
             row[k] = v if math.isfinite(v) else None  # strict JSON has no NaN/inf
@@ -150,7 +153,9 @@ class JsonlWriter:
         self._f.flush()
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
+            self._f = None
 
 
 class TensorBoardWriter:

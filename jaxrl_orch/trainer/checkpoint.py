@@ -18,6 +18,9 @@ Restoring onto another mesh: the caller passes abstract targets (``jax.ShapeDtyp
 ``sharding=``, e.g. ``Trainer.abstract_state()``), and orbax reads every array straight into
 those shardings; the mesh at save time does not matter.
 
+Before a save, the free space of the checkpoint's filesystem is checked against the arrays'
+size: a full disk is an ``OSError(ENOSPC)`` naming the directory, raised before any write.
+
 Saves are asynchronous by default: ``save`` returns once arrays are copied off the device
 (so the next train step may donate them); ``wait()`` blocks until the write is committed.
 ``max_to_keep`` prunes old steps.
@@ -26,14 +29,24 @@ Errors: a missing directory, an empty one, an unknown step, or a checkpoint whos
 unreadable / do not match the target structure raise ``CheckpointError`` (a
 ``FileNotFoundError`` for the missing cases) naming the path.
 
+Fallback (``restore_trainer`` without a step): the newest checkpoint that restores is used. One
+that fails is reported in one line (step, path, cause) and moved aside to
+``<directory>.corrupt/<step>`` (kept for inspection, out of the manager's way so the resumed
+run can save that step again), and the previous one is tried; when none restores, the error
+says which steps failed and what to delete to start over.
+
 Driven by the orchestrator's loop (through ``save_trainer`` / ``restore_trainer``); never
 touches the engine and never decides *when* to checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -122,6 +135,7 @@ class Checkpointer:
             raise TypeError(f"orchestrator_state must be JSON-serialisable: {e}") from e
         flat_state, _ = flatten({"params": params, "opt_state": opt_state})
         flat_state["rng"] = np.asarray(jax.device_get(rng))
+        self.check_space(step, sum(int(getattr(x, "nbytes", 0)) for x in flat_state.values()))
         meta = {**meta, "step": int(step), "format": FORMAT_VERSION}
         return self._manager.save(
             int(step),
@@ -132,6 +146,19 @@ class Checkpointer:
             ),
             force=force,
         )
+
+    def check_space(self, step: int, nbytes: int) -> None:
+        """Refuse a save the disk cannot hold, as one ``OSError(ENOSPC)`` naming the path, before
+        orbax's writer threads start (a write failing there ends in pages of thread noise)."""
+        need = int(nbytes * 1.05) + (1 << 20)
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise OSError(
+                errno.ENOSPC,
+                f"No space left on device: checkpoint step {step} needs about "
+                f"{need / 1e6:.1f} MB, {free / 1e6:.1f} MB free",
+                self.directory,
+            )
 
     def wait(self) -> None:
         """Block until every queued save is committed to disk."""
@@ -182,9 +209,53 @@ class Checkpointer:
             "orchestrator": dict(out["orchestrator"]),
         }
 
+    def set_aside(self, step: int) -> str:
+        """Move step ``step``'s directory to ``<directory>.corrupt/<step>``; returns where."""
+        dest = os.path.join(self.directory + ".corrupt", str(step))
+        if os.path.exists(dest):
+            shutil.rmtree(dest)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        shutil.move(os.path.join(self.directory, str(step)), dest)
+        self._manager.reload()
+        return dest
+
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def restore_newest_intact(
+    ckpt: Checkpointer, abstract: dict[str, Any], report: Callable[[str], None] = _stderr
+) -> dict[str, Any]:
+    """``ckpt.restore`` of the newest step that restores (see the module docstring)."""
+    steps = ckpt.all_steps()
+    if not steps:
+        raise CheckpointNotFoundError(f"no checkpoints found in {ckpt.directory}")
+    failed = []
+    for step in reversed(steps):
+        try:
+            out = ckpt.restore(abstract, step)
+        except CheckpointNotFoundError:
+            raise
+        except CheckpointError as exc:
+            cause = (str(exc.__cause__ or exc).strip().splitlines() or ["?"])[0][:300]
+            moved = ckpt.set_aside(step)
+            failed.append(step)
+            report(
+                f"!! checkpoint step {step} at {os.path.join(ckpt.directory, str(step))} does "
+                f"not restore ({cause}); moved to {moved}, trying the previous one"
+            )
+            continue
+        return out
+    raise CheckpointError(
+        f"no checkpoint in {ckpt.directory} restores: steps {failed} all failed (moved to "
+        f"{ckpt.directory}.corrupt/). To start this stage afresh, delete {ckpt.directory} "
+        "(and its .corrupt/ copy) and rerun the same command"
+    )
 
 
 def save_trainer(
@@ -211,8 +282,10 @@ def save_trainer(
 
 
 def restore_trainer(ckpt: Checkpointer, trainer: Any, step: int | None = None) -> dict[str, Any]:
-    """Restore onto ``trainer``'s own mesh/shardings; returns the orchestrator's dict."""
-    out = ckpt.restore(trainer.abstract_state(), step)
+    """Restore onto ``trainer``'s own mesh/shardings; returns the orchestrator's dict. Without
+    ``step``, the newest checkpoint that restores (``restore_newest_intact``)."""
+    abstract = trainer.abstract_state()
+    out = restore_newest_intact(ckpt, abstract) if step is None else ckpt.restore(abstract, step)
     trainer.load_state(
         {
             "params": out["params"],

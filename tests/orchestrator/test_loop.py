@@ -11,6 +11,8 @@ handled or fail loudly.
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from jaxrl_orch.build.orchestrator import Telemetry, build_orchestrator
 from jaxrl_orch.orchestrator.gate import ResumeBurstError
 from jaxrl_orch.orchestrator.loop import EmptyBatchError
+from jaxrl_orch.orchestrator.progress import PipelineStallError
 from jaxrl_orch.orchestrator.vclock import run_virtual
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher, WatcherStallError
 from jaxrl_orch.settings import OrchestratorConfig
@@ -113,6 +116,8 @@ def _run(
     steps=12,
     start_step=1,
     latency="uniform:0.5:1.5",
+    on_ship=None,
+    store_dir=None,
     **cfg_kw,
 ):
     async def main():
@@ -139,10 +144,17 @@ def _run(
         orch = build_orchestrator(
             cfg, policy, pool=engine, envs={"sim": env_cls(rng)}, source=SimSource(),
             sampling=SamplingParams(max_tokens=6), trainer=trainer, version_source=publisher,
-            reload_fn=reload, clock=loop.time, telemetry=Telemetry(log_interval_s=1e9),
+            reload_fn=reload, clock=loop.time,
+            telemetry=Telemetry(log_interval_s=1e9, store_dir=store_dir),
         )  # fmt: skip
         trained = []
-        orch.on_step = lambda step, state: trained.extend(orch.train_sink.trained_rollouts(step))
+
+        def on_step(step, state):
+            trained.extend(orch.train_sink.trained_rollouts(step))
+            if on_ship is not None:
+                on_ship(orch, step)
+
+        orch.on_step = on_step
         try:
             await orch.run()
         finally:
@@ -152,13 +164,95 @@ def _run(
     return run_virtual(main)[0]
 
 
-def test_raising_env_and_nan_rewards_never_stop_the_run_or_get_trained():
-    orch, trained = _run(FaultyEnv, steps=10)
+def test_raising_env_and_nan_rewards_never_stop_the_run_or_get_trained(tmp_path, capsys):
+    orch, trained = _run(FaultyEnv, steps=10, store_dir=str(tmp_path))
     assert len(orch.history) == 10 and orch.policy.version == 10
     assert all(np.isfinite(r.reward) and not r.has_error for r in trained)
     g = orch.train_sink.gauges()
     assert g["train_sink/errors_total"] > 0  # raised episodes became error rollouts
     assert orch.dispatcher.idle and orch.gate.running == 0
+    # NaN rewards have their own counter, apart from the raised errors.
+    nan = sum(rec.metrics["train/nonfinite_rewards"] for rec in orch.history)
+    flagged = sum(rec.metrics.get("train/filtered/non_finite_reward", 0) for rec in orch.history)
+    assert nan > 0 and nan == flagged
+    # The exception text: on the console once per kind (episode ids masked), with a count...
+    digest = orch.faults.digest()
+    raised = [k for k in digest if "tool server down" in k]
+    assert raised == ["sim: RuntimeError: tool server down (episode #)"] and digest[raised[0]] > 1
+    err = capsys.readouterr().err
+    assert err.count("tool server down") == 2  # the first one, and the closing digest
+    # ...and on every error rollout's record.
+    records = [json.loads(x) for x in (tmp_path / "errors.jsonl").read_text().splitlines()]
+    assert sum("tool server down" in r["errors"][0] for r in records) == digest[raised[0]]
+    assert all(r["env"] == "sim" and "prompt_ids" in r["example"] for r in records)
+
+
+class HangingEnv(SimEnv):
+    """Every 9th episode awaits forever (a tool call that never answers)."""
+
+    async def run(self, client, example, **kw):
+        if kw["episode_id"] % 9 == 4:
+            await asyncio.Event().wait()
+        return await super().run(client, example, **kw)
+
+
+def test_a_hanging_env_is_timed_out_and_the_run_finishes():
+    orch, trained = _run(HangingEnv, steps=8, env_timeout_s=20.0)
+    assert orch.policy.version == 8 and orch.dispatcher.idle
+    timeouts = orch.dispatcher.gauges()["dispatcher/env_timeouts_total"]
+    assert timeouts > 0
+    key = "sim: EnvTimeout: env 'sim' rollout ran past env_timeout_s=#s and was cancelled"
+    assert orch.faults.digest()[key] == timeouts
+    assert all(not r.has_error for r in trained)
+
+
+def test_without_a_timeout_a_hanging_env_ends_in_a_stall_error_naming_the_wait():
+    # Hung rollouts hold their groups open: the gate's budget goes to rollouts that never
+    # form a batch, and nothing moves after that (the deadlock of a hung tool call).
+    stall = r"no progress for 120s .* 5 rollouts in flight, gate capacity 0, 12 of 16 batch"
+    with pytest.raises(PipelineStallError, match=stall):
+        _run(HangingEnv, steps=40, env_timeout_s=None, stall_timeout_s=120.0)
+
+
+def test_a_drain_past_its_deadline_cancels_what_is_in_flight_and_stops():
+    def sigterm_after_step_1(orch, step):
+        if step == 1:
+            orch.request_drain(deadline_s=5.0)
+
+    orch, _ = _run(HangingEnv, steps=30, env_timeout_s=None, on_ship=sigterm_after_step_1)
+    assert orch.abandoned  # without the deadline the drain waits on hung rollouts forever
+    assert orch.policy.version == 1 and [rec.step for rec in orch.history] == [1]
+    assert orch.dispatcher.idle and orch.dispatcher.gauges()["dispatcher/cancelled_total"] > 0
+
+
+class BlockingEnv(SimEnv):
+    async def run(self, client, example, **kw):
+        r = await super().run(client, example, **kw)
+        if kw["episode_id"] == 5:
+            time.sleep(0.8)  # blocking code on the event loop
+        return r
+
+
+def test_env_code_blocking_the_event_loop_is_reported_by_name(capsys):
+    orch, _ = _run(BlockingEnv, steps=2, loop_block_warn_s=0.3)
+    assert orch.policy.version == 2
+    err = capsys.readouterr().err
+    assert "the event loop has not turned for 0.3s; it is running run (" in err
+    assert "test_loop.py" in err  # the env's own file and line
+    assert orch.watchdog.blocked_total == 1 and orch.watchdog.blocked_max_s > 0.3
+
+
+class NotAsyncEnv(SimEnv):
+    def run(self, client, example, **kw):
+        if kw["episode_id"] % 5 == 0:
+            return None  # a plain function: no awaitable, no Rollout
+        return super().run(client, example, **kw)
+
+
+def test_an_env_returning_no_awaitable_becomes_error_rollouts():
+    orch, _ = _run(NotAsyncEnv, steps=3)
+    assert orch.policy.version == 3
+    assert any("returned NoneType" in k for k in orch.faults.digest())
 
 
 class HalfFlatEnv(SimEnv):

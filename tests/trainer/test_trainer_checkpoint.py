@@ -13,6 +13,7 @@ from jaxrl_orch.trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
     CheckpointNotFoundError,
+    restore_newest_intact,
     restore_trainer,
     save_trainer,
 )
@@ -79,19 +80,20 @@ def test_round_trip_onto_other_mesh_is_bit_equal_and_resume_continues(saved):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
 
 
-def _tiny_saved(path):
-    """A checkpoint of a two-array tree, no trainer needed."""
-    ckpt = Checkpointer(path, async_save=False)
+def _tiny_saved(path, steps=(1,)):
+    """A checkpoint of a two-array tree per step (``w`` = arange + step - 1), no trainer."""
+    ckpt = Checkpointer(path, async_save=False, max_to_keep=None)
     params = {"w": jnp.arange(8.0)}
     opt = {"mu": jnp.ones((8,)), "count": jnp.array(3)}
-    ckpt.save(
-        1,
-        params=params,
-        opt_state=opt,
-        rng=jax.random.PRNGKey(0),
-        meta={},
-        orchestrator_state={"a": 1},
-    )
+    for step in steps:
+        ckpt.save(
+            step,
+            params={"w": params["w"] + step - 1},
+            opt_state=opt,
+            rng=jax.random.PRNGKey(0),
+            meta={},
+            orchestrator_state={"a": step},
+        )
     ckpt.wait()
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(
@@ -143,6 +145,52 @@ def test_corrupt_checkpoint_names_the_path(tmp_path):
         Checkpointer(tmp_path / "ok").restore(other)
 
 
+def _corrupt(step_dir):
+    """Overwrite the array chunk files of one step (metadata stays intact)."""
+    hit = 0
+    for root, _, files in os.walk(step_dir / "state"):
+        if os.path.basename(root) == "d":
+            for f in files:
+                with open(os.path.join(root, f), "wb") as fh:
+                    fh.write(b"\0garbage")
+                hit += 1
+    assert hit
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_intact_one(tmp_path):
+    path = tmp_path / "ckpts"
+    abstract = _tiny_saved(path, steps=(2, 4, 6))
+    _corrupt(path / "6")
+    _corrupt(path / "4")
+    lines = []
+    ckpt = Checkpointer(path)
+    out = restore_newest_intact(ckpt, abstract, report=lines.append)
+    assert out["meta"]["step"] == 2 and out["orchestrator"] == {"a": 2}
+    np.testing.assert_array_equal(out["params"]["w"], np.arange(8.0) + 1)
+    # One line per bad step, naming step, path and cause; each set aside, not deleted.
+    assert len(lines) == 2 and all("\n" not in line for line in lines)
+    assert lines[0].startswith(f"!! checkpoint step 6 at {path / '6'} does not restore (")
+    assert "moved to" in lines[0] and "step 4" in lines[1]
+    assert ckpt.all_steps() == [2] and sorted(os.listdir(f"{path}.corrupt")) == ["4", "6"]
+    # The resumed run can save those steps again.
+    ckpt.save(
+        4, params=out["params"], opt_state=out["opt_state"], rng=out["rng"], meta={},
+        orchestrator_state={"a": 4},
+    )  # fmt: skip
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 4]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_no_intact_checkpoint_says_what_to_delete(tmp_path):
+    path = tmp_path / "ckpts"
+    abstract = _tiny_saved(path, steps=(1,))
+    _corrupt(path / "1")
+    with pytest.raises(CheckpointError, match=rf"steps \[1\] all failed .*delete {path}"):
+        restore_newest_intact(Checkpointer(path), abstract, report=lambda _: None)
+
+
 def test_orchestrator_state_must_be_json(tmp_path):
     with pytest.raises(TypeError, match="JSON-serialisable"):
         Checkpointer(tmp_path).save(
@@ -160,3 +208,19 @@ def test_busy_trainer_is_not_checkpointed(tmp_path):
 
     with pytest.raises(RuntimeError, match="busy; call trainer.wait_idle"):
         save_trainer(Checkpointer(tmp_path), types.SimpleNamespace(is_idle=False), 3, {})
+
+
+def test_a_save_the_disk_cannot_hold_fails_before_writing_naming_the_path(tmp_path, monkeypatch):
+    import errno
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=4096))
+    ckpt = Checkpointer(tmp_path / "full", async_save=False)
+    with pytest.raises(OSError, match=r"checkpoint step 3 needs about 1\.\d MB, 0\.0 MB free") as e:
+        ckpt.save(
+            3, params={"w": jnp.zeros((1000,))}, opt_state={}, rng=jax.random.PRNGKey(0),
+            meta={}, orchestrator_state={},
+        )  # fmt: skip
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "full")
+    assert ckpt.all_steps() == [] and os.listdir(tmp_path / "full") == []

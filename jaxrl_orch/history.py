@@ -1,0 +1,149 @@
+"""The run's history on disk: trimmed on resume so every step appears once, and read back whole.
+
+What it owns
+- ``trim_for_rl(workdir, start_step, eval_at_start)``: before the RL stage writes anything, rows
+  of an earlier attempt that the resumed run will produce again are removed:
+  ``metrics.jsonl`` RL rows (every row without ``sft/`` keys) at steps ``>= start_step`` and,
+  when the resumed run re-evaluates its first weights, the eval rows of step
+  ``start_step - 1``; ``gauges.jsonl`` rows at steps ``>= start_step``; stored rollouts
+  (``rollouts/step_*.jsonl``) of steps ``>= start_step``. A run killed after step 5 and
+  restored from step 3 so reads steps 1..3 once, then 4, 5, ... once each.
+- ``trim_for_sft(workdir, done)``: the same for warm-up rows past the restored SFT step.
+- ``BeforeRLRecorder``: a metrics writer that records ``eval_before_rl.json`` as soon as the
+  step-0 eval lands (not at the end of the run), so a crash later keeps it.
+- ``rl_evals(workdir)`` / ``rl_step_rows(workdir)``: the eval metrics per step and the step
+  rows of the whole RL stage, read from ``metrics.jsonl``, so a resumed run's summary covers
+  every attempt, not only the last one.
+
+Rewrites are atomic (a temporary file renamed over the old one); a torn last line (a kill -9
+in the middle of a write) is dropped. The files' writers open lazily, so trimming happens
+before anything of this attempt is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from jaxrl_orch.summary import first_eval
+
+Row = dict[str, Any]
+
+
+def read_rows(path: Path) -> list[Row]:
+    """The JSON rows of ``path`` (none if it does not exist); a torn last line is dropped, a
+    torn line elsewhere is an error naming the file and line."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if i == len(lines) - 1:
+                break  # a write cut short by a crash
+            raise ValueError(f"{path} line {i + 1} is not JSON ({exc}); fix or delete it") from exc
+    return rows
+
+
+def _rewrite(path: Path, keep: Callable[[Row], bool]) -> int:
+    rows = read_rows(path)
+    kept = [r for r in rows if keep(r)]
+    if len(kept) == len(rows) and path.exists() and _ends_clean(path):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return len(rows) - len(kept)
+
+
+def _ends_clean(path: Path) -> bool:
+    text = path.read_bytes()
+    return not text or text.endswith(b"\n")
+
+
+def is_sft_row(row: Mapping[str, Any]) -> bool:
+    return any(k.startswith("sft/") for k in row)
+
+
+def _is_eval_row(row: Mapping[str, Any]) -> bool:
+    return any(k.startswith("eval/") for k in row)
+
+
+def trim_for_rl(workdir: Path, start_step: int, eval_at_start: bool) -> dict[str, int]:
+    """See the module docstring; returns how many rows / files each kind lost."""
+
+    def keep_metric(r: Row) -> bool:
+        if is_sft_row(r):
+            return True
+        step = int(r["step"])
+        if step >= start_step:
+            return False
+        return not (eval_at_start and step == start_step - 1 and _is_eval_row(r))
+
+    dropped = {
+        "metrics": _rewrite(workdir / "metrics.jsonl", keep_metric),
+        "gauges": _rewrite(workdir / "gauges.jsonl", lambda r: int(r["step"]) < start_step),
+        "rollout_files": 0,
+    }
+    store = workdir / "rollouts"
+    if store.is_dir():
+        for f in store.glob("step_*.jsonl"):
+            if int(f.stem.split("_")[1]) >= start_step:
+                f.unlink()
+                dropped["rollout_files"] += 1
+    return dropped
+
+
+def trim_for_sft(workdir: Path, done: int) -> int:
+    """Drop warm-up rows past step ``done`` (the restored SFT checkpoint's)."""
+    path = workdir / "metrics.jsonl"
+    return _rewrite(path, lambda r: not (is_sft_row(r) and int(r["step"]) > done))
+
+
+def rl_rows(workdir: Path) -> list[Row]:
+    return [r for r in read_rows(workdir / "metrics.jsonl") if not is_sft_row(r)]
+
+
+def rl_evals(workdir: Path) -> dict[int, dict[str, float]]:
+    """``{step: eval metrics}`` of every eval row of the RL stage on disk."""
+    out: dict[int, dict[str, float]] = {}
+    for r in rl_rows(workdir):
+        evals = {k: v for k, v in r.items() if k.startswith("eval/") and v is not None}
+        if evals:
+            out.setdefault(int(r["step"]), {}).update(evals)
+    return out
+
+
+def rl_step_rows(workdir: Path) -> list[Row]:
+    """The per-step rows (those with ``train/reward_mean``), in step order."""
+    rows = [r for r in rl_rows(workdir) if r.get("train/reward_mean") is not None]
+    return sorted(rows, key=lambda r: int(r["step"]))
+
+
+class BeforeRLRecorder:
+    """A ``MetricsWriter``: writes ``path`` (``eval_before_rl.json``) once step 0's evals of
+    ``env`` land, updated as the sampled eval lands too. Other rows are ignored."""
+
+    def __init__(self, path: Path, env: str, sampled_env: str) -> None:
+        self.path, self.env, self.sampled_env = path, env, sampled_env
+        self._evals: dict[int, dict[str, float]] = {}
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if step != 0 or not _is_eval_row(metrics):
+            return
+        self._evals.setdefault(0, {}).update(metrics)
+        first = first_eval(self._evals, self.env, self.sampled_env)
+        if first is not None:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps(first))
+            os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        pass

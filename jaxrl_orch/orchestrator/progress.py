@@ -1,0 +1,112 @@
+"""What the main loop leans on to keep moving: progress, stalls, resume checks, the next episode.
+
+What it owns
+- ``Progress``: when the pipeline last moved (a rollout landed, a step shipped, the trainer
+  published a version). Past ``stall_timeout_s`` with none of that, ``check`` raises
+  ``PipelineStallError`` with what the pipeline is waiting on (in-flight rollouts, gate
+  capacity, ready rollouts, awaited evals), so a stall ends the run with a reason instead of
+  hanging it: whatever hangs (an environment past any timeout, an engine, the trainer).
+- ``check_resume_state``: a saved orchestrator state fits the restored trainer.
+- ``next_episode``: the next finished episode, or None after a poll or a new version;
+  ``maybe_await``: await a callback's result if it is awaitable.
+
+Helpers of ``loop.Orchestrator`` only; they read the clock they are handed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jaxrl_orch.types import PolicyHandle, Rollout
+
+
+class PipelineStallError(RuntimeError):
+    """Nothing moved for ``stall_timeout_s``: no rollout landed, no step shipped or trained."""
+
+
+class Progress:
+    """See the module docstring. ``describe`` returns what the pipeline waits on."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        timeout_s: float | None,
+        describe: Callable[[], str],
+    ) -> None:
+        self.clock, self.timeout_s, self.describe = clock, timeout_s, describe
+        self.last = clock()
+        self._version: int | None = None
+
+    def moved(self) -> None:
+        self.last = self.clock()
+
+    def check(self, version: int) -> None:
+        if version != self._version:
+            self._version = version
+            self.moved()
+            return
+        if self.timeout_s is None:
+            return
+        idle = self.clock() - self.last
+        if idle > self.timeout_s:
+            raise PipelineStallError(
+                f"no progress for {idle:.0f}s (stall_timeout_s={self.timeout_s:g}): no rollout "
+                f"landed, no step was shipped and the trainer stayed at version {version}; "
+                f"{self.describe()}"
+            )
+
+
+def check_resume_state(state: Mapping[str, Any], step: int, version: int, lag: int) -> None:
+    """A saved orchestrator state fits a loop resuming at ``step`` (trainer at ``version``):
+    the saved loop shipped at most ``lag + 1`` steps the trainer had not trained."""
+    missing = {"step", "gate", "train_sink", "dispatcher"} - set(state)
+    if missing:
+        raise ValueError(f"orchestrator state lacks {sorted(missing)}; got {sorted(state)}")
+    saved, lo = int(state["step"]), step
+    hi = lo + lag + 1
+    if not lo <= saved <= hi or int(state["gate"]["version"]) > version:
+        raise ValueError(
+            f"orchestrator state is for step {saved} (gate version {state['gate']['version']})"
+            f" but the restored trainer resumes at step {lo} (version {version}):"
+            f" a matching state lies in steps {lo}..{hi}; the checkpoint's parts disagree"
+        )
+
+
+async def next_episode(
+    q: asyncio.Queue, policy: PolicyHandle, poll_s: float
+) -> list[Rollout] | None:
+    """The next finished episode, or None after ``poll_s`` or when the policy version advances
+    (the loop then re-checks its hold and drain)."""
+    if not q.empty():
+        return q.get_nowait()
+    get = asyncio.ensure_future(q.get())
+    advanced = asyncio.ensure_future(policy.wait_advanced())
+    await asyncio.wait({get, advanced}, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
+    advanced.cancel()
+    if get.done():
+        return get.result()
+    # A cancelled Queue.get leaves any item it was about to take in the queue.
+    get.cancel()
+    try:
+        await get
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise
+    return None
+
+
+def waiting_on(dispatcher: Mapping[str, float], gate: Mapping[str, float], sink: Any, evals: int):
+    """What a stalled pipeline waits on, from the dispatcher's and gate's gauges."""
+    return (
+        f"{dispatcher['dispatcher/inflight']:.0f} rollouts in flight, gate capacity "
+        f"{gate['gate/capacity']:.0f}, {sink.ready_count} of {sink.batch_size} batch rollouts "
+        f"ready, {evals} eval rollouts awaited; see gauges.jsonl"
+    )
+
+
+async def maybe_await(value: Any) -> Any:
+    if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
+        return await value
+    return value
