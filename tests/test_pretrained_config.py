@@ -18,7 +18,11 @@ PLACEHOLDER = "/path/to/Qwen2.5-0.5B-Instruct"
 
 @pytest.fixture(autouse=True)
 def _repo_root(monkeypatch):
+    import gin
+
     monkeypatch.chdir(ROOT)
+    yield
+    gin.clear_config()  # these bindings must not reach a later test's TrainConfig(...)
 
 
 def test_no_warm_up_a_pretrained_learning_rate_and_the_checkpoints_tokenizer():
