@@ -61,7 +61,8 @@ class TrainConfig:
     loss_norm: str | None = None
     # Truncated importance sampling: recompute the trainer's old log-probs before the update
     # and weight each token by min(pi_old / pi_behaviour, tis_cap) (None: no TIS weight).
-    recompute_old_logprobs: bool = False
+    # None: only when the engine reports no behaviour log-probs (upstream JetStream's do not).
+    recompute_old_logprobs: bool | None = None
     tis_cap: float | None = 2.0
     minibatches: int = 1  # optimizer steps per RL batch (the batch split into this many parts)
     ppo_epochs: int = 1  # passes over the batch per RL step
@@ -70,7 +71,8 @@ class TrainConfig:
     row_len: int = 256  # one or two bundled reverse-text samples a row
     rows_per_batch: int | None = None  # None: as many as needed, rounded up to chunk_rows
     chunk_rows: int = 8
-    # engine
+    # engine: "builtin", or "package.module:factory" for a JetStream-shaped engine
+    engine: str = "builtin"
     decode_slots: int = 32
     max_target_length: int = 256
     steps_per_call: int = 8

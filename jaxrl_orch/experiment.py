@@ -40,6 +40,13 @@ from flax import nnx
 
 from jaxrl_orch.algorithms.losses import PolicyLossConfig
 from jaxrl_orch.build.checks import check_examples
+from jaxrl_orch.build.engines import (
+    check_engine,
+    engine_factory,
+    engine_notes,
+    recompute_old_logprobs,
+    reports_logprobs,
+)
 from jaxrl_orch.build.orchestrator import Telemetry, build_orchestrator
 from jaxrl_orch.build.parts import (
     build_data,
@@ -52,7 +59,7 @@ from jaxrl_orch.config import TrainConfig
 from jaxrl_orch.control import run_imitation
 from jaxrl_orch.envs.base import AtTemperature, make_env
 from jaxrl_orch.envs.demonstrator import MixedDemonstrator
-from jaxrl_orch.history import BeforeRLRecorder, rl_evals, rl_step_rows, trim_for_rl
+from jaxrl_orch.history import BeforeRLRecorder, rl_summary, trim_for_rl
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
@@ -68,7 +75,7 @@ from jaxrl_orch.orchestrator.writers import (
     stage,
 )
 from jaxrl_orch.report import write_report
-from jaxrl_orch.summary import eval_line, eval_summary, merge_evals, train_reward_ends
+from jaxrl_orch.summary import eval_line, merge_evals
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
 from jaxrl_orch.trainer.sft import sft_sample
 from jaxrl_orch.trainer.step import StepConfig
@@ -120,6 +127,9 @@ class Experiment:
                 "workdir of a run whose warm-up finished"
             )
         self.max_prefill = cfg.max_target_length // 2  # the engine's prompt limit
+        self.engine_factory = engine_factory(cfg.engine)
+        self.engine_logprobs = True  # until make_engine built one that reports none
+        self.recompute = recompute_old_logprobs(cfg, True)
         check_examples(self)
         mix = ", ".join(f"{b} {x:.0%}" for b, x in cfg.demonstrations) or "always right"
         stage(
@@ -164,9 +174,10 @@ class Experiment:
         return sft_sample(self.env.prompt_ids(ex), [*answer, self.tokenizer.eos_id])
 
     def make_engine(self) -> DecodeEngine:
-        """The decoding engine on the decode mesh, with the run's slots and lengths."""
+        """The decoding engine (``TrainConfig.engine``) on the decode mesh, with the run's
+        slots and lengths; ``engine_logprobs`` records whether it reports log-probs."""
         cfg = self.cfg
-        return DecodeEngine(
+        engine = check_engine(self.engine_factory(
             self.model_cfg,
             mesh=self.decode_mesh,
             max_concurrent_decodes=cfg.decode_slots,
@@ -175,7 +186,12 @@ class Experiment:
             steps_per_call=cfg.steps_per_call,
             tokenizer=self.tokenizer,
             seed=cfg.seed,
-        )
+        ), cfg.engine)  # fmt: skip
+        self.engine_logprobs = reports_logprobs(engine)
+        self.recompute = recompute_old_logprobs(cfg, self.engine_logprobs)
+        if cfg.engine != "builtin":
+            stage("engine", engine_notes(engine, cfg.engine, self.recompute))
+        return engine
 
     def make_trainer(
         self, kind: str, lr: float, *, optim_kind: str | None = None, **kw: Any
@@ -191,7 +207,7 @@ class Experiment:
             # The warm-up takes one plain step per batch; minibatches/epochs are RL settings.
             minibatches=cfg.minibatches if kind == "rl" else 1,
             ppo_epochs=cfg.ppo_epochs if kind == "rl" else 1,
-            recompute_old_logprobs=cfg.recompute_old_logprobs,
+            recompute_old_logprobs=self.recompute,  # see build.engines (make_engine runs first)
             loss=PolicyLossConfig(
                 eps_low=cfg.eps_low,
                 eps_high=cfg.eps_high,
@@ -244,6 +260,7 @@ class Experiment:
     async def _rl(self, sft_params: Any) -> dict[str, Any]:
         cfg = self.cfg
         self._loop = asyncio.get_running_loop()
+        engine = self.make_engine()  # first: whether it reports log-probs sets the trainer's step
         trainer = self.make_trainer(
             "rl", cfg.rl_learning_rate, init_params=sft_params, copy_on_publish=self.colocated
         )
@@ -257,7 +274,6 @@ class Experiment:
         if any(dropped.values()):
             what = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in dropped.items())
             stage("resume", f"at step {start_step}; the earlier attempt's rows past it: {what}")
-        engine = self.make_engine()
         # The engine starts on the trainer's current weights: after a resume, the restored ones.
         first = jax.tree.map(jnp.copy, trainer.params) if self.colocated else trainer.params
         driver = InferenceDriver(engine, reshard(first, engine.param_shardings), trainer.version)
@@ -308,7 +324,10 @@ class Experiment:
             version_source=weights.publisher,
             reload_fn=weights.swap,
             algorithm=cfg.algorithm,
-            sink_kwargs={"dynamic_sampling": cfg.dynamic_sampling},
+            sink_kwargs={
+                "dynamic_sampling": cfg.dynamic_sampling,
+                "engine_logprobs": self.engine_logprobs,
+            },
             eval_plan=EvalPlan(views, sources, cfg.eval_examples, greedy),
             telemetry=telemetry,
             on_step=weights.on_ship,
@@ -343,7 +362,7 @@ class Experiment:
             trainer.stop()
             driver.stop()
             ckpt.close()
-        summary = self._rl_summary(orch, trainer.version, start_step, secs)
+        summary = rl_summary(self, orch, trainer.version, start_step, secs)
         summary["export_dir"] = None if exported is None else str(exported)
         return summary
 
@@ -367,24 +386,6 @@ class Experiment:
     def sampled_eval(self) -> str:
         """Eval-env name of the held-out set sampled at the training temperature."""
         return f"{self.env.name}@t{self.cfg.temperature:g}"
-
-    def _rl_summary(self, orch: Orchestrator, version: int, start: int, secs: float) -> dict:
-        """The RL keys of ``summary.json``, from every attempt's rows on disk (``history``)."""
-        before_path = self.workdir / "eval_before_rl.json"
-        before = json.loads(before_path.read_text()) if before_path.exists() else {}
-        return {
-            **eval_summary(rl_evals(self.workdir), self.env.name, self.sampled_eval, before),
-            "eval_temperature": self.cfg.temperature,
-            "rl_steps": version,
-            "rl_steps_this_run": version - (start - 1),
-            "resumed_from_step": start - 1 if start > 1 else None,
-            "rl_seconds": secs,
-            **train_reward_ends(rl_step_rows(self.workdir)),
-            "age_histogram": {str(k): v for k, v in sorted(orch.age_histogram.items())},
-            "age_policy": self.cfg.age_policy,
-            "dropped": orch.dropped_total,
-            "env_errors": orch.faults.digest(),
-        }
 
     def finish(self, summary: dict[str, Any]) -> None:
         (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))

@@ -13,7 +13,8 @@ What it owns
   step-0 eval lands (not at the end of the run), so a crash later keeps it.
 - ``rl_evals(workdir)`` / ``rl_step_rows(workdir)``: the eval metrics per step and the step
   rows of the whole RL stage, read from ``metrics.jsonl``, so a resumed run's summary covers
-  every attempt, not only the last one.
+  every attempt, not only the last one; ``rl_summary`` builds the RL keys of ``summary.json``
+  from them.
 
 Rewrites are atomic (a temporary file renamed over the old one); a torn last line (a kill -9
 in the middle of a write) is dropped. The files' writers open lazily, so trimming happens
@@ -28,7 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxrl_orch.summary import first_eval
+from jaxrl_orch.summary import eval_summary, first_eval, train_reward_ends
 
 Row = dict[str, Any]
 
@@ -147,3 +148,24 @@ class BeforeRLRecorder:
 
     def close(self) -> None:
         pass
+
+
+def rl_summary(exp: Any, orch: Any, version: int, start: int, secs: float) -> dict[str, Any]:
+    """The RL keys of ``summary.json``: evals and train rewards of every attempt (from disk),
+    the warm-up's eval as first recorded, this attempt's ages, drops and env errors."""
+    wd, cfg = exp.workdir, exp.cfg
+    before_path = wd / "eval_before_rl.json"
+    before = json.loads(before_path.read_text()) if before_path.exists() else {}
+    return {
+        **eval_summary(rl_evals(wd), exp.env.name, exp.sampled_eval, before),
+        "eval_temperature": cfg.temperature,
+        "rl_steps": version,
+        "rl_steps_this_run": version - (start - 1),
+        "resumed_from_step": start - 1 if start > 1 else None,
+        "rl_seconds": secs,
+        **train_reward_ends(rl_step_rows(wd)),
+        "age_histogram": {str(k): v for k, v in sorted(orch.age_histogram.items())},
+        "age_policy": cfg.age_policy,
+        "dropped": orch.dropped_total,
+        "env_errors": orch.faults.digest(),
+    }

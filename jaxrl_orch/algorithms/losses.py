@@ -183,12 +183,19 @@ def policy_loss(
     advantage), ``approx_kl`` (k3 of old -> new), ``mismatch_kl`` (k3 of engine -> trainer,
     trainer = old if given else new), ``ratio`` (sum), ``ratio_max``, ``tis_capped`` (tokens
     whose TIS weight hit the cap), ``entropy`` and ``ref_kl`` when given, ``loss`` (the weighted
-    loss itself, so chunk sums add up to the batch loss).
+    loss itself, so chunk sums add up to the batch loss). With ``old_logp``, a NaN behaviour
+    log-prob (one the engine did not report) is replaced by ``old_logp``.
     """
     mask = jnp.asarray(loss_mask).astype(jnp.float32)
     maskb = mask > 0
     new_logp = new_logp.astype(jnp.float32)
     behavior_logp = jnp.asarray(behavior_logp, jnp.float32)
+    if old_logp is not None:
+        # NaN marks a log-prob the engine did not report (upstream JetStream reports none):
+        # the recomputed old one stands in, so its TIS weight is 1 and its mismatch 0.
+        behavior_logp = jnp.where(
+            jnp.isnan(behavior_logp), jax.lax.stop_gradient(old_logp), behavior_logp
+        )
     adv = jnp.asarray(advantages, jnp.float32)
     denom_logp = behavior_logp if old_logp is None else jax.lax.stop_gradient(old_logp)
     # Masked tokens get log-ratio 0 so exp() cannot overflow into NaN gradients.

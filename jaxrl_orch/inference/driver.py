@@ -56,6 +56,7 @@ from jaxrl_orch.inference.requests import (
     decode_widths,
     first_token,
     resolve,
+    slot_columns,
 )
 from jaxrl_orch.types import Completion, SamplingParams
 
@@ -325,12 +326,12 @@ class InferenceDriver:
         for slot, seq in enumerate(self._slots[: self._width]):
             if seq is None:
                 continue
-            data = result.get_result_at_slot(slot)
-            for j in np.flatnonzero(np.asarray(data.valid).reshape(-1)):
-                lp = float(data.logprobs[j]) if data.logprobs is not None else NO_LP
-                ver = int(data.versions[j]) if data.versions is not None else version
+            tokens, valid, logprobs, versions = slot_columns(result.get_result_at_slot(slot))
+            for j in np.flatnonzero(valid):
+                lp = float(logprobs[j]) if logprobs is not None else NO_LP
+                ver = int(versions[j]) if versions is not None else version
                 produced += 1
-                if self._append(slot, seq, int(data.tokens[j]), lp, ver):
+                if self._append(slot, seq, int(tokens[j]), lp, ver):
                     break
         self._token_times.append((time.monotonic(), produced))
         horizon = time.monotonic() - self._rate_window_s

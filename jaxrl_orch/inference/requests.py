@@ -69,12 +69,21 @@ def first_token(result: Any) -> tuple[int, float] | None:
     """A JetStream-style engine samples the first token at prefill; ours defers it."""
     if result is None:
         return None
-    data = result.get_result_at_slot(0)
-    valid = np.asarray(data.valid).reshape(-1)
+    tokens, valid, logprobs, _ = slot_columns(result.get_result_at_slot(0))
     if valid.size == 0 or not valid[0]:
         return None
-    lp = float(np.asarray(data.logprobs).reshape(-1)[0]) if data.logprobs is not None else NO_LP
-    return int(np.asarray(data.tokens).reshape(-1)[0]), lp
+    return int(tokens[0]), float(logprobs[0]) if logprobs is not None else NO_LP
+
+
+def slot_columns(data: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """A slot's ``(tokens, valid, logprobs, versions)`` as flat host arrays. Upstream
+    JetStream's ``SlotData`` has only ``tokens``/``valid``/``lengths``, each ``[samples, steps]``:
+    its log-probs and versions are None (the driver then records NaN log-probs, for the
+    trainer to recompute, and the version it decoded with)."""
+    flat = lambda name: (
+        None if getattr(data, name, None) is None else np.asarray(getattr(data, name)).reshape(-1)
+    )
+    return flat("tokens"), flat("valid").astype(bool), flat("logprobs"), flat("versions")
 
 
 def check_request(

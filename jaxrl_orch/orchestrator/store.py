@@ -16,7 +16,9 @@ Invariants:
   renamed into place and the directory fsynced; a crash leaves either the old file or the new
   one, never a torn one. Rewriting a step (a resumed run re-training it) replaces the file.
 - Nothing non-finite is written (``allow_nan=False``): a NaN here means a bug upstream, and the
-  write raises naming the step and rollout rather than persisting an unreadable value.
+  write raises naming the step and rollout rather than persisting an unreadable value. The
+  one exception is a behaviour log-prob an engine did not report (NaN by contract, the
+  trainer recomputes it): it is written as ``null``.
 - ``read(step)`` returns exactly what was written, in order.
 
 It never imports another orchestrator component and never writes metrics itself.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -46,7 +49,8 @@ def rollout_record(rollout: Rollout) -> dict[str, Any]:
         "episode_id": int(rollout.episode_id),
         "token_ids": [int(t) for t in rollout.token_ids],
         "loss_mask": [bool(m) for m in rollout.loss_mask],
-        "logprobs": [float(x) for x in rollout.logprobs],
+        # null where the engine reported no log-prob (the trainer recomputed it)
+        "logprobs": [float(x) if math.isfinite(x) else None for x in rollout.logprobs],
         "versions": [int(v) for v in rollout.versions],
         "temperature": float(rollout.temperature),
         "reward": float(rollout.reward),

@@ -17,7 +17,8 @@ What it owns: everything between "a rollout finished" and "a batch is ready to s
    swappable ``Algorithm``. A NaN/inf reward makes the algorithm raise ``NonFiniteRewardError``;
    the sink catches exactly that, flags those rollouts ``non_finite_reward`` (counted, never
    trained on) and recomputes the group's advantages without them. A model token with a
-   non-finite behavior log-prob is flagged ``non_finite_logprob`` the same way. Each
+   non-finite behavior log-prob is flagged ``non_finite_logprob`` the same way, unless
+   ``engine_logprobs=False`` (an engine that reports none: the trainer recomputes them). Each
    survivor's advantage is written to ``rollout.advantage`` and onto its loss-masked tokens.
    The baseline is the whole surviving group, including rollouts the pre-filters then reject.
 4. Filter. With ``dynamic_sampling`` (DAPO) a group whose surviving rewards are all equal (no
@@ -90,6 +91,7 @@ class TrainSink:
         batch_order: str = "arrival",
         on_discard: Callable[[int], None] | None = None,
         offload_min_tokens: int = 4096,
+        engine_logprobs: bool = True,
     ) -> None:
         sizes = group_size.values() if isinstance(group_size, Mapping) else [group_size]
         if not sizes or any(int(g) < 1 for g in sizes):
@@ -110,6 +112,7 @@ class TrainSink:
         if offload_min_tokens < 0:
             raise ValueError(f"offload_min_tokens must be >= 0, got {offload_min_tokens!r}")
         self.offload_min_tokens = offload_min_tokens
+        self.engine_logprobs = engine_logprobs
         # Groups in a row that contributed nothing trainable (the loop's empty-batch guard).
         self.consecutive_empty_groups = 0
         self.group_size = group_size
@@ -240,7 +243,7 @@ class TrainSink:
         totals["groups_seen"] += 1
         totals["rollouts_seen"] += len(group)
         totals["errors"] += errors
-        if arrays is None or not arrays.all_logprobs_finite():
+        if self.engine_logprobs and (arrays is None or not arrays.all_logprobs_finite()):
             for r in survivors:
                 lp = r.samples[0].logprobs[r.samples[0].loss_mask]
                 if not np.isfinite(lp).all():

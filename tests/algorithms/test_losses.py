@@ -321,3 +321,25 @@ def test_sft_loss_matches_numpy():
     np.testing.assert_allclose(
         float(loss_s), (nll * _np_weights(b["mask"], b["seg"], "sequence")).sum(), rtol=1e-5
     )
+
+
+def test_unreported_behaviour_logprobs_take_the_recomputed_old_ones():
+    """An engine without log-probs leaves NaN behaviour log-probs: with recomputed old ones
+    the loss equals the one computed with behaviour == old (TIS weight 1, mismatch 0)."""
+    b = _batch(seed=4)
+    cfg = losses.PolicyLossConfig(norm="token", tis_cap=2.0)
+    w = losses.loss_weights(b["mask"], b["seg"], cfg.norm)
+    args = (jnp.asarray(b["new"]),)
+    missing = np.where(b["mask"], np.nan, b["behavior"]).astype(np.float32)
+    loss, sums = losses.policy_loss(
+        *args, missing, b["adv"], b["mask"], w, cfg, old_logp=jnp.asarray(b["old"])
+    )
+    want_loss, want = losses.policy_loss(
+        *args, b["old"], b["adv"], b["mask"], w, cfg, old_logp=jnp.asarray(b["old"])
+    )
+    assert np.isfinite(float(loss))
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    assert float(sums["mismatch_kl"]) == 0.0 and float(sums["tis_capped"]) == 0.0
+    # Without recomputed old log-probs nothing stands in: the NaN shows (the sink filters it).
+    bad, _ = losses.policy_loss(*args, missing, b["adv"], b["mask"], w, cfg)
+    assert np.isnan(float(bad))

@@ -86,3 +86,12 @@ def test_errors_name_the_problem(tmp_path):
         store.write(2, [misaligned])
     with pytest.raises(ValueError, match="step must be >= 0"):
         store.write(-1, [])
+
+
+def test_a_log_prob_the_engine_did_not_report_is_written_as_null(tmp_path):
+    store = RolloutStore(tmp_path)
+    r = trained(0, 0, 1.0, 0.5)
+    r.logprobs = [x if not m else math.nan for x, m in zip(r.logprobs, r.loss_mask, strict=True)]
+    store.write(3, [r])
+    rec = store.read(3)[0]
+    assert [lp is None for lp in rec["logprobs"]] == r.loss_mask

@@ -1,0 +1,88 @@
+"""Which decoding engine the run uses: the built-in one, or a user's JetStream-shaped engine.
+
+What it owns: ``engine_factory(spec)`` resolves ``TrainConfig.engine``: ``"builtin"`` is
+``inference.engine.DecodeEngine``; ``"package.module:callable"`` names a factory called with
+the same arguments (``model_config`` positionally; ``mesh``, ``max_concurrent_decodes``,
+``max_target_length``, ``max_prefill_length``, ``steps_per_call``, ``tokenizer``, ``seed`` by
+keyword) that returns an engine with JetStream's method shape (``prefill``, ``insert``,
+``generate``, ``init_decode_state``, ``max_concurrent_decodes``, ``max_prefill_length``) plus
+``param_shardings`` (where the trainer's weights are resharded to). Upstream JetStream's
+results carry no log-probs or versions; ``reports_logprobs(engine)`` says whether an engine's
+do (``engine.reports_logprobs``, True for the built-in one, False when absent), so the run can
+have the trainer recompute the behaviour log-probs instead (``recompute_old_logprobs``).
+
+A bad spec fails in ``Experiment.validate``, naming the value and the allowed forms.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from jaxrl_orch.inference.engine import DecodeEngine
+from jaxrl_orch.inference.requests import accepts
+
+REQUIRED = ("prefill", "insert", "generate", "init_decode_state", "param_shardings")
+
+
+def engine_factory(spec: str) -> Callable[..., Any]:
+    if spec == "builtin":
+        return DecodeEngine
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"TrainConfig.engine must be 'builtin' or 'package.module:factory', got {spec!r}"
+        )
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"TrainConfig.engine {spec!r}: cannot load {attr!r} from {module_name!r} "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+    if not callable(factory):
+        raise ValueError(
+            f"TrainConfig.engine {spec!r} names a {type(factory).__name__}, not a callable"
+        )
+    return factory
+
+
+def check_engine(engine: Any, spec: str) -> Any:
+    missing = [name for name in REQUIRED if not hasattr(engine, name)]
+    if missing:
+        raise TypeError(
+            f"the engine built by {spec!r} ({type(engine).__name__}) lacks {missing}; an engine "
+            f"needs {list(REQUIRED)}"
+        )
+    return engine
+
+
+def reports_logprobs(engine: Any) -> bool:
+    return bool(getattr(engine, "reports_logprobs", isinstance(engine, DecodeEngine)))
+
+
+def recompute_old_logprobs(cfg: Any, engine_logprobs: bool) -> bool:
+    """``TrainConfig.recompute_old_logprobs``, or when unset (None) whether the engine reports
+    no behaviour log-probs (the trainer's recomputed ones then stand in for them)."""
+    setting = cfg.recompute_old_logprobs
+    if setting is False and not engine_logprobs:
+        raise ValueError(
+            f"engine {cfg.engine!r} reports no behaviour log-probs, so "
+            "TrainConfig.recompute_old_logprobs=False has nothing to take the ratio against: "
+            "leave it unset (None) or set True"
+        )
+    return (not engine_logprobs) if setting is None else bool(setting)
+
+
+def engine_notes(engine: Any, spec: str, recompute: bool) -> str:
+    """What a plugged-in engine does differently, for the run's console header."""
+    notes = [f"{spec} ({type(engine).__name__})"]
+    if not reports_logprobs(engine):
+        notes.append("reports no log-probs: the trainer recomputes them" if recompute else "")
+    if not accepts(engine.insert, "sampling"):
+        notes.append(
+            "takes no per-request sampling: every request, greedy evals included, samples "
+            "with the engine's own settings"
+        )
+    return "; ".join(n for n in notes if n)
