@@ -90,6 +90,10 @@ class TrainConfig:
     drain_timeout_s: float = 60.0  # SIGTERM / Ctrl-C: in-flight work past it is cancelled
     loop_block_warn_s: float = 2.0  # code blocking the event loop longer is named
     log_interval_s: float = 30.0
+    # Weights & Biases (pip install 'jaxrl-orch[wandb]'): off while wandb_project is None
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None  # None: the workdir's name
+    wandb_mode: str | None = None  # "online", "offline", "disabled"; None: W&B's own (WANDB_MODE)
     export_hf: bool = True  # write the final policy as an HF checkpoint to WORKDIR/export
 
     def __post_init__(self) -> None:
@@ -111,6 +115,11 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.loss_norm must be None, 'token', 'sequence' or 'constant', got "
                 f"{self.loss_norm!r}"
+            )
+        if self.wandb_mode not in (None, "online", "offline", "disabled"):
+            raise ValueError(
+                f"TrainConfig.wandb_mode must be None, 'online', 'offline' or 'disabled', got "
+                f"{self.wandb_mode!r}"
             )
         if self.after_warmup not in ("rl", "sft"):
             raise ValueError(

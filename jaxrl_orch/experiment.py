@@ -8,12 +8,11 @@ Owns the workdir layout::
     tb/                 TensorBoard events          summary.json, report.md, *.png
     export/             final policy as an HF checkpoint (config.json, safetensors, tokenizer)
 
-Stages: ``validate`` (meshes, model, data, demonstrator: before any work), ``run`` = the
-warm-up (``warmup.py``: run, continue or restore it), then RL on an asyncio loop (or the
-imitation control, ``control.py``), ``finish`` (summary + report). The settings of each part
-come from ``build.py`` (model config, optimizer schedules) and ``TrainConfig.orchestrator``;
-the trainer -> engine weight path and the checkpoint cadence are ``weights.WeightPath``; the
-summary is ``summary.py``'s pure functions.
+The workdir is local or a ``gs://`` URL (``paths``). Stages: ``validate`` (meshes, model,
+data, every example, the engine: before any work), ``run`` = the warm-up (``warmup.py``), then
+RL on an asyncio loop (or the imitation control, ``control.py``), ``finish`` (summary + report).
+Settings come from ``build/`` and ``TrainConfig.orchestrator``; the weight path and checkpoint
+cadence are ``weights.WeightPath``; the summary is ``history.rl_summary``.
 
 The model is a preset or an HF checkpoint directory: when the run starts fresh (no SFT or RL
 checkpoint in the workdir) its safetensors give the initial weights. Eval runs the held-out
@@ -28,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -47,7 +48,7 @@ from jaxrl_orch.build.engines import (
     recompute_old_logprobs,
     reports_logprobs,
 )
-from jaxrl_orch.build.orchestrator import Telemetry, build_orchestrator
+from jaxrl_orch.build.orchestrator import build_orchestrator
 from jaxrl_orch.build.parts import (
     build_data,
     build_placement,
@@ -59,7 +60,7 @@ from jaxrl_orch.config import TrainConfig
 from jaxrl_orch.control import run_imitation
 from jaxrl_orch.envs.base import AtTemperature, make_env
 from jaxrl_orch.envs.demonstrator import MixedDemonstrator
-from jaxrl_orch.history import BeforeRLRecorder, rl_summary, trim_for_rl
+from jaxrl_orch.history import rl_summary, trim_for_rl
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
@@ -68,14 +69,13 @@ from jaxrl_orch.models.tokenizer import load_tokenizer, tokenizer_json_path
 from jaxrl_orch.orchestrator.dispatcher import EvalPlan
 from jaxrl_orch.orchestrator.loop import Orchestrator
 from jaxrl_orch.orchestrator.writers import (
-    ConsoleWriter,
     JsonlWriter,
-    ProgressWriter,
-    TensorBoardWriter,
     stage,
 )
+from jaxrl_orch.paths import as_path, copy_tree, is_url
 from jaxrl_orch.report import write_report
 from jaxrl_orch.summary import eval_line, merge_evals
+from jaxrl_orch.telemetry import rl_telemetry
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
 from jaxrl_orch.trainer.sft import sft_sample
 from jaxrl_orch.trainer.step import StepConfig
@@ -85,22 +85,13 @@ from jaxrl_orch.warmup import run_warmup
 from jaxrl_orch.weights import WeightPath
 from sharding.reshard import reshard
 
-_CONSOLE_KEYS = (
-    "train/reward_mean",
-    "eval/*/reward_mean",
-    "eval/*/behaviour/*",
-    "trainer/loss",
-    "trainer/entropy",
-    "orch/age_max",
-    "orch/step_s",
-    "orch/admitted",
-)
+TOKENIZER_SIDECARS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
 class Experiment:
-    def __init__(self, cfg: TrainConfig, workdir: Path) -> None:
+    def __init__(self, cfg: TrainConfig, workdir: str | os.PathLike) -> None:
         self.cfg = cfg
-        self.workdir = workdir
+        self.workdir = as_path(workdir)  # local, or a gs:// URL (kept one: paths.as_path)
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.model_cfg = model_config(cfg.model, self.tokenizer)
         self._stop = threading.Event()
@@ -121,7 +112,7 @@ class Experiment:
         data = build_data(cfg)
         self.train_source, self.sft_source = data.train, data.sft
         self.eval_source, self.sampled_eval_source = data.eval, data.sampled_eval
-        if cfg.warmup_from is not None and not (Path(cfg.warmup_from) / "sft").is_dir():
+        if cfg.warmup_from is not None and not (as_path(cfg.warmup_from) / "sft").is_dir():
             raise ValueError(
                 f"warmup_from {cfg.warmup_from!r} has no sft/ checkpoint directory; name the "
                 "workdir of a run whose warm-up finished"
@@ -291,28 +282,6 @@ class Experiment:
         name = self.env.name
         views = {name: self.env, self.sampled_eval: AtTemperature(self.env, cfg.temperature)}
         sources = {name: self.eval_source, self.sampled_eval: self.sampled_eval_source}
-        telemetry = Telemetry(
-            writers=[
-                JsonlWriter(self.workdir / "metrics.jsonl"),
-                # Step and eval rows (rewards, evals, ages, trainer diagnostics) next to the
-                # periodic gauges in tb/.
-                TensorBoardWriter(self.workdir / "tb" / "steps"),
-                ConsoleWriter(keys=_CONSOLE_KEYS),
-                ProgressWriter(
-                    cfg.rl_steps,
-                    initial=min(start_step - 1, cfg.rl_steps),
-                    postfix_keys=["train/reward_mean", "orch/age_max"],
-                ),
-                BeforeRLRecorder(self.workdir / "eval_before_rl.json", name, self.sampled_eval),
-            ],
-            gauge_writers=[
-                JsonlWriter(self.workdir / "gauges.jsonl"),
-                TensorBoardWriter(self.workdir / "tb"),
-            ],
-            gauge_sources=[driver, trainer],
-            log_interval_s=cfg.log_interval_s,
-            store_dir=str(self.workdir / "rollouts"),
-        )
         self.orch = orch = build_orchestrator(
             cfg.orchestrator,
             PolicyHandle(trainer.version),
@@ -329,7 +298,7 @@ class Experiment:
                 "engine_logprobs": self.engine_logprobs,
             },
             eval_plan=EvalPlan(views, sources, cfg.eval_examples, greedy),
-            telemetry=telemetry,
+            telemetry=rl_telemetry(self, driver, trainer, start_step),
             on_step=weights.on_ship,
             step_metrics=weights.step_metrics,
         )
@@ -350,14 +319,7 @@ class Experiment:
             secs = time.perf_counter() - t0
             final = merge_evals(orch.eval_history).get(trainer.version, {})
             stage("final eval", eval_line(final))
-            if cfg.export_hf:
-                stage(
-                    "export", f"the final policy as an HF checkpoint to {self.workdir / 'export'}"
-                )
-            exported = None
-            if cfg.export_hf:
-                tok = None if cfg.tokenizer == "byte" else tokenizer_json_path(cfg.tokenizer)
-                exported = export_hf_dir(trainer.params, self.model_cfg, self.workdir, tok)
+            exported = self._export(trainer.params) if cfg.export_hf else None
         finally:
             trainer.stop()
             driver.stop()
@@ -366,20 +328,34 @@ class Experiment:
         summary["export_dir"] = None if exported is None else str(exported)
         return summary
 
+    def _export(self, params: Any) -> Any:
+        """The final policy as an HF checkpoint in ``WORKDIR/export`` (on ``gs://``: written
+        locally, then copied up)."""
+        dest = self.workdir / "export"
+        stage("export", f"the final policy as an HF checkpoint to {dest}")
+        tok = None if self.cfg.tokenizer == "byte" else tokenizer_json_path(self.cfg.tokenizer)
+        with tempfile.TemporaryDirectory() as local:
+            into = local if is_url(dest) else self.workdir
+            out = export_hf_dir(params, self.model_cfg, into, tok)
+            # The checkpoint's chat template and special tokens travel with its tokenizer.
+            for name in TOKENIZER_SIDECARS if tok is not None else ():
+                if (src := Path(tok).with_name(name)).is_file():
+                    (out / name).write_bytes(src.read_bytes())
+            if is_url(dest):
+                if dest.exists():
+                    dest.rmtree()
+                copy_tree(out, dest)
+        return dest
+
     def _checkpoint_from_trainer_thread(self, ckpt: Checkpointer, trainer: Trainer, v: int) -> None:
         async def snapshot() -> dict[str, Any]:
             return self.orch.state()
 
         state = asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(timeout=60)
         st = trainer.state()
-        ckpt.save(
-            v,
-            params=st["params"],
-            opt_state=st["opt_state"],
-            rng=st["rng"],
-            meta={"version": st["version"], "steps_done": st["steps_done"]},
-            orchestrator_state=state,
-        )
+        meta = {"version": st["version"], "steps_done": st["steps_done"]}
+        ckpt.save(v, params=st["params"], opt_state=st["opt_state"], rng=st["rng"], meta=meta,
+                  orchestrator_state=state)  # fmt: skip
         ckpt.wait()  # the next step donates these arrays: the copy to disk must finish first
 
     @property

@@ -16,7 +16,7 @@ What it owns
   every attempt, not only the last one; ``rl_summary`` builds the RL keys of ``summary.json``
   from them.
 
-Rewrites are atomic (a temporary file renamed over the old one); a torn last line (a kill -9
+Rewrites are atomic (``paths.write_atomic``, local or ``gs://``); a torn last line (a kill -9
 in the middle of a write) is dropped. The files' writers open lazily, so trimming happens
 before anything of this attempt is written.
 """
@@ -24,19 +24,21 @@ before anything of this attempt is written.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
+from etils import epath
+
+from jaxrl_orch.paths import Pathish, as_path, write_atomic
 from jaxrl_orch.summary import eval_summary, first_eval, train_reward_ends
 
 Row = dict[str, Any]
 
 
-def read_rows(path: Path) -> list[Row]:
+def read_rows(path: Pathish) -> list[Row]:
     """The JSON rows of ``path`` (none if it does not exist); a torn last line is dropped, a
     torn line elsewhere is an error naming the file and line."""
+    path = as_path(path)
     if not path.exists():
         return []
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -53,18 +55,17 @@ def read_rows(path: Path) -> list[Row]:
     return rows
 
 
-def _rewrite(path: Path, keep: Callable[[Row], bool]) -> int:
+def _rewrite(path: Pathish, keep: Callable[[Row], bool]) -> int:
+    path = as_path(path)
     rows = read_rows(path)
     kept = [r for r in rows if keep(r)]
-    if len(kept) == len(rows) and path.exists() and _ends_clean(path):
+    if len(kept) == len(rows) and (not path.exists() or _ends_clean(path)):
         return 0
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     return len(rows) - len(kept)
 
 
-def _ends_clean(path: Path) -> bool:
+def _ends_clean(path: epath.Path) -> bool:
     text = path.read_bytes()
     return not text or text.endswith(b"\n")
 
@@ -77,8 +78,9 @@ def _is_eval_row(row: Mapping[str, Any]) -> bool:
     return any(k.startswith("eval/") for k in row)
 
 
-def trim_for_rl(workdir: Path, start_step: int, eval_at_start: bool) -> dict[str, int]:
+def trim_for_rl(workdir: Pathish, start_step: int, eval_at_start: bool) -> dict[str, int]:
     """See the module docstring; returns how many rows / files each kind lost."""
+    workdir = as_path(workdir)
 
     def keep_metric(r: Row) -> bool:
         if is_sft_row(r):
@@ -102,17 +104,17 @@ def trim_for_rl(workdir: Path, start_step: int, eval_at_start: bool) -> dict[str
     return dropped
 
 
-def trim_for_sft(workdir: Path, done: int) -> int:
+def trim_for_sft(workdir: Pathish, done: int) -> int:
     """Drop warm-up rows past step ``done`` (the restored SFT checkpoint's)."""
-    path = workdir / "metrics.jsonl"
+    path = as_path(workdir) / "metrics.jsonl"
     return _rewrite(path, lambda r: not (is_sft_row(r) and int(r["step"]) > done))
 
 
-def rl_rows(workdir: Path) -> list[Row]:
-    return [r for r in read_rows(workdir / "metrics.jsonl") if not is_sft_row(r)]
+def rl_rows(workdir: Pathish) -> list[Row]:
+    return [r for r in read_rows(as_path(workdir) / "metrics.jsonl") if not is_sft_row(r)]
 
 
-def rl_evals(workdir: Path) -> dict[int, dict[str, float]]:
+def rl_evals(workdir: Pathish) -> dict[int, dict[str, float]]:
     """``{step: eval metrics}`` of every eval row of the RL stage on disk."""
     out: dict[int, dict[str, float]] = {}
     for r in rl_rows(workdir):
@@ -122,7 +124,7 @@ def rl_evals(workdir: Path) -> dict[int, dict[str, float]]:
     return out
 
 
-def rl_step_rows(workdir: Path) -> list[Row]:
+def rl_step_rows(workdir: Pathish) -> list[Row]:
     """The per-step rows (those with ``train/reward_mean``), in step order."""
     rows = [r for r in rl_rows(workdir) if r.get("train/reward_mean") is not None]
     return sorted(rows, key=lambda r: int(r["step"]))
@@ -132,8 +134,8 @@ class BeforeRLRecorder:
     """A ``MetricsWriter``: writes ``path`` (``eval_before_rl.json``) once step 0's evals of
     ``env`` land, updated as the sampled eval lands too. Other rows are ignored."""
 
-    def __init__(self, path: Path, env: str, sampled_env: str) -> None:
-        self.path, self.env, self.sampled_env = path, env, sampled_env
+    def __init__(self, path: Pathish, env: str, sampled_env: str) -> None:
+        self.path, self.env, self.sampled_env = as_path(path), env, sampled_env
         self._evals: dict[int, dict[str, float]] = {}
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -142,9 +144,7 @@ class BeforeRLRecorder:
         self._evals.setdefault(0, {}).update(metrics)
         first = first_eval(self._evals, self.env, self.sampled_env)
         if first is not None:
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps(first))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(first))
 
     def close(self) -> None:
         pass

@@ -23,6 +23,7 @@ It reads only ``summary.json`` and ``metrics.jsonl``; it never imports JAX.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
 import shlex
@@ -30,6 +31,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from jaxrl_orch.paths import as_path
 
 _EVAL_KEY = re.compile(r"^eval/([^/@]+)/reward_mean$")
 # What each control is, in words (the plot's legend; the table names runs by their directory).
@@ -45,7 +48,7 @@ def run_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     base = [sys.executable, "-m", "jaxrl_orch.train"]
     base += [f"--gin_file={f}" for f in args.gin_file]
     base += [f"--gin_param={p}" for p in args.gin_param]
-    root = Path(args.workdir)
+    root = as_path(args.workdir)  # a gs:// URL stays one
     runs = {}
     for seed in args.seeds:
         runs[f"seed{seed}"] = [
@@ -187,7 +190,9 @@ def plot(runs: dict[str, Path], out: Path) -> bool:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out, dpi=110)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=110)
+        out.write_bytes(png.getvalue())
     plt.close(fig)
     return bool(drawn)
 
@@ -213,7 +218,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     commands = run_commands(args)
-    root = Path(args.workdir)
+    root = as_path(args.workdir)
     runs = {label: root / label for label in commands}
     if not args.compare_only:
         for label, cmd in commands.items():

@@ -19,17 +19,16 @@ keys (``sft/loss``; ``eval/<env>/...``; ``train/``, ``orch/``, ``time/``); the t
 a step's lines (its timing line follows its ``orch/`` line). A plot whose inputs are absent is
 skipped, with the reason in ``report.md`` and the returned dict. Malformed input raises
 ``ReportInputError`` (a ``ValueError``) naming the file (and line), a missing ``metrics.jsonl``
-``FileNotFoundError``. ``write_report`` also takes a running workdir (no summary: ages come from
-the ``orch/age_*`` gauges, and say so); the CLI wants a finished run, else prints one line to
-stderr and exits 2. It draws on ``Figure`` objects (Agg canvas), never ``pyplot``: no window,
-no display, no change to the process-wide backend. It never imports the training stack (it
-reads files only, so it runs on a laptop against a copied workdir) and never recomputes facts
-the run owns (ages, rewards, behaviours).
+``FileNotFoundError``. ``write_report`` also takes a running workdir (ages then come from the
+``orch/age_*`` gauges); the CLI wants a finished run, else one line on stderr, exit 2. Figures
+render in memory (Agg, never ``pyplot``) and go through ``paths`` (``gs://`` too). It reads
+files only (it runs on a laptop) and never recomputes facts the run owns (ages, rewards).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import sys
@@ -40,6 +39,8 @@ from typing import Any
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from jaxrl_orch.paths import as_path
 
 # key -> (legend, lane bottom and height within the step's row): disjoint lanes, no stacking.
 TIMELINE_LANES = {
@@ -74,7 +75,7 @@ def _json_object(text: str, where: str) -> dict[str, Any]:
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Parse a metrics JSONL file; blank lines are ignored, anything else must be an object."""
-    path = Path(path)
+    path = as_path(path)
     if not path.is_file():
         raise FileNotFoundError(f"metrics file not found: {path}")
     with path.open() as f:
@@ -341,7 +342,7 @@ def _markdown(workdir: Path, summary: dict, train: Sequence[dict], evals: Sequen
 
 def write_report(workdir: str | Path) -> dict[str, dict]:
     """Write the plots and ``report.md``: ``{"written": {name: Path}, "skipped": {name: why}}``."""
-    workdir = Path(workdir)
+    workdir = as_path(workdir)  # a local directory or a gs:// prefix
     records = read_metrics(workdir / "metrics.jsonl")
     path = workdir / "summary.json"
     summary = _json_object(path.read_text(), str(path)) if path.is_file() else {}
@@ -364,11 +365,12 @@ def write_report(workdir: str | Path) -> dict[str, dict]:
             continue
         fig.tight_layout()
         FigureCanvasAgg(fig)
-        fig.savefig(workdir / name, dpi=_DPI)
+        png = io.BytesIO()  # rendered in memory, then one write (a file or a gs:// object)
+        fig.savefig(png, format="png", dpi=_DPI)
+        (workdir / name).write_bytes(png.getvalue())
         written[name] = workdir / name
-    report = workdir / "report.md"
-    report.write_text(_markdown(workdir, summary, train, evals, written, skipped))
-    written["report.md"] = report
+    written["report.md"] = workdir / "report.md"
+    written["report.md"].write_text(_markdown(workdir, summary, train, evals, written, skipped))
     return {"written": written, "skipped": skipped}
 
 
@@ -378,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         description="Plot metrics.jsonl/summary.json of a run directory and write report.md.",
     )
     p.add_argument("workdir", help="finished run directory (summary.json, metrics.jsonl)")
-    workdir = Path(p.parse_args(argv).workdir)
+    workdir = as_path(p.parse_args(argv).workdir)
     try:
         if not workdir.is_dir():
             raise ReportInputError(f"{workdir}: no such directory")
@@ -389,10 +391,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         expected = "expected a finished run directory holding summary.json and metrics.jsonl"
         print(f"{p.prog}: error: {e}; {expected}", file=sys.stderr)
         raise SystemExit(2) from None
-    for path in result["written"].values():
-        print(f"wrote {path}")
-    for name, reason in result["skipped"].items():
-        print(f"skipped {name}: {reason}")
+    done, skipped = result["written"].values(), result["skipped"].items()
+    print("\n".join([*(f"wrote {p}" for p in done), *(f"skipped {n}: {w}" for n, w in skipped)]))
 
 
 if __name__ == "__main__":

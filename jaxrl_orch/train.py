@@ -45,6 +45,7 @@ import gin
 
 from jaxrl_orch import config_help
 from jaxrl_orch.config import TrainConfig
+from jaxrl_orch.paths import as_path
 
 DEFAULT_COMMAND = (
     "python -m jaxrl_orch.train --gin_file=configs/reverse_text.gin --workdir=runs/reverse_text"
@@ -120,7 +121,7 @@ def no_gin_file_message() -> str:
 
 def outputs_line(workdir: str | Path) -> str:
     """The closing line of a run: the files in ``workdir`` a newcomer opens, those present."""
-    wd = Path(workdir)
+    wd = as_path(workdir)
     parts = []
     if (wd / "report.md").is_file():
         parts.append(f"report {wd / 'report.md'}")
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.gin_file, args.gin_param)
         from jaxrl_orch.experiment import Experiment  # heavy imports (jax) only after config checks
 
-        exp = Experiment(cfg, Path(args.workdir))
+        exp = Experiment(cfg, as_path(args.workdir))  # a gs:// URL stays a URL
         exp.validate()
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -16,13 +16,12 @@ Driven by ``experiment.Experiment.run`` on the main thread; the loop body is
 
 from __future__ import annotations
 
-import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 from jaxrl_orch.history import trim_for_sft
 from jaxrl_orch.orchestrator.writers import ConsoleWriter, JsonlWriter, ProgressWriter, stage
+from jaxrl_orch.paths import as_path, copy_tree
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
 from jaxrl_orch.trainer.sft import run_sft
 
@@ -33,8 +32,9 @@ def run_warmup(exp: Any, writer: JsonlWriter) -> tuple[Any, dict[str, float]]:
     own = exp.workdir / "sft"
     if cfg.warmup_from is not None and not has_steps(own):
         # Start from that run's warm-up: copied, so this workdir stays self-contained.
-        shutil.rmtree(own, ignore_errors=True)
-        shutil.copytree(Path(cfg.warmup_from) / "sft", own)
+        if own.exists():
+            own.rmtree()
+        copy_tree(as_path(cfg.warmup_from) / "sft", own)
     ckpt = Checkpointer(own, max_to_keep=1, async_save=False)
     latest = ckpt.latest_step()
     resuming = latest is not None or has_steps(exp.workdir / "checkpoints")
@@ -104,7 +104,7 @@ def run_warmup(exp: Any, writer: JsonlWriter) -> tuple[Any, dict[str, float]]:
     return trainer.params, info
 
 
-def has_steps(directory: Path) -> bool:
+def has_steps(directory: Any) -> bool:
     return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
 

@@ -75,7 +75,6 @@ def _run(ckpt: Path, workdir: Path, data: Path) -> subprocess.CompletedProcess:
         "TrainConfig.eval_every = 100",
         "TrainConfig.checkpoint_every = 100",
         "TrainConfig.dynamic_sampling = False",
-        "TrainConfig.export_hf = False",
     ]
     cmd = [sys.executable, "-m", "jaxrl_orch.train", f"--workdir={workdir}"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -128,3 +127,9 @@ def test_two_rl_steps_prompt_with_the_checkpoints_own_template(tmp_path, family)
     unknown = [hf.decode(list(p)) for p in seen if p not in expected]
     assert not unknown, f"prompts not rendered by the checkpoint's template: {unknown}"
     assert len({expected[p] for p in seen}) >= 2  # several train examples, not one repeated
+    # The export carries the checkpoint's template with its tokenizer: it renders the same.
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "run" / "export"))
+    messages = env.build_messages({"text": TRAIN[0]})
+    assert exported.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    ) == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

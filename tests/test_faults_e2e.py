@@ -40,6 +40,9 @@ def test_hanging_raising_nan_and_blocking_env_faults_are_counted_and_the_run_fin
             "TrainConfig.rl_steps = 4",
             "TrainConfig.env_timeout_s = 3.0",
             "TrainConfig.loop_block_warn_s = 0.5",
+            # W&B as a user turns it on (offline: the run's files land in the workdir)
+            "TrainConfig.wandb_project = 'jaxrl-faults'",
+            "TrainConfig.wandb_mode = 'offline'",
         ),
         env=_faulty_env("mixed"),
         capture_output=True,
@@ -68,6 +71,8 @@ def test_hanging_raising_nan_and_blocking_env_faults_are_counted_and_the_run_fin
     # The blocking call was named while it blocked: the env's function, file and line.
     assert "the event loop has not turned for 0.5s; it is running score (" in res.stderr
     assert "fault_envs.py:" in res.stderr
+    runs = list((wd / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0  # the step and eval rows, offline
     gauges = [json.loads(x) for x in (wd / "gauges.jsonl").read_text().splitlines()]
     assert gauges[-1]["faults/loop_blocked_total"] >= 1
     assert gauges[-1]["dispatcher/env_timeouts_total"] >= sum(kinds[k] for k in timeouts) > 0

@@ -25,7 +25,6 @@ of its tasks). Neither decides anything: they report and count.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import sys
@@ -33,11 +32,11 @@ import sysconfig
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from jaxrl_orch.paths import JsonlAppender
 from jaxrl_orch.types import Episode
 
 _DIGITS = re.compile(r"\d+")
@@ -61,12 +60,12 @@ class FaultLog:
     def __init__(
         self, path: str | os.PathLike | None = None, report: Callable[[str], None] = warn
     ) -> None:
-        self.path = None if path is None else Path(path)
+        self.path = path
         self.report = report
         self.counts: dict[str, int] = {}
         self.first_text: dict[str, str] = {}
         self.total = 0
-        self._f: Any = None
+        self._out: JsonlAppender | None = None
 
     def note(self, episode: Episode, version: int) -> None:
         for r in episode:
@@ -88,9 +87,8 @@ class FaultLog:
     def _record(self, r: Any, errors: list[str], version: int) -> None:
         if self.path is None:
             return
-        if self._f is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        if self._out is None:
+            self._out = JsonlAppender(self.path)
         row = {
             "landed_version": int(version),
             "env": r.env,
@@ -100,8 +98,7 @@ class FaultLog:
             "errors": errors,
             "example": r.example,
         }
-        self._f.write(json.dumps(row, default=str) + "\n")
-        self._f.flush()
+        self._out.append(row)
 
     def digest(self) -> dict[str, int]:
         return dict(sorted(self.counts.items(), key=lambda kv: -kv[1]))
@@ -118,9 +115,9 @@ class FaultLog:
             more = f" (+{len(self.counts) - 5} more kinds)" if len(self.counts) > 5 else ""
             where = f"; all in {self.path}" if self.path is not None else ""
             self.report(f"!! {self.total} env error rollouts: {kinds}{more}{where}")
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        if self._out is not None:
+            self._out.close()
+            self._out = None
 
 
 def culprit(frame: Any) -> str:

@@ -12,9 +12,10 @@ cohort the train sink trained on. ``write`` blocks on ``fsync``; from the event 
 ``await write_async(...)`` (a worker thread).
 
 Invariants:
-- Durable and atomic per step: the file is written to a temporary name, flushed, fsynced,
-  renamed into place and the directory fsynced; a crash leaves either the old file or the new
-  one, never a torn one. Rewriting a step (a resumed run re-training it) replaces the file.
+- Durable and atomic per step (``paths.write_atomic``): locally the file is written to a
+  temporary name, fsynced, renamed into place and the directory fsynced; on ``gs://`` it is one
+  object write. A crash leaves either the old file or the new one, never a torn one.
+  Rewriting a step (a resumed run re-training it) replaces the file.
 - Nothing non-finite is written (``allow_nan=False``): a NaN here means a bug upstream, and the
   write raises naming the step and rollout rather than persisting an unreadable value. The
   one exception is a behaviour log-prob an engine did not report (NaN by contract, the
@@ -32,9 +33,11 @@ import math
 import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from etils import epath
+
+from jaxrl_orch.paths import as_path, write_atomic
 from jaxrl_orch.types import Rollout
 
 _STEP_FILE = re.compile(r"^step_(\d{8,})\.jsonl$")
@@ -63,7 +66,7 @@ def rollout_record(rollout: Rollout) -> dict[str, Any]:
 
 class RolloutStore:
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
+        self.path = as_path(path)  # a local directory or a gs:// prefix
         self.path.mkdir(parents=True, exist_ok=True)
         self._steps = 0
         self._rollouts = 0
@@ -75,12 +78,12 @@ class RolloutStore:
     def stop(self) -> None:
         """Nothing buffered: every ``write`` is durable when it returns."""
 
-    def file_for(self, step: int) -> Path:
+    def file_for(self, step: int) -> epath.Path:
         if int(step) < 0:
             raise ValueError(f"step must be >= 0, got {step!r}")
         return self.path / f"step_{int(step):08d}.jsonl"
 
-    def write(self, step: int, rollouts: Sequence[Rollout]) -> Path:
+    def write(self, step: int, rollouts: Sequence[Rollout]) -> epath.Path:
         """Persist the rollouts trained on at ``step``; durable when this returns."""
         lines = []
         for i, r in enumerate(rollouts):
@@ -93,24 +96,13 @@ class RolloutStore:
                 ) from exc
         data = ("\n".join(lines) + "\n" if lines else "").encode()
         final = self.file_for(step)
-        tmp = final.with_name(final.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        # The rename is only durable once the directory entry is.
-        dir_fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomic(final, data)
         self._steps += 1
         self._rollouts += len(lines)
         self._bytes += len(data)
         return final
 
-    async def write_async(self, step: int, rollouts: Sequence[Rollout]) -> Path:
+    async def write_async(self, step: int, rollouts: Sequence[Rollout]) -> epath.Path:
         """``write`` on a worker thread, so the fsync does not stall the event loop."""
         return await asyncio.to_thread(self.write, step, list(rollouts))
 
@@ -121,8 +113,7 @@ class RolloutStore:
             raise ValueError(
                 f"no rollouts stored for step {step} in {self.path}; stored steps: {self.steps()}"
             )
-        with open(f, encoding="utf-8") as fh:
-            return [json.loads(line) for line in fh if line.strip()]
+        return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
 
     def steps(self) -> list[int]:
         """Steps with a stored file, ascending."""

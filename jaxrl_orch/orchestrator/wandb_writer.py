@@ -103,9 +103,11 @@ class WandbWriter:
                 f"WandbWriter of run {self.run_id!r} is closed; write before close()"
             )
         row = clean_metrics(metrics)
-        if STEP_KEY in row:
+        # Step rows carry their own step as a metric: the same value is the axis itself.
+        if STEP_KEY in row and row.pop(STEP_KEY) != step:
             raise ValueError(
-                f"metric key {STEP_KEY!r} is the W&B step axis of this writer; rename the metric"
+                f"metric key {STEP_KEY!r} ({metrics[STEP_KEY]!r}) is the W&B step axis of this "
+                f"writer and differs from the row's step {step}; rename the metric"
             )
         self._run.log({STEP_KEY: int(step), **row})
         self.rows += 1

@@ -17,7 +17,6 @@ never reads a component, and never affects training.
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
 import numbers
 import os
@@ -27,6 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from tqdm import tqdm
+
+from jaxrl_orch.paths import JsonlAppender
 
 
 def clean_metrics(metrics: dict[str, Any]) -> dict[str, float]:
@@ -132,30 +133,23 @@ class ProgressWriter:
 
 
 class JsonlWriter:
-    """Appends one JSON object per write; flushed each time so a crash loses nothing. The file
-    is opened at the first write, so a resume may trim it after the writer exists."""
+    """Appends one JSON object per write, durable when it returns (``paths.JsonlAppender``:
+    a local file or a ``gs://`` object), so a crash loses nothing. The file is opened at the
+    first write, so a resume may trim it after the writer exists."""
 
     def __init__(self, path: str | os.PathLike, clock: Callable[[], float] = time.time) -> None:
-        self.path = os.fspath(path)
-        parent = os.path.dirname(self.path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
+        self._out = JsonlAppender(path)
+        self.path = os.fspath(self._out.path)
         self.clock = clock
-        self._f: TextIO | None = None  # opened at the first write (after any resume trim)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        if self._f is None:
-            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - see close()
         row: dict[str, Any] = {"step": int(step), "time": self.clock()}
         for k, v in clean_metrics(metrics).items():
             row[k] = v if math.isfinite(v) else None  # strict JSON has no NaN/inf
-        self._f.write(json.dumps(row, allow_nan=False) + "\n")
-        self._f.flush()
+        self._out.append(row)
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        self._out.close()
 
 
 class TensorBoardWriter:

@@ -53,6 +53,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxrl_orch.paths import as_path, copy_tree, is_url
+
 FORMAT_VERSION = 1
 
 
@@ -96,7 +98,10 @@ class Checkpointer:
     ) -> None:
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None (keep all), got {max_to_keep!r}")
-        self.directory = os.path.abspath(os.fspath(directory))
+        # A gs:// URL stays a URL (orbax and tensorstore write it); a local path goes absolute.
+        url = is_url(directory)
+        self.directory = os.fspath(directory) if url else os.path.abspath(os.fspath(directory))
+        self.is_url = url
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -150,6 +155,8 @@ class Checkpointer:
     def check_space(self, step: int, nbytes: int) -> None:
         """Refuse a save the disk cannot hold, as one ``OSError(ENOSPC)`` naming the path, before
         orbax's writer threads start (a write failing there ends in pages of thread noise)."""
+        if self.is_url:
+            return  # object storage has no free-space figure to check against
         need = int(nbytes * 1.05) + (1 << 20)
         free = shutil.disk_usage(self.directory).free
         if free < need:
@@ -168,7 +175,7 @@ class Checkpointer:
         """Restore ``step`` (default: latest) into ``abstract = {"params", "opt_state"}`` trees of
         ``jax.ShapeDtypeStruct`` with shardings. Returns ``{"params", "opt_state", "rng",
         "meta", "orchestrator"}``."""
-        if not os.path.isdir(self.directory):
+        if not as_path(self.directory).is_dir():
             raise CheckpointNotFoundError(f"no checkpoint directory at {self.directory}")
         steps = self.all_steps()
         if not steps:
@@ -211,13 +218,18 @@ class Checkpointer:
 
     def set_aside(self, step: int) -> str:
         """Move step ``step``'s directory to ``<directory>.corrupt/<step>``; returns where."""
-        dest = os.path.join(self.directory + ".corrupt", str(step))
-        if os.path.exists(dest):
-            shutil.rmtree(dest)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        shutil.move(os.path.join(self.directory, str(step)), dest)
+        src, dest = as_path(self.directory) / str(step), as_path(self.directory + ".corrupt")
+        dest = dest / str(step)
+        if dest.exists():
+            dest.rmtree()
+        if self.is_url:  # objects: copied, then deleted (there is no directory to rename)
+            copy_tree(src, dest)
+            src.rmtree()
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(os.fspath(src), os.fspath(dest))
         self._manager.reload()
-        return dest
+        return os.fspath(dest)
 
     def close(self) -> None:
         self._manager.wait_until_finished()

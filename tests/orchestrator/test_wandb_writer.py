@@ -84,10 +84,11 @@ def test_rows_land_in_the_offline_run(offline):
         (1, {"eval/reverse_text/reward_mean": 0.5}),  # an eval row repeats the step
         (2, {"train/reward_mean": 0.75, "trainer/loss": float("nan")}),
         (1, {"train/reward_mean": 0.3}),  # a resumed run goes back a step
+        (2, {"step": 2.0, "orch/version": 1.0}),  # a step row names its own step
     ]
     for step, metrics in rows:
         writer.write(step, metrics)
-    with pytest.raises(ValueError, match="'step' is the W&B step axis"):
+    with pytest.raises(ValueError, match=r"'step' \(1.0\) is the W&B step axis .* step 3"):
         writer.write(3, {"step": 1.0})
     with pytest.raises(ValueError, match="must be a real number"):
         writer.write(3, {"x": "high"})

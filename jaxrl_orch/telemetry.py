@@ -1,0 +1,70 @@
+"""Where the RL stage's numbers go: ``rl_telemetry(exp, ...)`` builds its ``Telemetry``.
+
+Step and eval rows: ``metrics.jsonl``, TensorBoard (``tb/steps``), the console, a progress bar,
+the pre-RL eval record (``history.BeforeRLRecorder``) and, when ``TrainConfig.wandb_project``
+is set, a Weights & Biases run (``orchestrator.wandb_writer``; the ``wandb`` extra). Gauges:
+``gauges.jsonl`` and ``tb/``, pulled from the components plus the driver and the trainer.
+Rollouts and error records: ``rollouts/``. Every path is under the workdir, local or ``gs://``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from jaxrl_orch.build.orchestrator import Telemetry
+from jaxrl_orch.history import BeforeRLRecorder
+from jaxrl_orch.orchestrator.writers import (
+    ConsoleWriter,
+    JsonlWriter,
+    ProgressWriter,
+    TensorBoardWriter,
+)
+from jaxrl_orch.paths import is_url
+
+CONSOLE_KEYS = (
+    "train/reward_mean",
+    "eval/*/reward_mean",
+    "eval/*/behaviour/*",
+    "trainer/loss",
+    "trainer/entropy",
+    "orch/age_max",
+    "orch/step_s",
+    "orch/admitted",
+)
+
+
+def rl_telemetry(exp: Any, driver: Any, trainer: Any, start_step: int) -> Telemetry:
+    cfg, wd = exp.cfg, exp.workdir
+    writers: list[Any] = [
+        JsonlWriter(wd / "metrics.jsonl"),
+        # Step and eval rows (rewards, evals, ages, trainer diagnostics) next to the gauges.
+        TensorBoardWriter(wd / "tb" / "steps"),
+        ConsoleWriter(keys=CONSOLE_KEYS),
+        ProgressWriter(
+            cfg.rl_steps,
+            initial=min(start_step - 1, cfg.rl_steps),
+            postfix_keys=["train/reward_mean", "orch/age_max"],
+        ),
+        BeforeRLRecorder(wd / "eval_before_rl.json", exp.env.name, exp.sampled_eval),
+    ]
+    if cfg.wandb_project is not None:
+        from jaxrl_orch.orchestrator.wandb_writer import WandbWriter
+
+        writers.append(
+            WandbWriter(
+                cfg.wandb_project,
+                run_name=cfg.wandb_run_name or wd.name,
+                directory=None if is_url(wd) else os.fspath(wd),  # W&B writes local files
+                config=dataclasses.asdict(cfg),
+                mode=cfg.wandb_mode,
+            )
+        )
+    return Telemetry(
+        writers=writers,
+        gauge_writers=[JsonlWriter(wd / "gauges.jsonl"), TensorBoardWriter(wd / "tb")],
+        gauge_sources=[driver, trainer],
+        log_interval_s=cfg.log_interval_s,
+        store_dir=os.fspath(wd / "rollouts"),
+    )
