@@ -28,6 +28,19 @@ from jaxrl_orch.models.transformer import ModelConfig, init_cache
 
 # Per-request settings written by insert; "token" lands in the state's "tokens" entry.
 SLOT_FIELDS = ("token", "pos", "max_tokens", "temperature", "top_k", "top_p", "stop")
+STATE_KEYS = (
+    "cache",
+    "tokens",
+    "pos",
+    "active",
+    "generated",
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "stop",
+    "rng",
+)
 
 
 def build(
@@ -128,6 +141,19 @@ def default_widths(slots: int) -> tuple[int, ...]:
     while widths[-1] % 2 == 0 and widths[-1] // 2 >= max(1, slots // 8):
         widths.append(widths[-1] // 2)
     return tuple(widths)
+
+
+def check_widths(decode_widths: Any, slots: int) -> tuple[int, ...]:
+    """The decode widths, largest first (default ``default_widths``); the largest must be
+    ``slots``."""
+    widths = default_widths(slots) if decode_widths is None else decode_widths
+    widths = tuple(sorted({int(w) for w in widths}, reverse=True))
+    if not widths or widths[0] != slots or widths[-1] < 1:
+        raise ValueError(
+            f"decode_widths={decode_widths!r} must be positive ints whose largest is "
+            f"max_concurrent_decodes={slots}"
+        )
+    return widths
 
 
 def _slot_axis(name: str) -> int:

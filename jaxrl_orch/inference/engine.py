@@ -6,12 +6,11 @@ state (layout and slot operations in ``decode_state``) and three jitted programs
 decode steps for every slot in one ``lax.scan``, one host round trip), plus
 ``move_slot`` for drivers that narrow the decode width.
 
-Decode width: a step's cost is nearly proportional to the number of slots it runs (attention
-reads every slot's cache; measured 2.9 / 6.3 / 11.4 / 16.5 ms per step at 4 / 8 / 16 / 32 slots
-of small-byte), so ``generate(..., width=w)`` runs only slots ``[0, w)`` for w in
-``decode_widths`` (default: the slot count and its halvings down to 1/8 of it, one compiled
-program each). Rows at or beyond w are not touched. A narrow step is only faster: it is the
-same per-slot computation, so tokens and log-probs do not depend on the width.
+Decode width: a step's cost is nearly proportional to the slots it runs (measured 2.9 / 6.3 /
+11.4 / 16.5 ms per step at 4 / 8 / 16 / 32 slots of small-byte), so ``generate(..., width=w)``
+runs only slots ``[0, w)`` for w in ``decode_widths`` (default: the slot count and its halvings
+down to 1/8 of it, one program each); rows at or beyond w are untouched. Tokens and log-probs
+do not depend on the width (the same per-slot computation).
 
 Contract details (see ``engine_api`` for the result layout):
 - ``prefill`` computes the prompt's KV but samples nothing: the slot's first generate step
@@ -31,15 +30,18 @@ Contract details (see ``engine_api`` for the result layout):
 - ``generate(params, state, version=v)`` stamps v on every token of the call; params may be
   swapped between any two calls (same tree structure -> no recompile).
 
-Sharding: params, cache and prefix are placed with ``sharding.rules.resolve_shardings`` under
-``DECODE_RULES`` on the engine's ``("tp",)`` mesh (1 device by default); per-slot vectors are
-replicated. Hot paths use ``nnx.split`` + ``jax.jit`` with explicit out shardings and donate the
-decode state. Drivers call this engine from one thread; it holds no locks and never blocks on
-anything but the device.
+Sharding and dtype: params (in ``param_dtype``, default the compute dtype: bf16 on TPU),
+cache and prefix are placed with ``sharding.rules.resolve_shardings`` under ``DECODE_RULES`` on
+the ``("tp",)`` mesh (1 device by default); per-slot vectors are replicated. Hot paths use
+``nnx.split`` + ``jax.jit`` with explicit out shardings and donate the decode state;
+``python -m jaxrl_orch.aot`` lowers ``prefill_program`` / ``generate_program`` against
+``abstract_params`` / ``abstract_decode_state``. Drivers call this engine from one thread; it
+holds no locks and never blocks on anything but the device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -62,7 +64,8 @@ from jaxrl_orch.models.transformer import (
     logical_specs,
 )
 from jaxrl_orch.types import SamplingParams
-from sharding.rules import DECODE_RULES, resolve_shardings
+from sharding.reshard import reshard
+from sharding.rules import DECODE_RULES, abstract_arrays, resolve_shardings
 
 
 class DecodeEngine:
@@ -78,6 +81,7 @@ class DecodeEngine:
         max_stop_tokens: int = 4,
         decode_widths: Sequence[int] | None = None,
         cache_dtype: Any = None,
+        param_dtype: Any = None,
         tokenizer: Any = None,
         seed: int = 0,
     ) -> None:
@@ -96,22 +100,14 @@ class DecodeEngine:
                 f"max_prefill_length={max_prefill_length} must be <= "
                 f"max_target_length={max_target_length} (the prompt has to fit the cache)"
             )
-        widths = (
-            dstate.default_widths(max_concurrent_decodes)
-            if decode_widths is None
-            else decode_widths
-        )
-        widths = tuple(sorted({int(w) for w in widths}, reverse=True))
-        if not widths or widths[0] != max_concurrent_decodes or widths[-1] < 1:
-            raise ValueError(
-                f"decode_widths={decode_widths!r} must be positive ints whose largest is "
-                f"max_concurrent_decodes={max_concurrent_decodes}"
-            )
+        widths = dstate.check_widths(decode_widths, max_concurrent_decodes)
         if mesh is None:
             mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
         if "tp" not in mesh.axis_names:
             raise ValueError(f"decode mesh needs a 'tp' axis, got axes {mesh.axis_names}")
-        self.config = config
+        # Params in the compute dtype unless told otherwise: every matmul casts to it anyway.
+        self.param_dtype = jnp.dtype(param_dtype or config.dtype)
+        self.config = config = dataclasses.replace(config, param_dtype=self.param_dtype)
         self._mesh = mesh
         self._slots = max_concurrent_decodes
         self.max_target_length = max_target_length
@@ -131,10 +127,8 @@ class DecodeEngine:
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._cache_shardings = self._cache_sharding(max_target_length, max_concurrent_decodes)
         self._state_shardings = {
+            **{k: self._replicated for k in dstate.STATE_KEYS},
             "cache": self._cache_shardings,
-            **{k: self._replicated for k in ("tokens", "pos", "active", "generated", "rng")},
-            **{k: self._replicated for k in ("max_tokens", "temperature", "top_k", "top_p")},
-            "stop": self._replicated,
         }
         self._init_fn: Any = None
         self._init_state_fn: Any = None
@@ -180,20 +174,24 @@ class DecodeEngine:
                 self._init_fn = jax.jit(build, out_shardings=self.param_shardings)
             with jax.set_mesh(self._mesh):
                 return self._init_fn(np.uint32(self._seed if seed is None else seed))
-        return jax.device_put(state, self.param_shardings)
+        return reshard(state, self.param_shardings, dtype=self.param_dtype)
+
+    def abstract_params(self) -> Any:
+        """``ShapeDtypeStruct`` params with this engine's dtype and shardings (AOT lowering)."""
+        abstract = nnx.split(nnx.eval_shape(lambda: Transformer(self.config, rngs=nnx.Rngs(0))))
+        return abstract_arrays(abstract[1], self.param_shardings)
+
+    def abstract_decode_state(self) -> Any:
+        """``ShapeDtypeStruct`` decode state with its shardings (AOT lowering)."""
+        return abstract_arrays(jax.eval_shape(self._build_state), self._state_shardings)
+
+    def _build_state(self) -> dict[str, Any]:
+        args = (self._slots, self.max_target_length, self.cache_dtype, self.max_stop_tokens)
+        return dstate.build(self.config, *args, self._seed)
 
     def init_decode_state(self) -> dict[str, Any]:
         if self._init_state_fn is None:  # compiled once: a driver restart must not recompile
-            build = functools.partial(
-                dstate.build,
-                self.config,
-                self._slots,
-                self.max_target_length,
-                self.cache_dtype,
-                self.max_stop_tokens,
-                self._seed,
-            )
-            self._init_state_fn = jax.jit(build, out_shardings=self._state_shardings)
+            self._init_state_fn = jax.jit(self._build_state, out_shardings=self._state_shardings)
         return self._init_state_fn()
 
     # ------------------------------------------------------------------ prefill / insert
@@ -216,15 +214,19 @@ class DecodeEngine:
             )
         if not 1 <= true_length <= length:
             raise ValueError(f"true_length must be in [1, {length}], got {true_length}")
-        fn = self._prefill_fns.get(length)
-        if fn is None:
-            out = {"cache": self._cache_sharding(length, 1)}
-            fn = self._prefill_fns[length] = jax.jit(self._prefill_impl, out_shardings=out)
-        prefix = fn(params, tokens[None])
+        prefix = self.prefill_program(length)(params, tokens[None])
         prefix["token"] = np.int32(tokens[true_length - 1])
         prefix["pos"] = np.int32(true_length - 1)
         nothing = np.zeros((1, 3), np.int32)  # the first token is sampled by generate
         return prefix, ResultTokens(nothing, (0, 1), (1, 2), (2, 3))
+
+    def prefill_program(self, length: int) -> Any:
+        """The jitted prefill of a ``[1, length]`` prompt (one program per padded length)."""
+        fn = self._prefill_fns.get(length)
+        if fn is None:
+            out = {"cache": self._cache_sharding(length, 1)}
+            fn = self._prefill_fns[length] = jax.jit(self._prefill_impl, out_shardings=out)
+        return fn
 
     def _prefill_impl(self, params: Any, tokens: jax.Array) -> dict[str, Any]:
         model = nnx.merge(self._graphdef, params)
@@ -293,6 +295,20 @@ class DecodeEngine:
         sits below it (``move_slot``).
         """
         width = self._slots if width is None else width
+        state, data = self.generate_program(width)(params, decode_state, np.int32(version))
+        k = self.steps_per_call
+        return state, ResultTokens(
+            data,
+            tokens_idx=(0, k),
+            valid_idx=(k, 2 * k),
+            length_idx=(2 * k, 2 * k + 1),
+            samples_per_slot=1,
+            logprob_idx=(2 * k + 1, 3 * k + 1),
+            version_idx=(3 * k + 1, 4 * k + 1),
+        )
+
+    def generate_program(self, width: int) -> Any:
+        """The jitted ``steps_per_call`` decode steps of slots ``[0, width)``."""
         fn = self._generate_fns.get(width)
         if fn is None:
             if width not in self.decode_widths:
@@ -304,17 +320,7 @@ class DecodeEngine:
                 donate_argnums=(1,),
                 out_shardings=(self._state_shardings, self._replicated),
             )
-        state, data = fn(params, decode_state, np.int32(version))
-        k = self.steps_per_call
-        return state, ResultTokens(
-            data,
-            tokens_idx=(0, k),
-            valid_idx=(k, 2 * k),
-            length_idx=(2 * k, 2 * k + 1),
-            samples_per_slot=1,
-            logprob_idx=(2 * k + 1, 3 * k + 1),
-            version_idx=(3 * k + 1, 4 * k + 1),
-        )
+        return fn
 
     def _generate_impl(
         self, params: Any, full: dict[str, Any], version: jax.Array, *, width: int

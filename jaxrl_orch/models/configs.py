@@ -8,7 +8,8 @@ argument of a jitted function.
 Presets:
 - ``tiny-byte`` / ``small-byte``: byte-level models whose vocab equals ``ByteTokenizer``'s
   (``BYTE_VOCAB_SIZE``); ~1M / ~3M params, sized to run on 2 CPU cores.
-- ``qwen2.5-0.5b``, ``qwen3-0.6b``, ``llama-3.2-1b``: the published shapes of those checkpoints
+- ``qwen2.5-0.5b``, ``qwen2.5-1.5b``, ``qwen2.5-3b``, ``qwen3-0.6b``, ``llama-3.2-1b``: the
+  published shapes of those checkpoints
   (from their ``config.json``), so ``hf_import.load_hf_checkpoint`` of the real weights agrees
   with ``get_config`` of the same name.
 
@@ -27,6 +28,12 @@ import jax.numpy as jnp
 # Must equal ByteTokenizer().vocab_size: 256 bytes + specials, padded to 512 so that new special
 # tokens (e.g. tool-call tags) can be added without changing checkpoint shapes.
 BYTE_VOCAB_SIZE = 512
+# Kept here (not imported from attention.py / transformer.py) so configs stay array-free.
+ATTENTION_IMPLS = ("einsum", "xla", "chunked", "splash")
+# "none": keep every activation; "full": keep only block inputs (recompute the block);
+# "dots": keep matmul outputs; "dots_no_batch": keep matmul outputs without batch dims
+# (weights-shaped), i.e. recompute the activations' matmuls too.
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +84,31 @@ class ModelConfig:
     # tokenizer can produce): their logits are masked, so they are never sampled and hold no
     # probability mass in any log-prob, engine or trainer. None: every id is a real output.
     output_vocab: int | None = None
+    # The dtype an imported HF checkpoint stores its tensors in (its torch_dtype), which export
+    # writes back; None: export in param_dtype. Params live in param_dtype whatever it is.
+    checkpoint_dtype: str | None = None
+    # Memory / kernels (models/attention.py, transformer.Block remat). "einsum" and "none" are
+    # the reference path; TPU configs pick "splash" and a remat policy.
+    attention: str = "einsum"  # one of attention.IMPLS
+    attention_block: int = 512  # query block of "chunked" / "splash"
+    remat: str = "none"  # one of REMAT_POLICIES: what a block keeps for its backward pass
+    # The trainer's forward as a lax.scan over stacked layers: compile time independent of
+    # depth (28 unrolled layers take minutes to compile for TPU on 2 cores); same maths.
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"ModelConfig.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}"
+            )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"ModelConfig.remat must be one of {REMAT_POLICIES}, got {self.remat!r}"
+            )
+        if not isinstance(self.attention_block, int) or self.attention_block < 8:
+            raise ValueError(
+                f"ModelConfig.attention_block must be an int >= 8, got {self.attention_block!r}"
+            )
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -173,6 +203,34 @@ _PRESETS: dict[str, ModelConfig] = {
         qk_norm=True,
         tie_embeddings=True,
         max_seq_len=40960,
+    ),
+    "qwen2.5-1.5b": ModelConfig(
+        vocab_size=151936,
+        d_model=1536,
+        n_layers=28,
+        n_heads=12,
+        n_kv_heads=2,
+        head_dim=128,
+        d_ff=8960,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qkv_bias=True,
+        tie_embeddings=True,
+        max_seq_len=32768,
+    ),
+    "qwen2.5-3b": ModelConfig(
+        vocab_size=151936,
+        d_model=2048,
+        n_layers=36,
+        n_heads=16,
+        n_kv_heads=2,
+        head_dim=128,
+        d_ff=11008,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qkv_bias=True,
+        tie_embeddings=True,
+        max_seq_len=32768,
     ),
     "llama-3.2-1b": ModelConfig(
         vocab_size=128256,

@@ -18,7 +18,7 @@ arithmetic); every tensor the model needs must be present and of the exact shape
 checkpoint feature this model does not implement (o-proj or MLP bias, sliding window, a RoPE
 type other than default / llama3, a non-SiLU activation) is refused with an error naming it,
 never silently dropped. RoPE layout needs no permutation: HF checkpoints of these families
-already use the rotate-half pairing that ``transformer._apply_rope`` implements.
+already use the rotate-half pairing that ``rope.apply_rope`` implements.
 
 Driven by entry points and the trainer at start-up (import) and by checkpoint export; it reads
 and writes files only, and places arrays on the default device (callers reshard).
@@ -48,6 +48,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+STORAGE_DTYPES = ("float32", "bfloat16", "float16")
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
@@ -110,7 +111,21 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         rope_scaling=scaling,
     )
     fields.update(overrides)
+    # Recorded only where it differs from the params' dtype (None means "the params' dtype").
+    store = _storage_dtype(hf.get("torch_dtype") or hf.get("dtype"))
+    if store is not None and jnp.dtype(store) != jnp.dtype(fields.get("param_dtype", "float32")):
+        fields.setdefault("checkpoint_dtype", store)
     return ModelConfig(**fields)
+
+
+def _storage_dtype(name: Any) -> str | None:
+    """The checkpoint's ``torch_dtype`` as a dtype name (None when the config.json has none)."""
+    if name is None:
+        return None
+    name = str(name).removeprefix("torch.")
+    if name not in STORAGE_DTYPES:
+        raise _unsupported("torch_dtype", name)
+    return name
 
 
 def _family(config: ModelConfig) -> str:
@@ -145,7 +160,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "rope_scaling": None,
         "tie_word_embeddings": config.tie_embeddings,
         "max_position_embeddings": config.max_seq_len,
-        "torch_dtype": str(jnp.dtype(config.param_dtype)),
+        "torch_dtype": config.checkpoint_dtype or str(jnp.dtype(config.param_dtype)),
     }
     if family != "qwen2":
         out["attention_bias"] = False
@@ -333,7 +348,9 @@ def save_hf_checkpoint(
 
     ``model`` is a ``Transformer`` or its params ``nnx.State`` (e.g. what the trainer
     publishes; sharded arrays are gathered to the host). Returns the written file names.
-    Tensors keep the params' dtype.
+    Tensors are written in the checkpoint's own dtype (``config.checkpoint_dtype``, the
+    imported ``torch_dtype``: a bf16 checkpoint trained with fp32 masters exports as bf16),
+    else in the params' dtype.
     """
     path = os.fspath(path)
     limit = _parse_size(max_shard_size)
@@ -341,6 +358,9 @@ def save_hf_checkpoint(
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
     os.makedirs(path, exist_ok=True)
     tensors = params_to_hf(params, config)
+    if config.checkpoint_dtype is not None:
+        store = jnp.dtype(config.checkpoint_dtype)
+        tensors = {k: np.asarray(v).astype(store) for k, v in tensors.items()}
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name in sorted(tensors):

@@ -30,7 +30,6 @@ float32, KV cache in whatever dtype ``init_cache`` was given.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_orch.models.attention import attend
 from jaxrl_orch.models.configs import (
     BYTE_VOCAB_SIZE,
     CONFIG_NAMES,
@@ -45,6 +45,8 @@ from jaxrl_orch.models.configs import (
     RopeScaling,
     get_config,
 )
+from jaxrl_orch.models.rope import apply_rope as _apply_rope
+from jaxrl_orch.models.rope import rope_inv_freq
 
 __all__ = [
     "ACTIVATION_AXES",
@@ -69,39 +71,16 @@ LOGITS_AXES = ("batch", "length", "vocab")
 MASKED_LOGIT = -1e9
 
 _INIT = jax.nn.initializers.normal(stddev=0.02)  # HF initializer_range for these families
+# ModelConfig.remat -> jax.checkpoint policy (None: save nothing, recompute the whole block).
+_REMAT = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype, init=_INIT):
     return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
-    """RoPE inverse frequencies, float32 ``[head_dim // 2]``, with optional Llama-3 scaling."""
-    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
-    inv = inv.astype(np.float32)
-    if scaling is None:
-        return inv
-    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
-    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def _apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate ``x[B,T,H,D]`` by ``positions[B,T]``; halves layout (HF ``rotate_half``)."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B,T,D/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -119,7 +98,7 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention projections; the attention itself is ``_attend``."""
+    """Grouped-query attention projections; the attention itself is ``attention.attend``."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, kv, hd, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
@@ -153,21 +132,6 @@ class Attention(nnx.Module):
 
     def output(self, o: jax.Array) -> jax.Array:
         return jnp.einsum("bthd,hde->bte", o, self.o_proj[...].astype(self.cfg.dtype))
-
-
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """``q[B,T,H,D]`` over ``k, v[B,S,Hkv,D]`` where ``mask[B,T,S]``; softmax in float32."""
-    b, t, h, d = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, h // hkv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(d)
-    # A finite floor, not -inf: a fully masked row (never produced by the callers, but cheap to
-    # guard) then yields a uniform average instead of NaNs that would poison a whole batch.
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, d)
 
 
 class MLP(nnx.Module):
@@ -252,23 +216,60 @@ class Transformer(nnx.Module):
         return logits
 
     def hidden_states(
-        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array | None = None,
+        *,
+        splash_specs: Any = None,
     ) -> jax.Array:
-        """The full forward up to and including the final norm: ``hidden[B,T,E]`` in ``dtype``."""
+        """The full forward up to and including the final norm: ``hidden[B,T,E]`` in ``dtype``.
+
+        Attention follows ``config.attention``; each block is rematerialised per
+        ``config.remat``. ``splash_specs``: the ``(q, kv, segment)`` PartitionSpecs the splash
+        kernel runs under (the caller resolves them; see ``attention.splash_attention``).
+        """
         _check_tokens(tokens, positions)
-        t = tokens.shape[1]
-        mask = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
-        if segment_ids is not None:
-            if segment_ids.shape != tokens.shape:
-                raise ValueError(
-                    f"segment_ids shape {segment_ids.shape} must equal tokens {tokens.shape}"
-                )
-            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        cfg = self.config
+        b, t = tokens.shape
+        if segment_ids is not None and segment_ids.shape != tokens.shape:
+            raise ValueError(
+                f"segment_ids shape {segment_ids.shape} must equal tokens {tokens.shape}"
+            )
+        q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
         inv_freq = self._inv_freq
-        x = self._embed(tokens)
-        for layer in self.layers:
+
+        def block(layer: Block, x: jax.Array) -> jax.Array:
             q, k, v = layer.qkv(x, positions, inv_freq)
-            x = layer.finish(x, _attend(q, k, v, mask))
+            o = attend(
+                q,
+                k,
+                v,
+                q_index=q_index,
+                segment_ids=segment_ids,
+                self_attention=True,
+                impl=cfg.attention,
+                block=cfg.attention_block,
+                splash_specs=splash_specs,
+            )
+            return layer.finish(x, o)
+
+        x = self._embed(tokens)
+        if cfg.scan_layers:
+            # One compiled block for all layers (compile time independent of depth): the
+            # layers' params are stacked for the scan, each step one block.
+            gdef, stacked = self._stacked_layers()
+            body = lambda x, st: (block(nnx.merge(gdef, st), x), None)
+            if cfg.remat != "none":
+                body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
+            return self.final_norm(jax.lax.scan(body, x, stacked)[0])
+        for layer in self.layers:
+            if cfg.remat == "none":
+                x = block(layer, x)
+                continue
+            gdef, state = nnx.split(layer)
+            pure = lambda st, x, gdef=gdef: block(nnx.merge(gdef, st), x)
+            x = jax.checkpoint(pure, policy=_REMAT[cfg.remat], prevent_cse=True)(state, x)
         return self.final_norm(x)
 
     def __call__(
@@ -294,16 +295,45 @@ class Transformer(nnx.Module):
                 f"{self.config.n_layers} / tokens batch {tokens.shape[0]}"
             )
         rows = jnp.arange(b)[:, None]
-        mask = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B,T,S]
+        cfg = self.config
         inv_freq = self._inv_freq
         dt = self.config.dtype
-        x = self._embed(tokens)
-        for i, layer in enumerate(self.layers):
+
+        def block(layer: Block, i: Any, x: jax.Array, ck: jax.Array, cv: jax.Array):
             q, k, v = layer.qkv(x, positions, inv_freq)
             ck = ck.at[i, rows, positions].set(k.astype(ck.dtype), mode="drop")
             cv = cv.at[i, rows, positions].set(v.astype(cv.dtype), mode="drop")
-            x = layer.finish(x, _attend(q, ck[i].astype(dt), cv[i].astype(dt), mask))
+            o = attend(
+                q,
+                ck[i].astype(dt),
+                cv[i].astype(dt),
+                q_index=positions,
+                impl=cfg.attention,
+                block=cfg.attention_block,
+            )
+            return layer.finish(x, o), ck, cv
+
+        x = self._embed(tokens)
+        if cfg.scan_layers:
+            gdef, stacked = self._stacked_layers()
+
+            def body(x, xs):
+                # One layer's cache slice in, its update out (the scan stacks them), never a
+                # traced layer index into the whole cache.
+                st, cki, cvi = xs
+                x, cki, cvi = block(nnx.merge(gdef, st), 0, x, cki[None], cvi[None])
+                return x, (cki[0], cvi[0])
+
+            x, (ck, cv) = jax.lax.scan(body, x, (stacked, ck, cv))
+        else:
+            for i, layer in enumerate(self.layers):
+                x, ck, cv = block(layer, i, x, ck, cv)
         return self.logits_from_hidden(self.final_norm(x)), {"k": ck, "v": cv}
+
+    def _stacked_layers(self) -> tuple[Any, Any]:
+        """``(graphdef, params)`` of one block with every layer's params stacked (scan_layers)."""
+        states = [nnx.split(layer)[1] for layer in self.layers]
+        return nnx.split(self.layers[0])[0], jax.tree.map(lambda *xs: jnp.stack(xs), *states)
 
 
 def _check_tokens(tokens: jax.Array, positions: jax.Array) -> None:

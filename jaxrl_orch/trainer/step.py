@@ -23,6 +23,8 @@ aligned as in ``Sample``: token ``t``'s behavior log-prob, mask and advantage si
     - ``recompute_old_logprobs``: a gradient-free forward over every row before the first update
       gives ``old_logp``; the ratio is then taken against it and TIS weights the engine mismatch.
       Otherwise the ratio is taken against the engine's behavior log-probs.
+    - ``logprob_chunk > 0``: log-probs, entropy and loss from hidden states in sequence chunks
+      (``trainer/logprobs.py``), equal to the plain path up to float32 rounding.
     - ``ref_params`` (only when ``loss.kl_beta > 0``) gives the reference log-probs of the k3 KL.
 
 Invariants
@@ -48,6 +50,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_orch.algorithms import losses
+from jaxrl_orch.trainer.logprobs import sft_loss_from_logprobs, token_stats
 
 BATCH_FIELDS = (
     "tokens",
@@ -144,10 +147,17 @@ class StepConfig:
     recompute_old_logprobs: bool = False
     shuffle_minibatches: bool = True
     loss: losses.PolicyLossConfig = dataclasses.field(default_factory=losses.PolicyLossConfig)
+    # Log-probs / entropy / loss in chunks of this many positions (trainer/logprobs.py) so no
+    # [rows, T, V] float32 logits exist; 0: the plain path over the whole length.
+    logprob_chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.logprob_chunk, int) or self.logprob_chunk < 0:
+            raise ValueError(
+                f"StepConfig.logprob_chunk must be an int >= 0 (0: off), got {self.logprob_chunk!r}"
+            )
         for name in ("chunk_rows", "ppo_epochs", "minibatches"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -205,9 +215,11 @@ def build_train_step(
     opt_shardings: Any,
     mesh: jax.sharding.Mesh,
     row_axis: str | None = "fsdp",
+    splash_specs: Any = None,
 ) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
     """Compile-ready train step (see module docstring). ``row_axis`` shards packed rows
-    (data parallel) when the chunk's row count divides over it; ``None`` replicates rows."""
+    (data parallel) when the chunk's row count divides over it; ``None`` replicates rows.
+    ``splash_specs``: what the model's splash attention runs under (``Trainer`` resolves it)."""
     replicated = NamedSharding(mesh, PartitionSpec())
     row_size = mesh.shape[row_axis] if row_axis else 1
     rows_spec = PartitionSpec(row_axis) if row_axis and cfg.chunk_rows % row_size == 0 else None
@@ -222,14 +234,28 @@ def build_train_step(
             for k, v in tree.items()
         }
 
+    lp_chunk = cfg.logprob_chunk
+    _hidden = lambda model, c: model.hidden_states(
+        c["tokens"], c["positions"], c["segment_ids"], splash_specs=splash_specs
+    )
+
     def forward(params: Any, chunk: dict[str, jax.Array]) -> jax.Array:
         model = nnx.merge(graphdef, params)
-        logits = model(chunk["tokens"], chunk["positions"], chunk["segment_ids"])
-        return logits[:, :-1]
+        return model.logits_from_hidden(_hidden(model, chunk))[:, :-1]
+
+    def stats(params: Any, chunk: dict[str, jax.Array], temps: jax.Array, entropy: bool):
+        """Chunked path: (logp, entropy) [C, L-1] from hidden states, no full logits."""
+        model = nnx.merge(graphdef, params)
+        hidden = _hidden(model, chunk)[:, :-1]
+        return token_stats(
+            model.logits_from_hidden, hidden, chunk["targets"], temps, lp_chunk, entropy=entropy
+        )
 
     def logprobs_only(params: Any, chunks: dict[str, jax.Array]) -> jax.Array:
         def body(_, chunk):
             chunk = constrain_rows(chunk)
+            if lp_chunk:
+                return None, stats(params, chunk, chunk["temperatures"], False)[0]
             logits = forward(params, chunk)
             return None, losses.token_logprobs(logits, chunk["targets"], chunk["temperatures"])
 
@@ -238,10 +264,20 @@ def build_train_step(
 
     def chunk_loss(params: Any, chunk: dict[str, jax.Array]):
         chunk = constrain_rows(chunk)
-        logits = forward(params, chunk)
-        if cfg.kind == "sft":
-            return losses.sft_loss(logits, chunk["targets"], chunk["mask"], chunk["weights"])
-        new_lp, ent = losses.logprobs_and_entropy(logits, chunk["targets"], chunk["temperatures"])
+        if lp_chunk:
+            if cfg.kind == "sft":
+                ones = jnp.ones(chunk["targets"].shape, jnp.float32)
+                return sft_loss_from_logprobs(
+                    stats(params, chunk, ones, False)[0], chunk["mask"], chunk["weights"]
+                )
+            new_lp, ent = stats(params, chunk, chunk["temperatures"], True)
+        else:
+            logits = forward(params, chunk)
+            if cfg.kind == "sft":
+                return losses.sft_loss(logits, chunk["targets"], chunk["mask"], chunk["weights"])
+            new_lp, ent = losses.logprobs_and_entropy(
+                logits, chunk["targets"], chunk["temperatures"]
+            )
         return losses.policy_loss(
             new_lp,
             chunk["behavior"],
@@ -292,14 +328,11 @@ def build_train_step(
                 f"batch has {rows} rows; it must be a multiple of chunk_rows * minibatches = "
                 f"{cfg.rows_multiple} (pad rows in the trainer)"
             )
+        lp_of = lambda p: logprobs_only(p, _to_chunks(data, cfg.chunk_rows)).reshape(rows, -1)
         if cfg.kind == "rl" and cfg.recompute_old_logprobs:
-            data["old_logp"] = logprobs_only(params, _to_chunks(data, cfg.chunk_rows)).reshape(
-                rows, -1
-            )
+            data["old_logp"] = lp_of(params)
         if use_ref:
-            data["ref_logp"] = logprobs_only(ref_params, _to_chunks(data, cfg.chunk_rows)).reshape(
-                rows, -1
-            )
+            data["ref_logp"] = lp_of(ref_params)
         per_mb = rows // cfg.minibatches
 
         def epoch(carry, epoch_rng):
@@ -358,9 +391,5 @@ def opt_state_shardings(opt_state_shape: Any, params_shape: Any, param_shardings
         except Exception:  # noqa: BLE001 - non-pytree nodes simply are not params-like
             return False
 
-    def assign(x: Any) -> Any:
-        if is_params_like(x):
-            return param_shardings
-        return replicated
-
+    assign = lambda x: param_shardings if is_params_like(x) else replicated
     return jax.tree.map(assign, opt_state_shape, is_leaf=is_params_like)

@@ -35,6 +35,7 @@ Never: imports orchestration code, writes metrics itself, or re-tokenizes anythi
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -51,9 +52,69 @@ from jaxrl_orch.algorithms.packing import PackedBatch, pack_samples
 from jaxrl_orch.models.transformer import ModelConfig, Transformer, logical_specs
 from jaxrl_orch.trainer import step as step_lib
 from jaxrl_orch.types import TrainBatch
-from sharding.rules import TRAINER_RULES, Rules, resolve_shardings
+from sharding.rules import TRAINER_RULES, Rules, logical_to_mesh_spec, resolve_shardings
 
 Publisher = Callable[[int, Any], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainPrograms:
+    """What a trainer compiles, built without allocating anything (``python -m jaxrl_orch.aot``
+    lowers ``step_fn`` against ``abstract_params`` / ``abstract_opt_state`` deviceless)."""
+
+    graphdef: Any
+    abstract_params: Any
+    param_shardings: Any
+    optimizer: Any
+    abstract_opt_state: Any
+    opt_shardings: Any
+    step_fn: Any
+
+
+def splash_specs(model_config: ModelConfig, mesh: Mesh, rules: Rules, rows: int, row_len: int):
+    """``(mesh, q, kv, segment)`` PartitionSpecs splash attention runs under on this mesh, or
+    None when the model does not use splash (resolved by ``sharding.rules``, like all specs)."""
+    if model_config.attention != "splash":
+        return None
+    c = model_config
+    spec = lambda axes, shape: logical_to_mesh_spec(axes, rules, mesh=mesh, shape=shape)
+    q = spec(("batch", "length", "heads", "head_dim"), (rows, row_len, c.n_heads, c.head_dim))
+    kv = spec(
+        ("batch", "length", "kv_heads", "head_dim"), (rows, row_len, c.n_kv_heads, c.head_dim)
+    )
+    return mesh, q, kv, spec(("batch", "length"), (rows, row_len))
+
+
+def build_programs(
+    model_config: ModelConfig,
+    mesh: Mesh,
+    step_cfg: step_lib.StepConfig,
+    optim_cfg: step_lib.OptimConfig,
+    rules: Rules = TRAINER_RULES,
+    seed: int = 0,
+    row_len: int = 2048,
+) -> TrainPrograms:
+    """Shapes, shardings, optimizer and the jitted step of a trainer (no arrays built)."""
+    abstract = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(seed)))
+    graphdef, abstract_state = nnx.split(abstract)
+    param_shardings = resolve_shardings(
+        logical_specs(abstract_state), mesh, rules, shapes=abstract_state
+    )
+    optimizer = step_lib.make_optimizer(optim_cfg)
+    opt_shape = jax.eval_shape(optimizer.init, abstract_state)
+    opt_shardings = step_lib.opt_state_shardings(opt_shape, abstract_state, param_shardings, mesh)
+    step_fn = step_lib.build_train_step(
+        graphdef,
+        optimizer,
+        step_cfg,
+        param_shardings=param_shardings,
+        opt_shardings=opt_shardings,
+        mesh=mesh,
+        splash_specs=splash_specs(model_config, mesh, rules, step_cfg.chunk_rows, row_len),
+    )
+    return TrainPrograms(
+        graphdef, abstract_state, param_shardings, optimizer, opt_shape, opt_shardings, step_fn
+    )
 
 
 class Trainer:
@@ -96,11 +157,11 @@ class Trainer:
         self.copy_on_publish = copy_on_publish
         self._publishers: list[Publisher] = []
 
-        abstract = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(seed)))
-        self.graphdef, abstract_state = nnx.split(abstract)
-        self.param_shardings = resolve_shardings(
-            logical_specs(abstract_state), mesh, rules, shapes=abstract_state
+        programs = build_programs(
+            model_config, mesh, self.step_cfg, self.optim_cfg, rules, seed, row_len
         )
+        self.graphdef, abstract_state = programs.graphdef, programs.abstract_params
+        self.param_shardings = programs.param_shardings
         if init_params is None:
 
             def init() -> Any:
@@ -112,12 +173,9 @@ class Trainer:
             _check_same_shapes(init_params, abstract_state)
             self.params = jax.device_put(init_params, self.param_shardings)
 
-        self.optimizer = step_lib.make_optimizer(self.optim_cfg)
+        self.optimizer = programs.optimizer
         self._schedule = step_lib.make_schedule(self.optim_cfg)
-        opt_shape = jax.eval_shape(self.optimizer.init, self.params)
-        self.opt_shardings = step_lib.opt_state_shardings(
-            opt_shape, abstract_state, self.param_shardings, mesh
-        )
+        self.opt_shardings = programs.opt_shardings
         self.opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
         self._copy = jax.jit(
             lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings
@@ -127,14 +185,7 @@ class Trainer:
             # The reference policy is the initial policy, frozen. It is not checkpointed: a
             # resumed trainer is rebuilt from the same seed / init_params, so it is rebuilt too.
             self.ref_params = self._copy(self.params)
-        self._step_fn = step_lib.build_train_step(
-            self.graphdef,
-            self.optimizer,
-            self.step_cfg,
-            param_shardings=self.param_shardings,
-            opt_shardings=self.opt_shardings,
-            mesh=mesh,
-        )
+        self._step_fn = programs.step_fn
         self.rng = jax.random.PRNGKey(seed)
         self.version = int(initial_version)
         self.steps_done = 0

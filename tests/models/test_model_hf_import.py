@@ -3,6 +3,7 @@ export round trip, config mapping and errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -16,9 +17,10 @@ from jaxrl_orch.models.hf_import import (
     config_from_hf,
     config_to_hf,
     load_hf_checkpoint,
+    read_safetensors,
     save_hf_checkpoint,
 )
-from jaxrl_orch.models.transformer import get_config
+from jaxrl_orch.models.transformer import Transformer, get_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -198,3 +200,38 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg_json))
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.\w+_proj: checkpoint shape"):
         load_hf_checkpoint(tmp_path)
+
+
+def test_torch_dtype_is_honoured_on_import_and_export(tmp_path):
+    """A bf16 checkpoint loads into fp32 master params exactly and exports as bf16 again (the
+    same bytes on disk); an fp32 checkpoint stays fp32."""
+    import ml_dtypes
+
+    cfg = get_config("tiny-byte", n_layers=1)
+    hf = dict(config_to_hf(cfg), torch_dtype="bfloat16")
+    assert config_from_hf(hf).checkpoint_dtype == "bfloat16"
+    assert config_from_hf(hf, param_dtype="bfloat16").checkpoint_dtype is None
+    assert config_from_hf(config_to_hf(cfg)).checkpoint_dtype is None
+    with pytest.raises(ValueError, match="torch_dtype='int8'"):
+        config_from_hf(dict(hf, torch_dtype="int8"))
+
+    rng = np.random.default_rng(0)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    bf = jax.tree.map(
+        lambda x: np.asarray(rng.normal(size=x.shape), np.float32).astype(ml_dtypes.bfloat16),
+        state,
+    )
+    src = tmp_path / "src"
+    save_hf_checkpoint(bf, dataclasses.replace(cfg, param_dtype="bfloat16"), src)
+    assert json.loads((src / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    loaded_cfg, model = load_hf_checkpoint(src)  # fp32 master params
+    assert loaded_cfg.checkpoint_dtype == "bfloat16"
+    params = nnx.state(model)
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(params))
+    out = tmp_path / "out"
+    save_hf_checkpoint(params, loaded_cfg, out)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    a, b = read_safetensors(src), read_safetensors(out)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert b[k].dtype == ml_dtypes.bfloat16 and np.array_equal(a[k], b[k]), k

@@ -1,0 +1,247 @@
+"""Attention: one entry point, several backends, the einsum kept as the reference oracle.
+
+What it owns
+    ``attend(q, k, v, *, q_index, segment_ids=None, impl=...)``: grouped-query attention of
+    ``q[B,T,H,D]`` over ``k, v[B,S,Hkv,D]`` where query ``t`` of row ``b`` sees key ``s`` iff
+    ``s <= q_index[b, t]`` and (with ``segment_ids``, self-attention only) both sit in the same
+    segment. That one rule covers the trainer's packed causal rows (``q_index = arange(T)``) and
+    the engine's cache (``q_index = positions``: a query sees the cache up to its own index).
+    Softmax statistics are always float32; the output has ``v``'s dtype.
+
+Backends (``IMPLS``)
+    - ``"einsum"``: the full ``[B, Hkv, G, T, S]`` score tensor, materialised. The oracle every
+      other backend is tested against (tests/models/test_attention.py), and the CPU default, so
+      the CPU path computes exactly what it always did.
+    - ``"xla"``: ``jax.nn.dot_product_attention`` (XLA's fused attention; cuDNN flash on GPU).
+    - ``"chunked"``: query blocks of ``block`` rows, each block's scores recomputed in the
+      backward pass (``jax.checkpoint``): peak memory ``O(block * S)`` instead of ``O(T * S)``,
+      on any backend; a self-attention of at most one block is the einsum. Cache calls
+      (``self_attention=False``, ``T < block``) become length-aware instead: a
+      ``while_loop`` over key blocks stops after the last block any query of the batch can see,
+      so a decode step reads ``max(position)`` of the cache, not all of it (online softmax).
+    - ``"splash"``: the Pallas TPU splash-attention kernel (causal + segment ids, GQA), one
+      kernel per row under ``shard_map`` when a mesh is set. Self-attention only; a cached
+      (decode) call with ``"splash"`` takes the length-aware ``"chunked"`` path.
+      ``interpret=True`` runs the kernel in Pallas interpret mode (CPU tests).
+
+Invariants: every backend computes the same function up to float rounding (the masked entries
+get probability 0; a fully masked row, which callers never produce, is undefined). Nothing here
+resolves logical axis names: ``splash`` is given its ``PartitionSpec``s by the caller (the
+trainer resolves them in ``sharding/rules.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+IMPLS = ("einsum", "xla", "chunked", "splash")
+_NEG = jnp.finfo(jnp.float32).min
+
+
+def check_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def _mask(q_index, s: int, segment_ids):
+    mask = jnp.arange(s)[None, None, :] <= q_index[:, :, None]  # [B,T,S]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return mask
+
+
+def einsum_attention(q, k, v, q_index, segment_ids=None):
+    """The reference: full scores, float32 softmax (the pre-backend ``_attend``, unchanged)."""
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    mask = _mask(q_index, k.shape[1], segment_ids)
+    qg = q.reshape(b, t, hkv, h // hkv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(d)
+    # A finite floor, not -inf: a fully masked row yields a uniform average instead of NaNs.
+    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, d)
+
+
+def xla_attention(q, k, v, q_index, segment_ids=None):
+    mask = _mask(q_index, k.shape[1], segment_ids)[:, None]  # [B,1,T,S]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+
+
+def _block_scores(qg, k, d):
+    return jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+
+
+def _query_blocks(q, k, v, q_index, segment_ids, block):
+    """Self-attention in query blocks; each block rematerialised in the backward pass."""
+    b, t, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    n = t // block
+    qb = q.reshape(b, n, block, hkv, h // hkv, d).swapaxes(0, 1)
+    ib = q_index.reshape(b, n, block).swapaxes(0, 1)
+    sb = None if segment_ids is None else segment_ids.reshape(b, n, block).swapaxes(0, 1)
+    kv_seg = segment_ids
+
+    @jax.checkpoint
+    def one(qg, idx, seg):
+        mask = jnp.arange(s)[None, None, :] <= idx[:, :, None]
+        if seg is not None:
+            mask = mask & (seg[:, :, None] == kv_seg[:, None, :])
+        scores = jnp.where(mask[:, None, None], _block_scores(qg, k, d), _NEG)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        return jnp.einsum("bkgts,bskd->btkgd", probs, v)
+
+    if sb is None:
+        out = jax.lax.map(lambda xs: one(xs[0], xs[1], None), (qb, ib))
+    else:
+        out = jax.lax.map(lambda xs: one(*xs), (qb, ib, sb))
+    return out.swapaxes(0, 1).reshape(b, t, h, d)
+
+
+def length_aware_attention(q, k, v, q_index, block: int = 128):
+    """Cache attention that reads key blocks only up to the furthest visible index."""
+    b, t, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    g = h // hkv
+    block = min(block, s)
+    pad = (-s) % block
+    if pad:
+        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    qg = q.reshape(b, t, hkv, g, d)
+    n_needed = jnp.minimum(jnp.max(q_index) // block + 1, (s + pad) // block)
+
+    def body(carry):
+        i, m, denom, acc = carry
+        kb = jax.lax.dynamic_slice_in_dim(k, i * block, block, axis=1)
+        vb = jax.lax.dynamic_slice_in_dim(v, i * block, block, axis=1)
+        idx = i * block + jnp.arange(block)
+        visible = idx[None, None, :] <= q_index[:, :, None]  # [B,T,blk]
+        sc = jnp.where(visible[:, None, None], _block_scores(qg, kb, d), _NEG)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+        p = jnp.exp(sc - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        denom = denom * scale + jnp.sum(p, axis=-1)
+        pv = jnp.einsum(
+            "bkgts,bskd->bkgtd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32
+        )
+        acc = acc * scale[..., None] + pv
+        return i + 1, m_new, denom, acc
+
+    init = (
+        jnp.int32(0),
+        jnp.full((b, hkv, g, t), _NEG, jnp.float32),
+        jnp.zeros((b, hkv, g, t), jnp.float32),
+        jnp.zeros((b, hkv, g, t, d), jnp.float32),
+    )
+    _, _, denom, acc = jax.lax.while_loop(lambda c: c[0] < n_needed, body, init)
+    out = (acc / denom[..., None]).astype(v.dtype)  # [B,K,G,T,D]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d)
+
+
+@functools.lru_cache(maxsize=32)
+def _splash_kernel(heads: int, t: int, block: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as sk,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as sm,
+    )
+
+    mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(heads)])
+    bq = min(block, t)
+    sizes = sk.BlockSizes(
+        block_q=bq,
+        block_kv=bq,
+        block_kv_compute=bq,
+        block_q_dkv=bq,
+        block_kv_dkv=bq,
+        block_kv_dkv_compute=bq,
+        block_q_dq=bq,
+        block_kv_dq=bq,
+    )
+    kernel = sk.make_splash_mha(
+        mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+    )
+    return kernel, sk.SegmentIds
+
+
+def splash_attention(q, k, v, segment_ids, *, block=512, specs=None, interpret=False):
+    """Splash kernel over ``[B,T,H,D]`` rows (causal, segment ids, GQA). ``specs``: optional
+    ``(mesh, q_spec, kv_spec, seg_spec)``; the kernel then runs per shard under ``shard_map``
+    (a Pallas call is not auto-partitioned)."""
+    b, t, h, d = q.shape
+    if segment_ids is None:
+        segment_ids = jnp.ones((b, t), jnp.int32)
+    scale = 1.0 / math.sqrt(d)
+
+    def local(q, k, v, seg):
+        kernel, seg_cls = _splash_kernel(q.shape[2], q.shape[1], block, interpret)
+        qh = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)  # [b,H,T,D]
+        kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        ids = seg_cls(q=seg, kv=seg)
+        out = jax.vmap(kernel)(qh, kh, vh, segment_ids=ids)
+        return jnp.swapaxes(out, 1, 2).astype(v.dtype)
+
+    if specs is None:
+        return local(q, k, v, segment_ids.astype(jnp.int32))
+    mesh, q_spec, kv_spec, seg_spec = specs
+    if q_spec[2] is not None and kv_spec[2] is None:
+        # kv heads do not split over the heads' axis: give every query head its kv head.
+        k = jnp.repeat(k, h // k.shape[2], axis=2)
+        v = jnp.repeat(v, h // v.shape[2], axis=2)
+        kv_spec = q_spec
+    fn = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+        out_specs=q_spec,
+        check_vma=False,
+    )
+    return fn(q, k, v, segment_ids.astype(jnp.int32))
+
+
+def attend(
+    q,
+    k,
+    v,
+    *,
+    q_index,
+    segment_ids=None,
+    self_attention: bool = False,
+    impl: str = "einsum",
+    block: int = 512,
+    splash_specs: tuple[Any, PartitionSpec, PartitionSpec, PartitionSpec] | None = None,
+    interpret: bool = False,
+):
+    """The one entry point (see the module docstring for the mask rule and the backends)."""
+    check_impl(impl)
+    t, s = q.shape[1], k.shape[1]
+    if segment_ids is not None and t != s:
+        raise ValueError(f"segment_ids need self-attention (T == S), got T={t}, S={s}")
+    if impl == "einsum":
+        return einsum_attention(q, k, v, q_index, segment_ids)
+    if impl == "xla":
+        return xla_attention(q, k, v, q_index, segment_ids)
+    if impl == "splash" and self_attention:
+        if t % min(block, t):
+            raise ValueError(f"splash attention needs T ({t}) to be a multiple of block {block}")
+        return splash_attention(
+            q, k, v, segment_ids, block=block, specs=splash_specs, interpret=interpret
+        )
+    if t % block == 0 and t > block:
+        return _query_blocks(q, k, v, q_index, segment_ids, block)
+    if not self_attention and t < block:
+        # A cache read (decode / short prefill): never differentiated, so a while_loop may
+        # stop at the furthest visible block.
+        return length_aware_attention(q, k, v, q_index, block=min(block, 128))
+    return einsum_attention(q, k, v, q_index, segment_ids)
