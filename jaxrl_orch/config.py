@@ -17,6 +17,8 @@ import gin
 
 from jaxrl_orch.settings import AGE_POLICIES, OrchestratorConfig
 
+DTYPES = ("float32", "bfloat16")
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +82,15 @@ class TrainConfig:
     trainer_mesh: tuple[tuple[str, int], ...] = ()
     decode_mesh: tuple[tuple[str, int], ...] = ()
     colocated: bool | None = None  # None: colocated iff there is one device
+    # accelerator path: precision, kernels, memory (python -m jaxrl_orch.aot checks the fit)
+    compute_dtype: str = "auto"  # matmuls, activations; "auto": bfloat16 on TPU/GPU, else float32
+    param_dtype: str = "float32"  # the trainer's master weights and Adam moments (or "bfloat16")
+    engine_param_dtype: str | None = None  # the engine's copy of the weights; None: compute_dtype
+    attention: str = "auto"  # "auto": splash on TPU, else einsum (the reference); xla, chunked
+    remat: str = "none"  # per-block rematerialisation: none, full, dots, dots_no_batch
+    logprob_chunk: int = 0  # trainer log-probs and loss in chunks of this many positions; 0: off
+    scan_layers: bool = False  # trainer forward as one lax.scan over layers (fast TPU compile)
+    tpu_topology: str | None = None  # the slice this config is sized for, e.g. "v5e:2x4" (aot)
     # evaluation / checkpoints / logging
     eval_every: int = 10
     eval_examples: int = 128
@@ -147,6 +158,19 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.max_new_tokens ({self.max_new_tokens}) must be < row_len "
                 f"({self.row_len}): a rollout is its prompt plus up to max_new_tokens tokens"
+            )
+        for name, value, allowed in (
+            ("compute_dtype", self.compute_dtype, ("auto", *DTYPES)),
+            ("param_dtype", self.param_dtype, DTYPES),
+            ("engine_param_dtype", self.engine_param_dtype, (None, *DTYPES)),
+            ("attention", self.attention, ("auto", "einsum", "xla", "chunked", "splash")),
+            ("remat", self.remat, ("none", "full", "dots", "dots_no_batch")),
+        ):
+            if value not in allowed:
+                raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {value!r}")
+        if self.logprob_chunk < 0:
+            raise ValueError(
+                f"TrainConfig.logprob_chunk must be >= 0 (0: off), got {self.logprob_chunk}"
             )
         for name in ("sft_steps", "max_staleness", "rl_warmup_steps", "sft_warmup_steps"):
             if getattr(self, name) < 0:

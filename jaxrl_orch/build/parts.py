@@ -86,15 +86,18 @@ def first_examples(source: DatasetSource, n: int, seed: int) -> DatasetSource:
     return DatasetSource([source.example_at(i) for i in range(n)], seed=seed, name=f"first{n}")
 
 
-def build_placement(cfg: TrainConfig, n_devices: int) -> tuple[bool, Any, Any]:
+def build_placement(cfg: TrainConfig, n_devices: int, devices: Any = None) -> tuple[bool, Any, Any]:
     """(colocated, decode mesh, trainer mesh): with one device (or ``colocated``) engine and
     trainer share every device; otherwise they split them (trainer fsdp, decode tp) unless the
-    config names both meshes. An impossible shape fails here, naming it."""
+    config names both meshes. An impossible shape fails here, naming it. ``devices``: default
+    ``jax.devices()``; ``python -m jaxrl_orch.aot`` passes a TPU topology's."""
     colocated = (n_devices == 1) if cfg.colocated is None else cfg.colocated
     half = n_devices if colocated else n_devices // 2
     trainer_shape = dict(cfg.trainer_mesh) or {"fsdp": half}
     decode_shape = dict(cfg.decode_mesh) or {"tp": n_devices if colocated else n_devices - half}
-    decode_mesh, trainer_mesh = make_meshes(decode_shape, trainer_shape, colocated=colocated)
+    decode_mesh, trainer_mesh = make_meshes(
+        decode_shape, trainer_shape, devices=devices, colocated=colocated
+    )
     return colocated, decode_mesh, trainer_mesh
 
 

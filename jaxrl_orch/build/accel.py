@@ -1,0 +1,96 @@
+"""The accelerator settings of a ``TrainConfig``, resolved for a backend.
+
+What it owns: turning ``compute_dtype`` / ``param_dtype`` / ``engine_param_dtype`` /
+``attention`` / ``remat`` / ``scan_layers`` / ``logprob_chunk`` (with their ``"auto"`` values)
+into what the parts
+are built with: the ``ModelConfig`` the trainer and the engine share (``accel_model_config``),
+the engine's parameter dtype (``engine_param_dtype``) and the train step's settings
+(``step_config``, which reads the same fields the experiment's trainer does).
+
+``"auto"`` (the defaults) resolve by backend: on TPU and GPU bfloat16 compute (and engine
+params), splash attention on TPU and XLA's on GPU; on CPU float32 and the reference einsum, so
+the CPU default computes exactly what it did before these settings existed. Master weights,
+Adam moments, log-probs, the loss and the ratios stay float32 unless ``param_dtype`` says
+``bfloat16`` (log-probs and the loss are float32 always).
+
+Pure functions of the config; nothing here touches devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_orch.algorithms.losses import PolicyLossConfig
+from jaxrl_orch.config import TrainConfig
+from jaxrl_orch.models.configs import ModelConfig
+from jaxrl_orch.trainer.step import StepConfig
+
+BACKENDS = ("cpu", "gpu", "tpu")
+
+
+def _backend(backend: str | None) -> str:
+    backend = backend or jax.default_backend()
+    backend = "gpu" if backend in ("cuda", "rocm") else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def compute_dtype(cfg: TrainConfig, backend: str | None = None) -> jnp.dtype:
+    if cfg.compute_dtype != "auto":
+        return jnp.dtype(cfg.compute_dtype)
+    return jnp.dtype(jnp.float32 if _backend(backend) == "cpu" else jnp.bfloat16)
+
+
+def attention_impl(cfg: TrainConfig, backend: str | None = None) -> str:
+    if cfg.attention != "auto":
+        return cfg.attention
+    return {"tpu": "splash", "gpu": "xla", "cpu": "einsum"}[_backend(backend)]
+
+
+def accel_model_config(
+    model_cfg: ModelConfig, cfg: TrainConfig, backend: str | None = None
+) -> ModelConfig:
+    """``model_cfg`` with the config's compute / master dtypes, attention and remat."""
+    return dataclasses.replace(
+        model_cfg,
+        dtype=compute_dtype(cfg, backend),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        attention=attention_impl(cfg, backend),
+        remat=cfg.remat,
+        scan_layers=cfg.scan_layers,
+    )
+
+
+def engine_param_dtype(cfg: TrainConfig, backend: str | None = None) -> jnp.dtype:
+    if cfg.engine_param_dtype is not None:
+        return jnp.dtype(cfg.engine_param_dtype)
+    return compute_dtype(cfg, backend)
+
+
+def step_config(cfg: TrainConfig, kind: str, recompute: bool | None = None) -> StepConfig:
+    """The train step of a stage, from the same fields the experiment's trainer reads.
+    ``recompute``: whether old log-probs are recomputed; default the setting, where unset
+    (None) means no (the built-in engine reports behaviour log-probs)."""
+    norm = cfg.resolved_loss_norm
+    if recompute is None:
+        recompute = bool(cfg.recompute_old_logprobs)
+    return StepConfig(
+        kind=kind,
+        chunk_rows=cfg.chunk_rows,
+        minibatches=cfg.minibatches if kind == "rl" else 1,
+        ppo_epochs=cfg.ppo_epochs if kind == "rl" else 1,
+        recompute_old_logprobs=recompute,
+        logprob_chunk=cfg.logprob_chunk,
+        loss=PolicyLossConfig(
+            eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high,
+            norm=norm,
+            norm_constant=float(cfg.max_new_tokens) if norm == "constant" else None,
+            tis_cap=cfg.tis_cap,
+            kl_beta=cfg.kl_beta,
+        ),
+    )
