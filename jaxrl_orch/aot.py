@@ -1,0 +1,266 @@
+"""``python -m jaxrl_orch.aot``: does a config fit its TPU slice? Compiled here, no TPU needed.
+
+What it owns: building, from a gin config, the programs a run compiles -- the RL train step on
+the trainer mesh, the engine's prefill and decode step (``steps_per_call`` steps of every slot)
+on the decode mesh, and the trainer-to-engine reshard's source-side cast -- against abstract
+``ShapeDtypeStruct`` arguments laid on a TPU topology's devices
+(``jax.experimental.topologies.get_topology_desc``, which needs ``libtpu``: the ``tpu`` extra),
+compiling them deviceless (MaxText's ``train_compile.py`` is the model), and reading what XLA
+says about each: per-chip memory (arguments, outputs, temporaries, generated code; donated
+arguments counted once), FLOPs and bytes accessed.
+
+Estimates (``aot_report``): a roofline time per program, ``max(flops / peak, bytes / HBM
+bandwidth)`` from the chip's published figures (``CHIPS``). XLA's cost analysis counts a loop
+body once, whatever its trip count (measured: a ``lax.scan`` of 8 matmuls reports the FLOPs of
+one), so each program also gets an analytic model count (``aot_report.model_costs``) and the
+estimate uses the larger of the two, per quantity.
+
+Exit status: 0 when every program fits within ``--max_fraction`` (0.9) of the chip's HBM; 1
+with a message naming each program that does not, and by how much; 2 for bad input (an unknown
+topology names the allowed ones). Never allocates a device array: params, optimizer state and
+caches exist only as shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Compiling for a topology needs no backend: keep JAX off any local accelerator (and off
+# libtpu's device probing) unless told otherwise.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu takes a machine-wide lock unless told otherwise; a deviceless compile never touches a
+# chip, so two of them (CI jobs, the test suite) may share the machine.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import gin  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxrl_orch import aot_report  # noqa: E402
+from jaxrl_orch.build.accel import (  # noqa: E402
+    accel_model_config,
+    engine_param_dtype,
+    step_config,
+)
+from jaxrl_orch.build.parts import build_placement, model_config, optim_config  # noqa: E402
+from jaxrl_orch.config import TrainConfig  # noqa: E402
+from jaxrl_orch.inference.engine import DecodeEngine  # noqa: E402
+from jaxrl_orch.models.tokenizer import load_tokenizer  # noqa: E402
+from jaxrl_orch.trainer import step as step_lib  # noqa: E402
+from jaxrl_orch.trainer.trainer import build_programs  # noqa: E402
+from sharding.reshard import cast_program  # noqa: E402
+from sharding.rules import abstract_arrays  # noqa: E402
+
+TOPOLOGY_RE = re.compile(r"^(v5e|v6e):(\d+)x(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    name: str
+    compiled: Any
+    chips: int  # devices the program runs on
+    model: dict[str, float]  # analytic flops / bytes per chip
+
+
+def load_config(gin_files: list[str], gin_params: list[str]) -> TrainConfig:
+    for f in gin_files:
+        if not Path(f).is_file():
+            raise ValueError(f"gin file {f!r} does not exist")
+    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings(gin_files, gin_params)
+        return TrainConfig()
+    except (KeyError, SyntaxError) as exc:
+        raise ValueError(f"bad gin config: {exc}") from exc
+    finally:
+        gin.clear_config()
+
+
+def topology_devices(topology: str) -> tuple[str, list[Any]]:
+    """``(chip, devices)`` of a ``"v5e:2x4"``-style topology (deviceless, needs libtpu)."""
+    m = TOPOLOGY_RE.match(topology or "")
+    if m is None:
+        raise ValueError(
+            f"unknown topology {topology!r}; allowed: '<chip>:<X>x<Y>' with chip one of "
+            f"{sorted(aot_report.CHIPS)}, e.g. 'v5e:2x4' (a v5e-8 host) or 'v6e:2x4'"
+        )
+    try:
+        from jax.experimental import topologies
+
+        desc = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+    except Exception as exc:  # noqa: BLE001 - re-raised with what to do about it
+        raise RuntimeError(
+            f"cannot describe TPU topology {topology!r} without a TPU: {exc}. Install the tpu "
+            "extra (pip install -e '.[tpu]': it brings libtpu)"
+        ) from exc
+    return m.group(1), list(desc.devices)
+
+
+def _sds(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def compile_train_step(cfg: TrainConfig, model_cfg, mesh) -> tuple[Any, Any, int]:
+    """The RL step on ``rows_per_batch`` rows (or one chunk), lowered and compiled."""
+    step_cfg = step_config(cfg, "rl")
+    rows = cfg.rows_per_batch or step_cfg.rows_multiple
+    progs = build_programs(
+        model_cfg,
+        mesh,
+        step_cfg,
+        optim_config(cfg, "rl", cfg.rl_learning_rate),
+        row_len=cfg.row_len,
+    )
+    params = abstract_arrays(progs.abstract_params, progs.param_shardings)
+    opt = abstract_arrays(progs.abstract_opt_state, progs.opt_shardings)
+    row_axis = "fsdp" if step_cfg.chunk_rows % mesh.shape["fsdp"] == 0 else None
+    bsh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row_axis, None))
+    dtypes = {
+        "loss_mask": jnp.bool_,
+        "advantages": jnp.float32,
+        "logprobs": jnp.float32,
+        "temperatures": jnp.float32,
+    }
+    batch = {
+        k: _sds((rows, cfg.row_len), dtypes.get(k, jnp.int32), bsh) for k in step_lib.BATCH_FIELDS
+    }
+    rng = _sds((2,), jnp.uint32, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    ref = params if step_cfg.kind == "rl" and step_cfg.loss.kl_beta > 0 else None
+    compiled = progs.step_fn.lower(params, opt, batch, rng, ref).compile()
+    return compiled, params, rows
+
+
+def build_engine(cfg: TrainConfig, model_cfg, mesh) -> DecodeEngine:
+    return DecodeEngine(
+        model_cfg,
+        mesh=mesh,
+        max_concurrent_decodes=cfg.decode_slots,
+        max_target_length=cfg.max_target_length,
+        steps_per_call=cfg.steps_per_call,
+        param_dtype=engine_param_dtype(cfg, "tpu"),
+        seed=cfg.seed,
+    )
+
+
+def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], dict[str, Any]]:
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    model_cfg = accel_model_config(model_config(cfg.model, tokenizer), cfg, "tpu")
+    colocated, decode_mesh, trainer_mesh = build_placement(cfg, len(devices), devices=devices)
+    n_tr, n_dec = trainer_mesh.devices.size, decode_mesh.devices.size
+    out: list[Compiled] = []
+
+    train, tparams, rows = compile_train_step(cfg, model_cfg, trainer_mesh)
+    mc = aot_report.model_costs(model_cfg, cfg, rows)
+    out.append(Compiled("train_step", train, n_tr, mc["train_step"]))
+
+    engine = build_engine(cfg, model_cfg, decode_mesh)
+    eparams = engine.abstract_params()
+    rep = jax.sharding.NamedSharding(decode_mesh, jax.sharding.PartitionSpec())
+    length = engine.max_prefill_length
+    prefill = engine.prefill_program(length).lower(eparams, _sds((1, length), jnp.int32, rep))
+    out.append(Compiled("prefill", prefill.compile(), n_dec, mc["prefill"]))
+    state = engine.abstract_decode_state()
+    gen = engine.generate_program(engine.max_concurrent_decodes)
+    gen = gen.lower(eparams, state, _sds((), jnp.int32, rep)).compile()
+    out.append(Compiled("decode_step", gen, n_dec, mc["decode_step"]))
+
+    dt = engine.param_dtype
+    leaves = jax.tree.leaves(tparams)
+    floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dt]
+    if floats:
+        cast = cast_program.lower(floats, dt).compile()
+        out.append(Compiled("reshard", cast, n_tr, mc["reshard"]))
+    info = {
+        "model": cfg.model,
+        "model_config": {
+            k: str(v)
+            for k, v in dataclasses.asdict(model_cfg).items()
+            if k
+            in (
+                "dtype",
+                "param_dtype",
+                "attention",
+                "remat",
+                "n_layers",
+                "d_model",
+                "n_heads",
+                "n_kv_heads",
+                "vocab_size",
+            )
+        },
+        "num_params": model_cfg.num_params,
+        "trainer_mesh": dict(trainer_mesh.shape),
+        "decode_mesh": dict(decode_mesh.shape),
+        "decode_mesh_size": n_dec,
+        "colocated": colocated,
+        "train_rows": rows,
+        "row_len": cfg.row_len,
+        "decode_slots": cfg.decode_slots,
+        "steps_per_call": cfg.steps_per_call,
+        "engine_param_dtype": str(dt),
+        "transfer_bytes": sum(x.size * jnp.dtype(dt).itemsize for x in leaves),
+    }
+    return out, info
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxrl_orch.aot",
+        description="Compile a config's programs for a TPU topology without a TPU; report "
+        "per-chip memory, FLOPs, bytes and roofline time; exit 1 if a program does not fit.",
+    )
+    p.add_argument("--gin_file", action="append", default=[], required=True)
+    p.add_argument("--gin_param", action="append", default=[])
+    p.add_argument(
+        "--topology",
+        default=None,
+        help="e.g. v5e:2x4 (default: TrainConfig.tpu_topology of the config)",
+    )
+    p.add_argument(
+        "--max_fraction",
+        type=float,
+        default=0.9,
+        help="a program fits when its per-chip bytes are <= this fraction of HBM",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if not 0 < args.max_fraction <= 1:
+            raise ValueError(f"--max_fraction must be in (0, 1], got {args.max_fraction}")
+        cfg = load_config(args.gin_file, args.gin_param)
+        topology = args.topology or cfg.tpu_topology
+        if topology is None:
+            raise ValueError(
+                "no topology: pass --topology (e.g. v5e:2x4) or set TrainConfig.tpu_topology"
+            )
+        chip, devices = topology_devices(topology)
+        programs, info = compile_all(cfg, devices)
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report = aot_report.build_report(topology, chip, programs, info, args.max_fraction)
+    if args.json:
+        print(json.dumps(report, indent=1, sort_keys=True))
+    else:
+        print(aot_report.format_text(report))
+    if not report["fits"]:
+        for line in report["shortfalls"]:
+            print(f"does not fit: {line}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
