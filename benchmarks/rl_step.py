@@ -5,7 +5,11 @@ one process on the same scenario: the ~3M-parameter ``small-byte`` model, 8 prom
 per step, up to 128 new tokens, beta = 0, no SFT (random weights: rewards are flat, so dynamic
 sampling is off and every batch still trains). The step time is the median of ``orch/step_s``
 after the first ``--warmup`` steps (compilation); the breakdown is the per-step median of the
-generate / train / transfer / idle seconds the run records.
+generate / train / transfer / idle seconds the run records. Also reported per setting: the
+generated (model) tokens per step and per second of step time (median over the same steps, from
+the stored rollouts), and ``compiles_after_warmup``: XLA backend compilations that started after
+the warm-up steps (JAX's ``/jax/core/compile/backend_compile_duration`` events). A steady state
+with fixed shapes compiles nothing: a non-zero count is a step paying for a recompile.
 
     python benchmarks/rl_step.py --json
 """
@@ -19,12 +23,26 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
+from jax import monitoring  # noqa: E402
+
 from jaxrl_orch.config import TrainConfig  # noqa: E402
 from jaxrl_orch.experiment import Experiment  # noqa: E402
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles: list[float] = []  # wall-clock end time of every backend compile in this process
+
+
+def _on_event(name: str, secs: float, **_: object) -> None:
+    if name == COMPILE_EVENT:
+        _compiles.append(time.time())
+
+
+monitoring.register_event_duration_secs_listener(_on_event)
 
 
 def run_once(staleness: int, steps: int, warmup: int, workdir: Path) -> dict:
@@ -55,8 +73,21 @@ def run_once(staleness: int, steps: int, warmup: int, workdir: Path) -> dict:
         by_step.setdefault(row["step"], {}).update(row)
     rows = [r for s, r in sorted(by_step.items()) if "orch/step_s" in r and s > warmup]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in rows)  # noqa: E731
+    # Row times are written once a step is trained: compiles after the warm-up's last row.
+    warm_end = max(r["time"] for s, r in by_step.items() if s <= warmup and "orch/step_s" in r)
+    tokens = {}
+    for r in rows:
+        lines = (workdir / "rollouts" / f"step_{int(r['step']):08d}.jsonl").read_text().splitlines()
+        tokens[r["step"]] = sum(sum(json.loads(x)["loss_mask"]) for x in lines)
+    step_s = med("orch/step_s")
     return {
-        "step_s": med("orch/step_s"),
+        "step_s": step_s,
+        "generated_tokens_per_step": statistics.median(tokens.values()),
+        "generated_tokens_per_s": statistics.median(
+            tokens[r["step"]] / r["orch/step_s"] for r in rows
+        ),
+        # Up to the last measured step's row: the final eval, checkpoint and export come after.
+        "compiles_after_warmup": sum(warm_end < t <= rows[-1]["time"] for t in _compiles),
         "breakdown": {k: med(f"time/{k}_s") for k in ("generate", "train", "transfer", "idle")},
     }
 
@@ -75,6 +106,15 @@ def main() -> None:
         "sync_step_s": sync["step_s"],
         "async_step_s": async_["step_s"],
         "speedup": sync["step_s"] / async_["step_s"],
+        **{
+            f"{k}_{name}": run[k]
+            for name, run in (("sync", sync), ("async", async_))
+            for k in (
+                "generated_tokens_per_step",
+                "generated_tokens_per_s",
+                "compiles_after_warmup",
+            )
+        },  # fmt: skip
         "breakdown": {"sync": sync["breakdown"], "async": async_["breakdown"]},
     }
     print(json.dumps(out) if a.json else json.dumps(out, indent=2))
