@@ -11,7 +11,11 @@ the stored rollouts), and ``compiles_after_warmup``: XLA backend compilations th
 the warm-up steps (JAX's ``/jax/core/compile/backend_compile_duration`` events). A steady state
 with fixed shapes compiles nothing: a non-zero count is a step paying for a recompile.
 
-    python benchmarks/rl_step.py --json
+``--profile DIR`` traces the asynchronous run's measured steps with the JAX profiler (the trace
+under DIR opens in TensorBoard's profile plugin or Perfetto) and prints where that time went
+(``benchmarks/profiling.py``: device compute, compile, transfers, waits, host Python).
+
+    python benchmarks/rl_step.py --json [--profile runs/profile]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -45,7 +50,30 @@ def _on_event(name: str, secs: float, **_: object) -> None:
 monitoring.register_event_duration_secs_listener(_on_event)
 
 
-def run_once(staleness: int, steps: int, warmup: int, workdir: Path) -> dict:
+def _step_rows(path: Path) -> dict[int, float]:
+    """``{step: row time}`` of the step rows written so far."""
+    if not path.exists():
+        return {}
+    rows = (json.loads(x) for x in path.read_text().splitlines() if x.strip())
+    return {int(r["step"]): r["time"] for r in rows if "orch/step_s" in r}
+
+
+def _profile_steps(workdir: Path, first: int, last: int, trace_dir: str, out: dict) -> None:
+    """A thread: trace from step ``first``'s row to step ``last``'s (the measured steps)."""
+    import jax
+
+    metrics = workdir / "metrics.jsonl"
+    while first not in _step_rows(metrics):
+        time.sleep(0.05)
+    jax.profiler.start_trace(trace_dir)
+    t0 = time.time()
+    while last not in _step_rows(metrics):
+        time.sleep(0.05)
+    jax.profiler.stop_trace()
+    out["wall_s"] = time.time() - t0
+
+
+def run_once(staleness: int, steps: int, warmup: int, workdir: Path, profile=None) -> dict:
     cfg = TrainConfig(
         model="small-byte",
         sft_steps=0,
@@ -65,7 +93,15 @@ def run_once(staleness: int, steps: int, warmup: int, workdir: Path) -> dict:
     )
     exp = Experiment(cfg, workdir)
     exp.validate()
+    traced: dict = {}
+    tracer = threading.Thread(
+        target=_profile_steps, args=(workdir, warmup, steps, profile, traced), daemon=True
+    )
+    if profile:
+        tracer.start()
     exp.run()
+    if profile:
+        tracer.join()  # the trace is written once stop_trace returns
     # A step's timeline is written as its own line after the step's line: merge by step.
     by_step: dict[int, dict] = {}
     for line in (workdir / "metrics.jsonl").read_text().splitlines():
@@ -80,6 +116,10 @@ def run_once(staleness: int, steps: int, warmup: int, workdir: Path) -> dict:
         lines = (workdir / "rollouts" / f"step_{int(r['step']):08d}.jsonl").read_text().splitlines()
         tokens[r["step"]] = sum(sum(json.loads(x)["loss_mask"]) for x in lines)
     step_s = med("orch/step_s")
+    if profile:
+        from profiling import summarize, table
+
+        print(table(summarize(profile), traced["wall_s"]), file=sys.__stderr__)
     return {
         "step_s": step_s,
         "generated_tokens_per_step": statistics.median(tokens.values()),
@@ -97,11 +137,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", default=None, help="trace the async run's measured steps here")
     a = p.parse_args()
     # Per-step console lines go to stderr so stdout holds only the result.
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
         sync = run_once(0, a.steps, a.warmup, Path(tmp) / "sync")
-        async_ = run_once(1, a.steps, a.warmup, Path(tmp) / "async")
+        async_ = run_once(1, a.steps, a.warmup, Path(tmp) / "async", a.profile)
     out = {
         "sync_step_s": sync["step_s"],
         "async_step_s": async_["step_s"],
