@@ -5,7 +5,7 @@ The two shipped TPU configs take minutes each to compile for TPU on 2 CPU cores,
 starts both, one after the other, in one background process when it is imported (at collection,
 before any test runs): the compiles overlap the rest of the suite, which leaves a core mostly
 idle, and ``test_tpu_configs_fit`` waits for them. A run that deselects that test still pays
-for the compiles; the process is killed at exit if still running.
+for the compiles; the process group is killed at exit if still running.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,15 @@ _script = " && ".join(
 )
 _env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no 8 fake CPU devices needed
 _BG = subprocess.Popen(["sh", "-c", _script], cwd=ROOT, env=_env, start_new_session=True)
-atexit.register(lambda: _BG.poll() is None and _BG.kill())
+
+
+def _stop_background() -> None:
+    # The shell leads its own session: kill the whole group, or its compiler child outlives it.
+    if _BG.poll() is None:
+        os.killpg(_BG.pid, signal.SIGKILL)
+
+
+atexit.register(_stop_background)
 
 PROGRAMS = ("train_step", "prefill", "decode_step", "reshard")
 
