@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 
+from jaxrl_orch.build.engines import to_engine
 from jaxrl_orch.envs.base import AtTemperature
 from jaxrl_orch.inference.client import EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
@@ -34,7 +35,6 @@ from jaxrl_orch.orchestrator.writers import ConsoleWriter, JsonlWriter
 from jaxrl_orch.summary import eval_summary
 from jaxrl_orch.trainer.sft import run_sft
 from jaxrl_orch.types import SamplingParams
-from sharding.reshard import reshard
 
 
 async def evaluate(exp: Any, client: EngineClient) -> dict[str, float]:
@@ -68,7 +68,7 @@ def run_imitation(exp: Any, params: Any) -> dict[str, Any]:
     trainer = exp.make_trainer("sft", cfg.rl_learning_rate, optim_kind="rl", init_params=params)
     engine = exp.make_engine()
     first = jax.tree.map(jax.numpy.copy, trainer.params)
-    driver = InferenceDriver(engine, reshard(first, engine.param_shardings), 0)
+    driver = InferenceDriver(engine, to_engine(first, engine), 0)
     client = EngineClient(driver)
     writer = JsonlWriter(exp.workdir / "metrics.jsonl")
     console = ConsoleWriter(keys=["eval/*/reward_mean", "eval/*/behaviour/*", "sft/loss"])
@@ -82,9 +82,7 @@ def run_imitation(exp: Any, params: Any) -> dict[str, Any]:
             step = done // per_step
             if step not in evals:
                 # A copy: the next SFT step donates the trainer's buffers.
-                moved = reshard(
-                    jax.tree.map(jax.numpy.copy, trainer.params), engine.param_shardings
-                )
+                moved = to_engine(jax.tree.map(jax.numpy.copy, trainer.params), engine)
                 driver.swap_params(moved, step).result()
                 evals[step] = asyncio.run(evaluate(exp, client))
                 writer.write(step, evals[step])

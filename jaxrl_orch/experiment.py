@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_orch.algorithms.losses import PolicyLossConfig
+from jaxrl_orch.build.accel import accel_model_config, engine_param_dtype, step_config
 from jaxrl_orch.build.checks import check_examples
 from jaxrl_orch.build.engines import (
     check_engine,
@@ -47,6 +47,7 @@ from jaxrl_orch.build.engines import (
     engine_notes,
     recompute_old_logprobs,
     reports_logprobs,
+    to_engine,
 )
 from jaxrl_orch.build.orchestrator import build_orchestrator
 from jaxrl_orch.build.parts import (
@@ -78,12 +79,10 @@ from jaxrl_orch.summary import eval_line, merge_evals
 from jaxrl_orch.telemetry import rl_telemetry
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
 from jaxrl_orch.trainer.sft import sft_sample
-from jaxrl_orch.trainer.step import StepConfig
 from jaxrl_orch.trainer.trainer import Trainer
 from jaxrl_orch.types import PolicyHandle, Sample, SamplingParams
 from jaxrl_orch.warmup import run_warmup
 from jaxrl_orch.weights import WeightPath
-from sharding.reshard import reshard
 
 TOKENIZER_SIDECARS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -93,7 +92,8 @@ class Experiment:
         self.cfg = cfg
         self.workdir = as_path(workdir)  # local, or a gs:// URL (kept one: paths.as_path)
         self.tokenizer = load_tokenizer(cfg.tokenizer)
-        self.model_cfg = model_config(cfg.model, self.tokenizer)
+        # The preset / checkpoint shapes with the run's precision, attention and remat.
+        self.model_cfg = accel_model_config(model_config(cfg.model, self.tokenizer), cfg)
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.orch: Orchestrator | None = None
@@ -168,8 +168,11 @@ class Experiment:
         """The decoding engine (``TrainConfig.engine``) on the decode mesh, with the run's
         slots and lengths; ``engine_logprobs`` records whether it reports log-probs."""
         cfg = self.cfg
+        # The built-in engine holds its weights in the compute dtype (bf16 on TPU/GPU).
+        extra = {"param_dtype": engine_param_dtype(cfg)} if cfg.engine == "builtin" else {}
         engine = check_engine(self.engine_factory(
             self.model_cfg,
+            **extra,
             mesh=self.decode_mesh,
             max_concurrent_decodes=cfg.decode_slots,
             max_target_length=cfg.max_target_length,
@@ -191,24 +194,9 @@ class Experiment:
         the optimizer schedule (the imitation control trains SFT on the RL schedule)."""
         cfg = self.cfg
         optim = optim_config(cfg, optim_kind or kind, lr)
-        norm = cfg.resolved_loss_norm
-        step = StepConfig(
-            kind=kind,
-            chunk_rows=cfg.chunk_rows,
-            # The warm-up takes one plain step per batch; minibatches/epochs are RL settings.
-            minibatches=cfg.minibatches if kind == "rl" else 1,
-            ppo_epochs=cfg.ppo_epochs if kind == "rl" else 1,
-            recompute_old_logprobs=self.recompute,  # see build.engines (make_engine runs first)
-            loss=PolicyLossConfig(
-                eps_low=cfg.eps_low,
-                eps_high=cfg.eps_high,
-                norm=norm,
-                # Dr. GRPO's constant: the generation budget of one answer.
-                norm_constant=float(cfg.max_new_tokens) if norm == "constant" else None,
-                tis_cap=cfg.tis_cap,
-                kl_beta=cfg.kl_beta,
-            ),
-        )
+        # recompute: see build.engines (make_engine runs first); the warm-up takes one plain
+        # step per batch (minibatches / epochs are RL settings).
+        step = step_config(cfg, kind, recompute=self.recompute)
         return Trainer(
             self.model_cfg,
             self.trainer_mesh,
@@ -267,11 +255,12 @@ class Experiment:
             stage("resume", f"at step {start_step}; the earlier attempt's rows past it: {what}")
         # The engine starts on the trainer's current weights: after a resume, the restored ones.
         first = jax.tree.map(jnp.copy, trainer.params) if self.colocated else trainer.params
-        driver = InferenceDriver(engine, reshard(first, engine.param_shardings), trainer.version)
+        driver = InferenceDriver(engine, to_engine(first, engine), trainer.version)
         weights = WeightPath(
             trainer,
             driver,
             engine.param_shardings,
+            dtype=getattr(engine, "param_dtype", None),
             checkpoint_every=cfg.checkpoint_every,
             last_step=cfg.rl_steps,
             checkpoint=lambda v: self._checkpoint_from_trainer_thread(ckpt, trainer, v),

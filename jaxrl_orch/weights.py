@@ -41,12 +41,14 @@ class WeightPath:
         driver: Any,
         shardings: Any,
         *,
+        dtype: Any = None,
         checkpoint_every: int,
         last_step: int,
         checkpoint: Callable[[int], None],
         synchronous: bool,
     ) -> None:
         self.trainer, self.driver, self.shardings = trainer, driver, shardings
+        self.dtype = dtype  # the engine's weight dtype: cast on the trainer's devices, then move
         self.publisher = InProcessPublisher()
         self.checkpoint_every, self.last_step = checkpoint_every, last_step
         self._checkpoint = checkpoint
@@ -60,7 +62,7 @@ class WeightPath:
 
     def on_publish(self, version: int, params: Any) -> None:
         t0 = time.perf_counter()
-        moved = jax.block_until_ready(reshard(params, self.shardings))
+        moved = jax.block_until_ready(reshard(params, self.shardings, dtype=self.dtype))
         row = {f"trainer/{k}": v for k, v in self.trainer.last_step_metrics.items()}
         row["time/train_s"] = row.get("trainer/step_s", 0.0)
         row["time/transfer_s"] = time.perf_counter() - t0

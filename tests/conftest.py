@@ -10,3 +10,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+
+def pytest_collection_finish(session):
+    """Start the TPU configs' deviceless compiles in the background right after collection when
+    ``test_aot.py::test_tpu_configs_fit`` will run, so they overlap the rest of the session."""
+    for item in session.items:
+        if item.nodeid.endswith("test_aot.py::test_tpu_configs_fit"):
+            item.module.start_background()
+            return

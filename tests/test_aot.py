@@ -1,11 +1,11 @@
 """``python -m jaxrl_orch.aot``: the TPU configs fit (deviceless compile for v5e / v6e), the
 report's contract, and the errors and exit codes.
 
-The two shipped TPU configs take minutes each to compile for TPU on 2 CPU cores, so this module
-starts both, one after the other, in one background process when it is imported (at collection,
-before any test runs): the compiles overlap the rest of the suite, which leaves a core mostly
-idle, and ``test_tpu_configs_fit`` waits for them. A run that deselects that test still pays
-for the compiles; the process group is killed at exit if still running.
+The two shipped TPU configs take minutes each to compile for TPU on 2 CPU cores, so when
+``test_tpu_configs_fit`` is selected, ``tests/conftest.py`` starts both, one after the other,
+in one background process right after collection (``start_background``): the compiles overlap
+the rest of the run, and the test waits for them. A run that deselects the test (the default
+``-m "not slow"``) starts nothing; the process group is killed at exit if still running.
 """
 
 from __future__ import annotations
@@ -34,16 +34,23 @@ _script = " && ".join(
     for name, cfg in CONFIGS.items()
 )
 _env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no 8 fake CPU devices needed
-_BG = subprocess.Popen(["sh", "-c", _script], cwd=ROOT, env=_env, start_new_session=True)
+_BG: subprocess.Popen | None = None
+
+
+def start_background() -> subprocess.Popen:
+    """Start both compiles once (idempotent); returns the background process."""
+    global _BG
+    if _BG is None:
+        _BG = subprocess.Popen(["sh", "-c", _script], cwd=ROOT, env=_env, start_new_session=True)
+        atexit.register(_stop_background)
+    return _BG
 
 
 def _stop_background() -> None:
     # The shell leads its own session: kill the whole group, or its compiler child outlives it.
-    if _BG.poll() is None:
+    if _BG is not None and _BG.poll() is None:
         os.killpg(_BG.pid, signal.SIGKILL)
 
-
-atexit.register(_stop_background)
 
 PROGRAMS = ("train_step", "prefill", "decode_step", "reshard")
 
@@ -52,7 +59,7 @@ PROGRAMS = ("train_step", "prefill", "decode_step", "reshard")
 def test_tpu_configs_fit():
     """Both configs compile for their topology without a TPU and every program fits within
     90% of the chip's HBM; the JSON carries the documented keys."""
-    _BG.wait(timeout=1800)
+    start_background().wait(timeout=1800)
     for name, cfg in CONFIGS.items():
         rc = int((_OUT / f"{name}.rc").read_text())
         err = (_OUT / f"{name}.err").read_text()

@@ -10,6 +10,8 @@ keyword) that returns an engine with JetStream's method shape (``prefill``, ``in
 results carry no log-probs or versions; ``reports_logprobs(engine)`` says whether an engine's
 do (``engine.reports_logprobs``, True for the built-in one, False when absent), so the run can
 have the trainer recompute the behaviour log-probs instead (``recompute_old_logprobs``).
+``to_engine(params, engine)`` moves the trainer's weights onto the engine's shardings, cast to
+its weight dtype on the way (``engine.param_dtype``: bf16 on TPU/GPU for the built-in one).
 
 A bad spec fails in ``Experiment.validate``, naming the value and the allowed forms.
 """
@@ -22,6 +24,7 @@ from typing import Any
 
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.inference.requests import accepts
+from sharding.reshard import reshard
 
 REQUIRED = ("prefill", "insert", "generate", "init_decode_state", "param_shardings")
 
@@ -56,6 +59,12 @@ def check_engine(engine: Any, spec: str) -> Any:
             f"needs {list(REQUIRED)}"
         )
     return engine
+
+
+def to_engine(params: Any, engine: Any) -> Any:
+    """``params`` on the engine's shardings, cast to its weight dtype first (bf16 on TPU/GPU:
+    half the bytes to move)."""
+    return reshard(params, engine.param_shardings, dtype=getattr(engine, "param_dtype", None))
 
 
 def reports_logprobs(engine: Any) -> bool:
