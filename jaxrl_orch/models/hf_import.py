@@ -13,15 +13,12 @@ families (``config.json`` plus ``model.safetensors`` or a sharded set indexed by
 - ``export_hf_dir(params, config, workdir, tokenizer_json)``: a run's final policy written to
   ``workdir/export`` atomically (via ``export.tmp``).
 
-Invariants: export then import gives bit-identical params (only transposes and reshapes, no
-arithmetic); every tensor the model needs must be present and of the exact shape, and a
-checkpoint feature this model does not implement (o-proj or MLP bias, sliding window, a RoPE
-type other than default / llama3, a non-SiLU activation) is refused with an error naming it,
-never silently dropped. RoPE layout needs no permutation: HF checkpoints of these families
-already use the rotate-half pairing that ``rope.apply_rope`` implements.
-
-Driven by entry points and the trainer at start-up (import) and by checkpoint export; it reads
-and writes files only, and places arrays on the default device (callers reshard).
+Invariants: export then import gives bit-identical params (transposes and reshapes only); every
+tensor the model needs must be present and of the exact shape; a checkpoint feature this model
+does not implement (o-proj / MLP bias, sliding window, a RoPE type other than default / llama3,
+a non-SiLU activation) is refused naming it. RoPE needs no permutation: these families use the
+rotate-half pairing of ``rope.apply_rope``. Reads and writes files only; arrays land on the
+default device (callers reshard).
 """
 
 from __future__ import annotations
@@ -346,11 +343,10 @@ def save_hf_checkpoint(
 ) -> list[str]:
     """Write ``config.json`` and safetensors (sharded with an index past ``max_shard_size``).
 
-    ``model`` is a ``Transformer`` or its params ``nnx.State`` (e.g. what the trainer
-    publishes; sharded arrays are gathered to the host). Returns the written file names.
-    Tensors are written in the checkpoint's own dtype (``config.checkpoint_dtype``, the
-    imported ``torch_dtype``: a bf16 checkpoint trained with fp32 masters exports as bf16),
-    else in the params' dtype.
+    ``model`` is a ``Transformer`` or its params ``nnx.State`` (sharded arrays are gathered to
+    the host). Returns the written file names. Tensors are written in the checkpoint's own
+    dtype (``config.checkpoint_dtype``, the imported ``torch_dtype``: a bf16 checkpoint
+    trained with fp32 masters exports as bf16), else in the params' dtype.
     """
     path = os.fspath(path)
     limit = _parse_size(max_shard_size)
@@ -391,9 +387,8 @@ def save_hf_checkpoint(
 def export_hf_dir(
     params: Any, cfg: ModelConfig, workdir: str | Path, tokenizer_json: str | Path | None
 ) -> Path:
-    """``params`` as an HF checkpoint in ``workdir/export`` (with ``tokenizer_json`` copied as
-    ``tokenizer.json`` when given), replaced whole via ``export.tmp``, so a crash mid-write
-    never leaves a half-written export behind the old one's name."""
+    """``params`` as an HF checkpoint in ``workdir/export`` (plus ``tokenizer_json`` if given),
+    replaced whole via ``export.tmp``: a crash mid-write never leaves a half-written export."""
     out, tmp = Path(workdir) / "export", Path(workdir) / "export.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf_checkpoint(params, cfg, tmp)
