@@ -37,10 +37,8 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-import gin  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -51,7 +49,7 @@ from jaxrl_orch.build.accel import (  # noqa: E402
     step_config,
 )
 from jaxrl_orch.build.parts import build_placement, model_config, optim_config  # noqa: E402
-from jaxrl_orch.config import TrainConfig  # noqa: E402
+from jaxrl_orch.config import TrainConfig, load_config  # noqa: E402
 from jaxrl_orch.inference.engine import DecodeEngine  # noqa: E402
 from jaxrl_orch.models.tokenizer import load_tokenizer  # noqa: E402
 from jaxrl_orch.trainer import step as step_lib  # noqa: E402
@@ -68,20 +66,6 @@ class Compiled:
     compiled: Any
     chips: int  # devices the program runs on
     model: dict[str, float]  # analytic flops / bytes per chip
-
-
-def load_config(gin_files: list[str], gin_params: list[str]) -> TrainConfig:
-    for f in gin_files:
-        if not Path(f).is_file():
-            raise ValueError(f"gin file {f!r} does not exist")
-    gin.clear_config()
-    try:
-        gin.parse_config_files_and_bindings(gin_files, gin_params)
-        return TrainConfig()
-    except (KeyError, SyntaxError) as exc:
-        raise ValueError(f"bad gin config: {exc}") from exc
-    finally:
-        gin.clear_config()
 
 
 def topology_devices(topology: str) -> tuple[str, list[Any]]:

@@ -12,6 +12,7 @@ model, bundled reverse-text task); ``configs/*.gin`` override them.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import gin
 
@@ -206,3 +207,21 @@ class TrainConfig:
     @property
     def batch_size(self) -> int:
         return self.prompts_per_step * self.group_size
+
+
+def load_config(gin_files: list[str], gin_params: list[str]) -> TrainConfig:
+    """Parse gin and build the config; every error names the bad file/binding/value."""
+    for f in gin_files:
+        if not Path(f).is_file():
+            raise ValueError(f"gin file {f!r} does not exist")
+    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings(gin_files, gin_params)
+    except (ValueError, KeyError, SyntaxError) as exc:
+        gin.clear_config()
+        raise ValueError(f"bad gin config: {exc}") from exc
+    try:
+        return TrainConfig()
+    except ValueError:
+        gin.clear_config()  # a refused config must not linger for the next TrainConfig()
+        raise

@@ -44,7 +44,7 @@ from typing import Any
 import gin
 
 from jaxrl_orch import config_help
-from jaxrl_orch.config import TrainConfig
+from jaxrl_orch.config import TrainConfig, load_config
 from jaxrl_orch.paths import as_path
 
 DEFAULT_COMMAND = (
@@ -133,24 +133,6 @@ def outputs_line(workdir: str | Path) -> str:
     if (wd / "summary.json").is_file():
         parts.append(f"numbers {wd / 'summary.json'}")
     return "outputs: " + ("; ".join(parts) if parts else f"none found in {wd}")
-
-
-def load_config(gin_files: list[str], gin_params: list[str]) -> TrainConfig:
-    """Parse gin and build the config; every error names the bad file/binding/value."""
-    for f in gin_files:
-        if not Path(f).is_file():
-            raise ValueError(f"gin file {f!r} does not exist")
-    gin.clear_config()
-    try:
-        gin.parse_config_files_and_bindings(gin_files, gin_params)
-    except (ValueError, KeyError, SyntaxError) as exc:
-        gin.clear_config()
-        raise ValueError(f"bad gin config: {exc}") from exc
-    try:
-        return TrainConfig()
-    except ValueError:
-        gin.clear_config()  # a refused config must not linger for the next TrainConfig()
-        raise
 
 
 def main(argv: list[str] | None = None) -> int:
