@@ -63,7 +63,6 @@ class FaultLog:
         self.path = path
         self.report = report
         self.counts: dict[str, int] = {}
-        self.first_text: dict[str, str] = {}
         self.total = 0
         self._out: JsonlAppender | None = None
 
@@ -76,7 +75,6 @@ class FaultLog:
             key = f"{r.env}: {_DIGITS.sub('#', errors[0])[:300]}"
             n = self.counts[key] = self.counts.get(key, 0) + 1
             if n == 1:
-                self.first_text[key] = errors[0]
                 self.report(
                     f"!! env {r.env!r} rollout failed ({'eval' if r.is_eval else 'train'}, "
                     f"group {r.group_id}): {errors[0][:500]}  [first of its kind; later ones "
