@@ -58,6 +58,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 = disabled
     max_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
+    # Per-request seed: token i is drawn from a key of (seed, prompt length, i) only, whatever
+    # engine, replica or slot serves it. None: the engine's own RNG stream.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -68,6 +71,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not (
+            isinstance(self.seed, int | np.integer)
+            and not isinstance(self.seed, bool)
+            and 0 <= self.seed < 2**31
+        ):
+            raise ValueError(f"seed must be None or an int in [0, 2**31), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -3,13 +3,17 @@
 Owns: what one ``DecodeEngine`` decode state holds -- the KV cache
 ``{"k", "v"}: [layers, slots, max_target_length, kv_heads, head_dim]`` and one row per slot of
 ``tokens`` (last token), ``pos`` (its position), ``active``, ``generated`` and the request's
-sampling settings (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``stop [slots, m]``),
-plus one shared PRNG key ``rng`` -- and the jnp functions that move slot rows around in it.
+sampling settings (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``stop [slots, m]``,
+``seeded`` and its ``seed_key [slots, key words]`` = ``sampling.request_key(seed, prompt
+length)``), plus one shared PRNG key ``rng`` for unseeded slots -- the jnp functions that move
+slot rows around in it, and ``slot_fields`` (host side: one request's rows for ``insert``).
 
 Invariants: every entry but ``rng`` has the slot axis (axis 1 for the cache, 0 otherwise), so
 slot operations treat them alike by name, never by shape (a 2-slot state and the 2-word key
-look the same). Functions here are pure and shape-static; ``DecodeEngine`` jits them with
-donation and explicit shardings. Nothing here knows about models, params or the driver.
+look the same); a moved or narrowed slot therefore keeps its ``seed_key`` and ``generated``,
+i.e. its seeded token stream. Functions here are pure and shape-static; ``DecodeEngine`` jits
+them with donation and explicit shardings. Nothing here knows about models, params or the
+driver.
 
 Narrow decoding (why ``head`` / ``put_head`` exist): a decode step's cost is nearly proportional
 to the slots it runs, so the engine can run only the first ``w`` slots. The narrow program
@@ -23,11 +27,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxrl_orch.inference.sampling import request_key
 from jaxrl_orch.models.transformer import ModelConfig, init_cache
+from jaxrl_orch.types import SamplingParams
 
-# Per-request settings written by insert; "token" lands in the state's "tokens" entry.
-SLOT_FIELDS = ("token", "pos", "max_tokens", "temperature", "top_k", "top_p", "stop")
+# Per-request settings written by insert; "token" lands in the state's "tokens" entry. The
+# extra field "seed" only feeds "seed_key".
+SLOT_FIELDS = ("token", "pos", "max_tokens", "temperature", "top_k", "top_p", "stop", "seeded")
 STATE_KEYS = (
     "cache",
     "tokens",
@@ -39,6 +47,8 @@ STATE_KEYS = (
     "top_k",
     "top_p",
     "stop",
+    "seeded",
+    "seed_key",
     "rng",
 )
 
@@ -64,7 +74,31 @@ def build(
         "top_k": zeros(jnp.int32),
         "top_p": jnp.ones((slots,), jnp.float32),
         "stop": jnp.full((slots, max_stop_tokens), -1, jnp.int32),
+        "seeded": zeros(bool),
+        "seed_key": jax.vmap(jax.random.PRNGKey)(zeros(jnp.int32)),
         "rng": jax.random.PRNGKey(seed),
+    }
+
+
+def slot_fields(prefix: dict[str, Any], sampling: SamplingParams, max_stop: int) -> dict:
+    """The rows ``insert`` writes for one request (host arrays: a new setting never recompiles);
+    the prompt length of its seed key is ``prefix["pos"] + 1``."""
+    stop = list(sampling.stop_token_ids)
+    if len(stop) > max_stop:
+        raise ValueError(
+            f"{len(stop)} stop_token_ids {tuple(stop)}; this engine holds at most "
+            f"max_stop_tokens={max_stop}"
+        )
+    return {
+        "token": prefix["token"],
+        "pos": prefix["pos"],
+        "max_tokens": np.int32(sampling.max_tokens),
+        "temperature": np.float32(sampling.temperature),
+        "top_k": np.int32(sampling.top_k),
+        "top_p": np.float32(sampling.top_p),
+        "stop": np.array(stop + [-1] * (max_stop - len(stop)), np.int32),
+        "seeded": np.bool_(sampling.seed is not None),
+        "seed": np.int32(sampling.seed or 0),
     }
 
 
@@ -83,6 +117,8 @@ def insert(
     for name in SLOT_FIELDS:
         key = {"token": "tokens"}.get(name, name)
         state[key] = state[key].at[slot].set(fields[name])
+    key = request_key(fields["seed"], fields["pos"] + 1)
+    state["seed_key"] = state["seed_key"].at[slot].set(key)
     state["active"] = state["active"].at[slot].set(True)
     state["generated"] = state["generated"].at[slot].set(0)
     return state

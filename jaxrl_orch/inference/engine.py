@@ -16,13 +16,19 @@ Contract details (see ``engine_api`` for the result layout):
 - ``prefill`` computes the prompt's KV but samples nothing: the slot's first generate step
   re-feeds the last prompt token (re-writing the same KV, up to float rounding, at its index)
   and samples the first completion token there. So one prefix inserted into G slots (prefix
-  sharing) still gives G independent first tokens, and every generated token carries the
-  version of the generate call that sampled it. Prefill's ``ResultTokens`` has valid = 0.
+  sharing) still gives G independent first tokens (G equal ones if they share a seed), and
+  every generated token carries the version of the generate call that sampled it (and a
+  seeded request's token 0 its key at i = 0). Prefill's ``ResultTokens`` has valid = 0.
 - Sampling parameters (temperature, top-k, top-p, stop ids, max tokens) are given per slot at
   ``insert(prefix, state, slot, sampling=...)`` (one shared prefix, G different settings) and
   live as arrays in the decode state: a new request never recompiles anything.
   Log-probs follow ``sampling.sample_tokens``: ``log_softmax(logits / T)`` over the full
   vocabulary at the sampled id; greedy (T = 0) slots report ``log_softmax(logits)``.
+- Randomness: a request with ``SamplingParams.seed`` draws completion token i (i = 0 is the one
+  the first generate step samples) from ``fold_in(fold_in(PRNGKey(seed), prompt_len), i)``
+  (``sampling.row_keys``; the key and i live per slot, so ``move_slot`` and narrow widths keep
+  them): its tokens do not depend on the engine, its seed, the slot or the batch. Unseeded
+  slots share the engine's ``rng`` stream (split per step, then per row of the width).
 - A slot finishes on a stop id (included), on ``max_tokens``, or when the next position would
   not fit the cache (``max_target_length``); afterwards it reports no valid tokens until a new
   prefix is inserted. Inactive slots still run through the fixed-shape step; their writes land
@@ -54,7 +60,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_orch.inference import decode_state as dstate  # the JetStream args are named decode_state
 from jaxrl_orch.inference.engine_api import ResultTokens
-from jaxrl_orch.inference.sampling import sample_tokens
+from jaxrl_orch.inference.sampling import row_keys, sample_tokens
 from jaxrl_orch.models.tokenizer import ByteTokenizer
 from jaxrl_orch.models.transformer import (
     ModelConfig,
@@ -246,22 +252,7 @@ class DecodeEngine:
         """Put ``prefix`` into ``slot`` with its own ``sampling`` (default: SamplingParams())."""
         if not 0 <= slot < self._slots:
             raise ValueError(f"slot must be in [0, {self._slots}), got {slot}")
-        sampling = sampling or SamplingParams()
-        stop = list(sampling.stop_token_ids)
-        if len(stop) > self.max_stop_tokens:
-            raise ValueError(
-                f"{len(stop)} stop_token_ids {tuple(stop)}; this engine holds at most "
-                f"max_stop_tokens={self.max_stop_tokens}"
-            )
-        fields = {
-            "token": prefix["token"],
-            "pos": prefix["pos"],
-            "max_tokens": np.int32(sampling.max_tokens),
-            "temperature": np.float32(sampling.temperature),
-            "top_k": np.int32(sampling.top_k),
-            "top_p": np.float32(sampling.top_p),
-            "stop": np.array(stop + [-1] * (self.max_stop_tokens - len(stop)), np.int32),
-        }
+        fields = dstate.slot_fields(prefix, sampling or SamplingParams(), self.max_stop_tokens)
         length = prefix["cache"]["k"].shape[2]
         fn = self._insert_fns.get(length)
         if fn is None:
@@ -339,8 +330,9 @@ class DecodeEngine:
                 s["tokens"][:, None], s["pos"][:, None], s["cache"]
             )
             rng, key = jax.random.split(s["rng"])
+            keys = row_keys(key, s["seed_key"], s["seeded"], s["generated"])  # token index
             tok, logprob = sample_tokens(
-                logits[:, 0], key, s["temperature"], s["top_k"], s["top_p"]
+                logits[:, 0], None, s["temperature"], s["top_k"], s["top_p"], keys=keys
             )
             valid = s["active"]
             generated = s["generated"] + valid.astype(jnp.int32)

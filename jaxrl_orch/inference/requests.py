@@ -6,8 +6,9 @@ log-probs and versions generated so far); ``resolve`` (settle a future exactly o
 the caller did with it); ``accepts`` (whether an engine method takes an optional keyword, so a
 plain JetStream-shaped engine can be driven too); ``first_token`` (the token a JetStream-style
 engine samples at prefill); ``check_request`` (a submission validated against the engine's
-limits) and ``decode_widths`` (which narrow decode widths an engine supports). Host-side
-only; the thread that uses them is ``driver.py``'s.
+limits; sample i of one seeded ``SamplingParams`` for n samples gets seed ``seed + i``) and
+``decode_widths`` (which narrow decode widths an engine supports). Host-side only; the
+thread that uses them is ``driver.py``'s.
 """
 
 from __future__ import annotations
@@ -105,6 +106,13 @@ def check_request(
             f"max_prefill_length={max_prefill}"
         )
     samplings = [sampling] * (n or 1) if isinstance(sampling, SamplingParams) else list(sampling)
+    if isinstance(sampling, SamplingParams) and sampling.seed is not None:
+        # One seeded setting for n samples (vLLM's rule): sample i gets seed + i, so the
+        # group's samples differ but each stays reproducible on any engine or slot.
+        samplings = [
+            dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**31)
+            for i in range(len(samplings))
+        ]
     if n is not None and n != len(samplings) or not samplings:
         raise ValueError(f"n must be >= 1 and match the sampling list, got n={n!r}")
     for sp in samplings:

@@ -288,3 +288,23 @@ def test_plain_jetstream_engine_is_driven_with_host_side_rules(make_driver):
     assert full.versions == [2] * 5  # stamped by the driver from the params it passed
     assert np.isnan(full.logprobs).all()  # unknown behavior log-probs are NaN, never made up
     assert engine.prefill_calls == 1
+
+
+def test_one_seeded_setting_for_n_samples_gives_seed_plus_i(make_driver):
+    seen = []
+
+    class Recording(ToyEngine):
+        def insert(self, prefix, decode_state, slot, sampling):
+            seen.append(sampling.seed)
+            return super().insert(prefix, decode_state, slot, sampling)
+
+    driver, _ = make_driver(Recording())
+    driver.start()
+    top = SamplingParams(temperature=0.0, max_tokens=2, seed=2**31 - 1)
+    for f in driver.submit([1, 2], top, n=3):
+        f.result(timeout=10)
+    assert seen == [2**31 - 1, 0, 1]  # wraps into [0, 2**31)
+    listed = [SamplingParams(max_tokens=2, seed=4), SamplingParams(max_tokens=2, seed=4)]
+    for f in driver.submit([3], listed) + driver.submit([3], GREEDY, n=2):
+        f.result(timeout=10)
+    assert seen[3:] == [4, 4, None, None]  # an explicit list and unseeded ones: as given

@@ -235,6 +235,8 @@ def test_requests_with_new_sampling_settings_never_recompile(engine, driver):
         SamplingParams(temperature=0.0, max_tokens=3),
         SamplingParams(temperature=1.3, top_k=7, max_tokens=5, stop_token_ids=(1, 2)),
         SamplingParams(temperature=0.2, top_p=0.5, max_tokens=2, stop_token_ids=(9,)),
+        SamplingParams(temperature=1.0, max_tokens=2, seed=7),  # seeds are array values
+        SamplingParams(temperature=0.9, top_k=4, max_tokens=3, seed=2**31 - 1),
     ]
     driver.submit(PROMPTS[0], settings[0])[0].result(timeout=120)  # compiles the 8-token bucket
 

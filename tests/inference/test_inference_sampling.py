@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_orch.inference.sampling import sample_tokens
+from jaxrl_orch.inference.sampling import request_key, row_keys, sample_tokens, token_key
 
 
 def ref_distribution(logits, temperature, top_k, top_p):
@@ -105,4 +105,43 @@ def test_untruncated_batch_takes_the_fast_path_with_the_same_draws(sample):
     for row in range(4):
         ref = ref_distribution(ROWS[row].astype(np.float64), temp[row], 0, 1.0)
         counts = np.bincount(fast[:, row], minlength=ROWS.shape[1]) / len(keys)
+        np.testing.assert_allclose(counts, ref, atol=0.035)
+
+
+def test_row_keys_take_the_request_key_where_seeded_and_the_engine_stream_elsewhere():
+    step = jax.random.PRNGKey(9)
+    requests = jax.vmap(request_key)(np.array([5, 6, 7, 8], np.int32), np.full(4, 3, np.int32))
+    seeded = np.array([True, False, True, False])
+    index = np.array([0, 4, 2, 1], np.int32)
+    keys = np.asarray(row_keys(step, requests, seeded, index))
+    split = np.asarray(jax.random.split(step, 4))
+    for b in range(4):
+        base = jax.random.fold_in(jax.random.PRNGKey(5 + b), 3)
+        expect = jax.random.fold_in(base, index[b]) if seeded[b] else split[b]
+        np.testing.assert_array_equal(keys[b], expect)
+    # No row seeded: exactly the draws of the one-key call (unseeded behaviour unchanged).
+    settings = (np.full(4, 1.0, np.float32), np.zeros(4, np.int32), np.ones(4, np.float32))
+    none = row_keys(step, requests, np.zeros(4, bool), index)
+    a = sample_tokens(ROWS, step, *settings)
+    b = sample_tokens(ROWS, None, *settings, keys=none)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+
+
+def test_seeded_draws_follow_the_truncated_reference_distribution():
+    """Seeds 0..3999 at one token index: per-request keys are as random as the engine's."""
+    n = 4000
+    temp = np.array([s[0] for s in SETTINGS], np.float32)
+    top_k = np.array([s[1] for s in SETTINGS], np.int32)
+    top_p = np.array([s[2] for s in SETTINGS], np.float32)
+
+    def draw(seed):
+        keys = jax.vmap(lambda r: token_key(request_key(seed, 7), r))(np.arange(4, dtype=np.int32))
+        return sample_tokens(ROWS, None, temp, top_k, top_p, keys=keys)[0]
+
+    tokens = np.asarray(jax.jit(jax.vmap(draw))(np.arange(n, dtype=np.int32)))
+    for row in range(len(ROWS)):
+        ref = ref_distribution(ROWS[row].astype(np.float64), *SETTINGS[row])
+        counts = np.bincount(tokens[:, row], minlength=ROWS.shape[1]) / n
+        assert np.all(counts[ref == 0] == 0), (row, counts, ref)
         np.testing.assert_allclose(counts, ref, atol=0.035)
