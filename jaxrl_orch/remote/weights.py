@@ -1,0 +1,155 @@
+"""Weights between processes, device to device, over ``jax.experimental.transfer``.
+
+Owns: ``WeightOffer`` (the sender: a transfer server in this process that offers pytrees of
+arrays under fresh uuids), ``local_layout`` (the receiver's shardings rebuilt over this
+process's devices, for staging) and ``pull`` (the receiver: fetch an offered pytree straight
+into target shardings, with a deadline).
+
+What the transfer API requires (jax 0.10.2, verified on CPU between two processes):
+- Layout: it copies shard for shard, raw bytes, between IDENTICAL layouts. The receiver passes
+  ``ShapeDtypeStruct(shape, dtype, sharding=S)`` leaves with S of the same mesh shape, axis
+  names and specs as the sender's arrays, on its own devices. A different spec with the same
+  shard byte size comes back silently WRONG (e.g. rows pulled as columns); a different shard
+  size fails ("Async transfer object was deleted before transfers completed"). So the sender
+  stages its arrays with ``reshard(arrays, local_layout(receiver_shardings))`` (and casts to
+  the receiver's dtype) before ``offer``; the receiver then lands them directly in its decode
+  sharding, with no host round trip and no relayout.
+- One ``await_pull`` serves exactly ONE pull: a second pull of the same uuid hangs (until the
+  sender's process goes away). ``offer`` therefore returns a fresh uuid per call; offer the
+  same arrays once per receiver (the arrays are shared, not copied). An offer nobody pulls
+  keeps its arrays alive in the transfer server.
+- Ports: ``start_transfer_server(client, "HOST:0", ["HOST:0"])`` binds free ports on CPU (port 0
+  does not hang here, unlike the DCN socket flag ``reshard_cross_process`` uses);
+  ``server.address()`` is the ``HOST:PORT`` a receiver connects to.
+- Deadlines: ``connection.pull`` returns at once with arrays whose buffers fill in later; the
+  wait is in ``block_until_ready``. Its ``timeout`` argument (an absolute ``datetime``) did NOT
+  end the wait for a uuid never offered (still hanging after 60 s), so ``pull`` enforces
+  ``timeout_s`` itself: the transfer runs in a daemon thread and ``pull`` stops waiting for it.
+  A timed-out transfer's thread stays blocked until its sender goes away; it does not block
+  later pulls over the same connection (verified).
+
+Threads: ``pull`` blocks its caller (the replica server runs it in a worker thread, never on
+the event loop); any number of pulls may run at once. One receiver-side transfer server per
+process (``connect`` is a method of a server), and one connection per sender address, are made
+lazily and kept. This module never imports orchestration or trainer code.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import secrets
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import transfer
+from jax.sharding import Mesh, NamedSharding, Sharding
+
+_lock = threading.Lock()
+_receiver: Any = None  # this process's receiver-side transfer server
+_connections: dict[str, Any] = {}
+
+
+def _start_server(host: str) -> Any:
+    client = jax.local_devices()[0].client
+    return transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
+
+
+class WeightOffer:
+    """The sending side (the trainer group's process 0): offers pytrees to be pulled once."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._server = _start_server(host)
+        self.address: str = self._server.address()
+        # Random start: a receiver holding a uuid from an earlier offerer never pulls a new one.
+        self._uuids = itertools.count(secrets.randbits(48))
+
+    def offer(self, arrays: Any) -> int:
+        """Schedule one pull of ``arrays`` (a pytree of ``jax.Array`` held by this process,
+        already in the receiver's layout and dtype) under a fresh uuid, returned."""
+        leaves = jax.tree.leaves(arrays)
+        for i, x in enumerate(leaves):
+            if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+                raise TypeError(
+                    f"offer leaf {i} must be a jax.Array held by this process, got "
+                    f"{type(x).__name__}"
+                )
+        uuid = next(self._uuids)
+        self._server.await_pull(uuid, arrays)
+        return uuid
+
+
+def local_layout(shardings: Any) -> Any:
+    """``shardings`` (a pytree of ``NamedSharding``) with each mesh rebuilt over the first
+    ``mesh.size`` of this process's ``jax.local_devices()``: same mesh shape, axis names, axis
+    types, specs and memory kinds. The layout a sender stages arrays in for a receiver whose
+    decode shardings these are."""
+    devices = jax.local_devices()
+    meshes: dict[Mesh, Mesh] = {}
+
+    def rebuild(s: Any) -> NamedSharding:
+        if not isinstance(s, NamedSharding):
+            raise TypeError(f"local_layout needs NamedSharding leaves, got {type(s).__name__}")
+        mesh = s.mesh
+        if mesh not in meshes:
+            if len(devices) < mesh.size:
+                raise ValueError(
+                    f"local_layout: mesh {dict(mesh.shape)} needs {mesh.size} devices but this "
+                    f"process has {len(devices)} local devices"
+                )
+            grid = np.empty(mesh.size, dtype=object)
+            grid[:] = devices[: mesh.size]
+            meshes[mesh] = Mesh(
+                grid.reshape(mesh.devices.shape), mesh.axis_names, axis_types=mesh.axis_types
+            )
+        return NamedSharding(meshes[mesh], s.spec, memory_kind=s.memory_kind)
+
+    return jax.tree.map(rebuild, shardings, is_leaf=lambda x: isinstance(x, Sharding))
+
+
+def _connection(address: str) -> Any:
+    global _receiver
+    with _lock:
+        if address not in _connections:
+            if _receiver is None:
+                loopback = address.startswith(("127.", "localhost:", "[::1]:"))
+                _receiver = _start_server("127.0.0.1" if loopback else "0.0.0.0")
+            _connections[address] = _receiver.connect(address)
+        return _connections[address]
+
+
+def _check_targets(targets: Any) -> None:
+    for i, t in enumerate(jax.tree.leaves(targets)):
+        if not isinstance(t, jax.ShapeDtypeStruct) or not isinstance(t.sharding, Sharding):
+            raise TypeError(
+                f"pull target leaf {i} must be a jax.ShapeDtypeStruct with a sharding, got {t!r}"
+            )
+
+
+def pull(address: str, uuid: int, targets: Any, timeout_s: float) -> Any:
+    """Fetch the pytree offered under ``uuid`` at ``address`` into ``targets`` (a pytree of
+    ``ShapeDtypeStruct`` with shardings, in the sender's layout on this process's devices).
+
+    Returns the arrays once every buffer has arrived; raises ``TimeoutError`` naming the
+    address and uuid when that takes longer than ``timeout_s``.
+    """
+    _check_targets(targets)
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            out = _connection(address).pull(int(uuid), targets)
+            done.set_result(jax.block_until_ready(out))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name=f"weight-pull-{uuid}", daemon=True).start()
+    try:
+        return done.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(
+            f"weight pull of uuid {uuid} from {address} did not finish within {timeout_s} s "
+            "(never offered, already pulled, or the sender is stuck)"
+        ) from None

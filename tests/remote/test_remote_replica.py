@@ -1,0 +1,246 @@
+"""An engine replica in another process, over gRPC, with weights pulled device to device.
+
+One replica subprocess (``replica_main.py``: tiny-byte on a tp=2 mesh of its 2 CPU devices,
+``max_queued=3``) serves the whole module; this process builds the same engine on its first 2
+devices as the reference, stages params with ``local_layout`` and offers them with
+``WeightOffer``. Tests run in file order: no weights -> loads -> failures -> kill -9.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from replica_main import make_engine
+
+from jaxrl_orch.inference.driver import InferenceDriver
+from jaxrl_orch.remote.client import RemoteEngineClient, ReplicaLost, WeightPullError
+from jaxrl_orch.remote.weights import WeightOffer, local_layout
+from jaxrl_orch.types import SamplingParams
+from sharding.reshard import reshard
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(90)]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPTS = [list(b"the quick brown"), list(b"jax on two cores")]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def replica():
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "replica_main.py"), "--max-queued", "3"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    deadline = time.monotonic() + 60
+    address = None
+    while address is None and time.monotonic() < deadline and proc.poll() is None:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if line.startswith("READY "):
+            address = line.split()[1]
+    assert address, f"replica did not come up (exit code {proc.poll()})"
+    yield address, proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    engine = make_engine()  # the replica's engine, here on this process's first 2 devices
+    return engine, {v: engine.load_params(seed=v) for v in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def offer():
+    return WeightOffer()
+
+
+def _reference_run(engine, params, version, prompts, sampling):
+    driver = InferenceDriver(engine, params, version)
+    driver.start()
+    try:
+        return [driver.submit(p, sampling)[0].result(timeout=60) for p in prompts]
+    finally:
+        driver.stop()
+
+
+async def _load(client, offer, engine, params, version, timeout_s=30.0):
+    staged = reshard(params, local_layout(engine.param_shardings))
+    uuid = offer.offer(staged)
+    return await client.load_weights(version, offer.address, uuid, timeout_s)
+
+
+def test_replica_without_weights_reports_it_and_refuses_generate(replica):
+    address, proc = replica
+
+    async def main():
+        client = RemoteEngineClient(address, replica=1)
+        health = await client.health()
+        with pytest.raises(RuntimeError, match="FAILED_PRECONDITION.*replica 1 holds no weights"):
+            await client.generate(PROMPTS[0], GREEDY)
+        assert client.alive and client.in_flight == 0
+        await client.close()
+        return health
+
+    health = asyncio.run(main())
+    assert health == {
+        "replica": 1,
+        "ready": False,
+        "version": -1,
+        "in_flight": 0,
+        "queued": 0,
+        "slots": 4,
+        "pid": proc.pid,
+    }
+
+
+def test_pulled_weights_decode_like_the_in_process_engine_and_stamp_their_version(
+    replica, reference, offer
+):
+    engine, params = reference
+    want = {v: _reference_run(engine, params[v], v, PROMPTS, GREEDY) for v in (1, 2)}
+
+    async def main():
+        client = RemoteEngineClient(replica[0], replica=1)
+        got, loads = {}, {}
+        for v in (1, 2):
+            loads[v] = await _load(client, offer, engine, params[v], v)
+            got[v] = await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))
+        health = await client.health()
+        await client.close()
+        return got, loads, health
+
+    got, loads, health = asyncio.run(main())
+    for v in (1, 2):
+        assert loads[v]["version"] == v and loads[v]["pull_s"] > 0
+        for g, w in zip(got[v], want[v], strict=True):
+            assert g.token_ids == w.token_ids
+            np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-6)
+            assert g.versions == [v] * len(g.token_ids) and g.finish_reason == "length"
+    # The second load really changed the weights (random tiny models repeat the same greedy
+    # byte, so compare log-probs), not just the stamp.
+    assert not np.allclose(got[1][0].logprobs, got[2][0].logprobs, atol=1e-3)
+    assert health["ready"] and health["version"] == 2
+
+
+def test_pull_of_a_uuid_never_offered_fails_in_time_naming_replica_and_version(
+    replica, reference, offer
+):
+    engine, params = reference
+
+    async def main():
+        client = RemoteEngineClient(replica[0], replica=1)
+        before = (await client.health())["version"]
+        t0 = time.monotonic()
+        with pytest.raises(WeightPullError, match="replica 1: weight pull of version 7") as err:
+            await client.load_weights(7, offer.address, 12345, timeout_s=1.5)
+        elapsed = time.monotonic() - t0
+        after = await client.health()
+        await client.close()
+        return err.value, elapsed, before, after
+
+    err, elapsed, before, after = asyncio.run(main())
+    assert (err.replica, err.version) == (1, 7)
+    assert "DEADLINE_EXCEEDED" in str(err) and "timed out after 1.5 s" in str(err)
+    assert offer.address in str(err)
+    assert elapsed < 10
+    assert after["version"] == before and after["ready"] == (before >= 0)
+
+
+def test_generate_beyond_max_queued_is_refused_naming_the_bound(replica, reference, offer):
+    engine, params = reference
+    sampling = SamplingParams(temperature=1.0, max_tokens=48)
+
+    async def main():
+        client = RemoteEngineClient(replica[0], replica=1)
+        if (await client.health())["version"] < 0:
+            await _load(client, offer, engine, params[1], 1)
+        out = await asyncio.gather(
+            *(client.generate(PROMPTS[i % 2], sampling) for i in range(8)),
+            return_exceptions=True,
+        )
+        health = await client.health()
+        await client.close()
+        return out, health
+
+    out, health = asyncio.run(main())
+    refused = [r for r in out if isinstance(r, BaseException)]
+    done = [r for r in out if not isinstance(r, BaseException)]
+    assert len(done) >= 3 and refused, out
+    for r in refused:
+        assert isinstance(r, RuntimeError) and not isinstance(r, ReplicaLost)
+        assert "RESOURCE_EXHAUSTED" in str(r) and "max_queued=3" in str(r)
+    assert all(len(c.token_ids) == 48 and not math.isnan(c.logprobs[0]) for c in done)
+    assert health["in_flight"] == 0 and health["queued"] == 0
+
+
+def test_kill_9_of_the_replica_raises_replica_lost(replica, reference, offer):
+    address, proc = replica
+    engine, params = reference
+
+    async def main():
+        client = RemoteEngineClient(address, replica=1)
+        if (await client.health())["version"] < 0:
+            await _load(client, offer, engine, params[1], 1)
+        sampling = SamplingParams(temperature=1.0, max_tokens=48)
+        pending = [asyncio.ensure_future(client.generate(PROMPTS[0], sampling)) for _ in range(3)]
+        await asyncio.sleep(0)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        inflight = await asyncio.gather(*pending, return_exceptions=True)
+        with pytest.raises(ReplicaLost) as err:
+            await client.generate(PROMPTS[0], GREEDY)
+        alive_after_loss = client.alive
+        health = await client.health(timeout_s=1.0)
+        await client.close()
+        return inflight, err.value, alive_after_loss, health
+
+    inflight, err, alive, health = asyncio.run(main())
+    assert (err.replica, err.address) == (1, address)
+    assert f"replica 1 at {address} is lost" in str(err)
+    assert not alive and health is None
+    assert all(isinstance(r, ReplicaLost) for r in inflight if isinstance(r, BaseException))
+
+
+def test_local_layout_rebuilds_meshes_over_local_devices_and_refuses_too_few(monkeypatch):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[4:8]).reshape(2, 2), ("fsdp", "tp"))
+    tree = {
+        "a": NamedSharding(mesh, PartitionSpec("tp", None)),
+        "b": [NamedSharding(mesh, PartitionSpec())],
+    }
+    out = local_layout(tree)
+    a = out["a"]
+    assert a.spec == PartitionSpec("tp", None) and a.mesh.axis_names == ("fsdp", "tp")
+    assert a.mesh.devices.shape == (2, 2)
+    assert list(a.mesh.devices.flat) == jax.local_devices()[:4]
+    assert out["b"][0].mesh is a.mesh and out["b"][0].spec == PartitionSpec()
+    monkeypatch.setattr(jax, "local_devices", lambda: jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"needs 4 devices but this process has 2 local"):
+        local_layout(tree)
