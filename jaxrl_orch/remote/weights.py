@@ -17,7 +17,9 @@ What the transfer API requires (jax 0.10.2, verified on CPU between two processe
 - One ``await_pull`` serves exactly ONE pull: a second pull of the same uuid hangs (until the
   sender's process goes away). ``offer`` therefore returns a fresh uuid per call; offer the
   same arrays once per receiver (the arrays are shared, not copied). An offer nobody pulls
-  keeps its arrays alive in the transfer server.
+  keeps its arrays alive in the transfer server, unless it was made with ``expire_s``
+  (``await_pull``'s absolute ``timeout``): past it the offer is dropped, and a pull of it
+  hangs like one of a uuid never offered (so the receiver's deadline reports it).
 - Ports: ``start_transfer_server(client, "HOST:0", ["HOST:0"])`` binds free ports on CPU (port 0
   does not hang here, unlike the DCN socket flag ``reshard_cross_process`` uses);
   ``server.address()`` is the ``HOST:PORT`` a receiver connects to.
@@ -37,6 +39,7 @@ lazily and kept. This module never imports orchestration or trainer code.
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import itertools
 import secrets
 import threading
@@ -66,9 +69,10 @@ class WeightOffer:
         # Random start: a receiver holding a uuid from an earlier offerer never pulls a new one.
         self._uuids = itertools.count(secrets.randbits(48))
 
-    def offer(self, arrays: Any) -> int:
+    def offer(self, arrays: Any, *, expire_s: float | None = None) -> int:
         """Schedule one pull of ``arrays`` (a pytree of ``jax.Array`` held by this process,
-        already in the receiver's layout and dtype) under a fresh uuid, returned."""
+        already in the receiver's layout and dtype) under a fresh uuid, returned. With
+        ``expire_s`` the offer is dropped (its arrays released) if not pulled by then."""
         leaves = jax.tree.leaves(arrays)
         for i, x in enumerate(leaves):
             if not isinstance(x, jax.Array) or not x.is_fully_addressable:
@@ -77,7 +81,11 @@ class WeightOffer:
                     f"{type(x).__name__}"
                 )
         uuid = next(self._uuids)
-        self._server.await_pull(uuid, arrays)
+        if expire_s is None:
+            self._server.await_pull(uuid, arrays)
+        else:
+            deadline = datetime.datetime.now() + datetime.timedelta(seconds=expire_s)
+            self._server.await_pull(uuid, arrays, timeout=deadline)
         return uuid
 
 
