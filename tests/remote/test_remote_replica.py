@@ -166,6 +166,9 @@ def test_pull_of_a_uuid_never_offered_fails_in_time_naming_replica_and_version(
         await asyncio.sleep(0.5)
         with pytest.raises(WeightPullError, match="version 8 .* timed out after 1.0 s"):
             await client.load_weights(8, offer.address, uuid, timeout_s=1.0)
+        if before >= 1:  # never back to an older version (no pull is even tried)
+            with pytest.raises(WeightPullError, match="must not go backwards"):
+                await client.load_weights(before - 1, offer.address, uuid, timeout_s=1.0)
         after = await client.health()
         await client.close()
         return err.value, elapsed, before, after
