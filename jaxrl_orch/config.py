@@ -192,6 +192,7 @@ class TrainConfig:
             env_timeout_s=self.env_timeout_s,
             drain_timeout_s=self.drain_timeout_s,
             loop_block_warn_s=self.loop_block_warn_s,
+            request_seed=self.seed,  # a run's samples do not depend on its replica count
         )
 
     @property

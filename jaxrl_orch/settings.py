@@ -39,6 +39,8 @@ class OrchestratorConfig:
     env_timeout_s: float | None = 600.0  # a rollout running longer is cancelled (an error)
     drain_timeout_s: float = 60.0  # after SIGTERM: in-flight work past it is cancelled
     loop_block_warn_s: float | None = 2.0  # event-loop stalls longer are reported by name
+    # every rollout samples with a seed of its own derived from this (None: the engine's RNG)
+    request_seed: int | None = None
     recover_gate_on_resume: bool = True  # False only to demonstrate the resume-burst alarm
 
     def __post_init__(self) -> None:

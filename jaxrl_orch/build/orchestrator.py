@@ -103,6 +103,7 @@ def build_orchestrator(
             group_size=cfg.group_size,
             sampling=sampling,
             env_timeout_s=cfg.env_timeout_s,
+            request_seed=cfg.request_seed,
         ),
         gate=GateHooks(gate.capacity, gate.on_admit, gate.on_finish),
         eval_plan=eval_plan,

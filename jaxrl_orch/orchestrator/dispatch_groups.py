@@ -71,6 +71,7 @@ class Group:
     client: InferenceClient | None = None
     unscheduled: int = 0
     running: int = 0
+    position: tuple[Any, ...] = ()  # where it sits in the run (its rollouts' sampling seeds)
 
 
 @dataclasses.dataclass(eq=False)
@@ -144,15 +145,27 @@ class Flights:
         versions = [f.group.version_at_start for f in self._tasks.values() if not f.group.is_eval]
         return min(versions) if versions else None
 
-    def start(self, g: Group, eid: int, now: float, env: Environment) -> Rollout | None:
+    def start(
+        self,
+        g: Group,
+        eid: int,
+        now: float,
+        env: Environment,
+        sampling: SamplingParams | None = None,
+    ) -> Rollout | None:
         """Create rollout ``eid``'s coroutine and run it eagerly up to its first suspension (as
         Python 3.12's eager tasks do). Returns its rollout if it finished cleanly without
         suspending; the caller settles it. Work that suspends continues under a Task; work
-        that failed has been settled. Both return None."""
+        that failed has been settled. Both return None. ``sampling``: this rollout's own
+        (its seed), default the group's."""
         example = dict(g.example)  # envs may mutate theirs; the group keeps the original
         try:
             coro = env.run(
-                g.client, example, group_id=g.group_id, episode_id=eid, sampling=g.sampling
+                g.client,
+                example,
+                group_id=g.group_id,
+                episode_id=eid,
+                sampling=sampling or g.sampling,
             )
         except Exception as exc:  # an env failing before its coroutine exists: same fate
             self.finish(g, eid, now, None, exc)

@@ -17,6 +17,7 @@ Never: import another orchestrator module (gate, sinks, watcher, logger, store, 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -48,7 +49,10 @@ class DispatchConfig:
     """``max_inflight`` permits (train and eval together); each env's ``group_size`` and
         ``sampling`` (one value for every env, or a mapping by env name); how long a pass may sleep
         with nothing waking it; how long ``stop()`` waits for cancelled rollouts to unwind; how long
-    one rollout may run before it is cancelled as an ``EnvTimeout`` error (None: unbounded)."""
+    one rollout may run before it is cancelled as an ``EnvTimeout`` error (None: unbounded);
+    ``request_seed``: the run's seed, from which every rollout gets its own sampling seed
+    (``rollout_seed``; None: the engine's own RNG), so its samples do not depend on which
+    engine, replica or slot serves it."""
 
     max_inflight: int
     group_size: int | Mapping[str, int]
@@ -56,6 +60,7 @@ class DispatchConfig:
     poll_interval_s: float = 0.5
     stop_timeout_s: float = 30.0
     env_timeout_s: float | None = None
+    request_seed: int | None = None
 
     def __post_init__(self) -> None:
         _int_at_least_1("max_inflight", self.max_inflight)
@@ -124,3 +129,11 @@ class EvalPlan:
                 f"eval envs {missing} have no train sampling params: pass EvalPlan.sampling"
             )
         return envs, sources
+
+
+def rollout_seed(run_seed: int, *position: Any) -> int:
+    """A rollout's sampling seed: a hash of the run's seed and where the rollout sits (train:
+    the group's ordinal and the index in it; eval: the step and the example's index), the same
+    in every process and every run of the same config."""
+    text = ":".join(str(x) for x in (run_seed, *position)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=4).digest(), "little") & 0x7FFFFFFF

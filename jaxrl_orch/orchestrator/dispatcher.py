@@ -57,13 +57,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxrl_orch.orchestrator.dispatch_groups import Flights, Group
-from jaxrl_orch.orchestrator.dispatch_settings import DispatchConfig, EvalPlan, GateHooks
+from jaxrl_orch.orchestrator.dispatch_settings import (
+    DispatchConfig,
+    EvalPlan,
+    GateHooks,
+    rollout_seed,
+)
 from jaxrl_orch.types import Environment, InferencePool, PolicyHandle, Rollout, Source
 
 __all__ = ["DispatchConfig", "EvalPlan", "GateHooks", "RolloutDispatcher"]
@@ -101,8 +107,10 @@ class RolloutDispatcher:
         self.out_q = self._flights.out_q
         self._groups: dict[int, Group] = {}  # open train groups, insertion order = age
         self._eval_groups: dict[int, Group] = {}  # running eval rollouts (groups of one)
-        self._eval_pending: collections.deque[tuple[str, dict[str, Any], int]] = collections.deque()
-        self._next_group_id = self._next_episode_id = 0
+        self._eval_pending: collections.deque[tuple[str, dict[str, Any], int, int]] = (
+            collections.deque()
+        )
+        self._next_group_id = self._next_episode_id = self._train_groups = 0
         self._env_cycle = itertools.cycle(sorted(self.envs))
         self._exhausted: set[str] = set()
         self._train_admitting = True
@@ -146,6 +154,7 @@ class RolloutDispatcher:
             "sources": {env: src.state() for env, src in self.sources.items()},
             "next_group_id": self._next_group_id,
             "next_episode_id": self._next_episode_id,
+            "train_groups": self._train_groups,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -158,6 +167,7 @@ class RolloutDispatcher:
             self.sources[env].restore(src_state)
         self._next_group_id = int(state["next_group_id"])
         self._next_episode_id = int(state["next_episode_id"])
+        self._train_groups = int(state.get("train_groups", self._next_group_id))
 
     def _new_episode_ids(self, n: int) -> list[int]:
         first, self._next_episode_id = self._next_episode_id, self._next_episode_id + n
@@ -173,8 +183,8 @@ class RolloutDispatcher:
         counts: dict[str, int] = {}
         for env, src in self.eval_sources.items():
             src.restore(self._eval_source_state[env])
-            for _ in range(self.eval_num_examples):
-                self._eval_pending.append((env, src.next_example(), step))
+            for i in range(self.eval_num_examples):
+                self._eval_pending.append((env, src.next_example(), step, i))
             counts[env] = self.eval_num_examples
         self._wake.set()
         return counts
@@ -269,8 +279,9 @@ class RolloutDispatcher:
         """Start the next pending eval rollout, if any (one permit is free: ``_fill`` checked)."""
         if not self._eval_pending:
             return False
-        env, example, step = self._eval_pending.popleft()
+        env, example, step, i = self._eval_pending.popleft()
         g = self._open(env, example, 1, is_eval=True, eval_step=step)
+        g.position = ("eval", env, step, i)
         self._eval_groups[g.group_id] = g
         return self._launch(g, self.permits) > 0
 
@@ -297,6 +308,7 @@ class RolloutDispatcher:
             self._exhausted.add(env)
             return False
         g = self._open(env, example, size, is_eval=False)
+        g.position, self._train_groups = ("train", env, self._train_groups), self._train_groups + 1
         self._groups[g.group_id] = g
         return self._launch(g, min(self.permits, capacity)) > 0
 
@@ -332,14 +344,15 @@ class RolloutDispatcher:
             g.client = self.pool.select()
         env = (self.eval_envs if g.is_eval else self.envs)[g.env]
         ids = self._new_episode_ids(n)
+        first = g.size - g.unscheduled  # the index in the group of the first one starting now
         self.permits -= n
         g.unscheduled -= n
         g.running += n
         now = self.clock()
         done_ids: list[int] = []
         done: list[Rollout] = []
-        for eid in ids:
-            result = self._flights.start(g, eid, now, env)
+        for j, eid in enumerate(ids):
+            result = self._flights.start(g, eid, now, env, self._sampling(g, first + j))
             if result is not None:
                 done_ids.append(eid)
                 done.append(result)
@@ -347,6 +360,13 @@ class RolloutDispatcher:
             self._release(g, len(done))
             self._flights.emit(g, done_ids, done, now, self.clock(), each=True)
         return n
+
+    def _sampling(self, g: Group, index: int) -> Any:
+        """Rollout ``index`` of ``g``'s sampling: with its own seed (``request_seed``)."""
+        if self.config.request_seed is None:
+            return g.sampling
+        seed = rollout_seed(self.config.request_seed, *g.position, index)
+        return dataclasses.replace(g.sampling, seed=seed)
 
     def _release(self, g: Group, n: int) -> None:
         """``n`` started rollouts of ``g`` ended: their permits come back; a group with nothing
