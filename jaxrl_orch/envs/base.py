@@ -306,9 +306,21 @@ def register_env(name: str, factory: Callable[..., Any]) -> None:
 
 
 def make_env(name: str, **kwargs: Any) -> Any:
-    """Build the environment registered as ``name`` with constructor ``kwargs``."""
+    """Build the environment registered as ``name`` with constructor ``kwargs``; or, for a
+    ``"package.module:factory"`` name, what that importable factory returns (every process of
+    a multi-process run imports it itself: no registering script needed)."""
     if name in _USER:
         return _USER[name](**kwargs)
+    if name not in _BUILTIN and ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(
+                f"env {name!r}: cannot import {attr!r} from module {module_name!r} ({e}); "
+                f"name an importable 'package.module:factory' or one of {env_names()}"
+            ) from e
+        return factory(**kwargs)
     if name not in _BUILTIN:
         raise ValueError(f"unknown env {name!r}; available envs: {env_names()}")
     module_name, cls_name = _BUILTIN[name].split(":")

@@ -197,6 +197,15 @@ def test_registry(tok):
         register_env("arithmetic", dict)
 
 
+def test_env_by_importable_factory_name(tok):
+    # What every process of a multi-process run does with TrainConfig.env = "module:factory".
+    assert make_env("collections:OrderedDict", a=1) == {"a": 1}
+    with pytest.raises(ValueError, match=r"env 'no_such_mod:make'.*no_such_mod.*importable"):
+        make_env("no_such_mod:make")
+    with pytest.raises(ValueError, match=r"cannot import 'nope' from module 'collections'"):
+        make_env("collections:nope")
+
+
 def test_tokenizer_without_chat_template_is_rejected():
     class Half:
         bos_id = eos_id = 0
