@@ -53,7 +53,7 @@ from jaxrl_orch.config import TrainConfig, load_config  # noqa: E402
 from jaxrl_orch.inference.engine import DecodeEngine  # noqa: E402
 from jaxrl_orch.models.tokenizer import load_tokenizer  # noqa: E402
 from jaxrl_orch.trainer import step as step_lib  # noqa: E402
-from jaxrl_orch.trainer.trainer import build_programs  # noqa: E402
+from jaxrl_orch.trainer.programs import build_programs  # noqa: E402
 from sharding.reshard import cast_program  # noqa: E402
 from sharding.rules import abstract_arrays  # noqa: E402
 

@@ -83,6 +83,13 @@ class TrainConfig:
     trainer_mesh: tuple[tuple[str, int], ...] = ()
     decode_mesh: tuple[tuple[str, int], ...] = ()
     colocated: bool | None = None  # None: colocated iff there is one device
+    # processes (DESIGN.md section 8): a trainer group of this many jax.distributed processes
+    # (SPMD over one mesh spanning them; process 0 also runs the orchestrator) ...
+    trainer_processes: int = 1
+    # ... and this many engine replicas, each its own process serving over gRPC; 0: the
+    # engine lives in the trainer's process (python -m jaxrl_orch.launch_local starts both)
+    engine_replicas: int = 0
+    weight_pull_timeout_s: float = 120.0  # a replica's pull of a new version longer: it fails
     # accelerator path: precision, kernels, memory (python -m jaxrl_orch.aot checks the fit)
     compute_dtype: str = "auto"  # matmuls, activations; "auto": bfloat16 on TPU/GPU, else float32
     param_dtype: str = "float32"  # the trainer's master weights and Adam moments (or "bfloat16")
@@ -152,6 +159,7 @@ class TrainConfig:
             "minibatches",
             "ppo_epochs",
             "sft_checkpoint_every",
+            "trainer_processes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -173,7 +181,18 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.logprob_chunk must be >= 0 (0: off), got {self.logprob_chunk}"
             )
-        for name in ("sft_steps", "max_staleness", "rl_warmup_steps", "sft_warmup_steps"):
+        if self.engine_replicas and self.after_warmup == "sft":
+            raise ValueError(
+                "TrainConfig.after_warmup='sft' (the imitation control) runs in one process; "
+                f"set engine_replicas = 0 (got {self.engine_replicas})"
+            )
+        if not self.weight_pull_timeout_s > 0:
+            raise ValueError(
+                f"TrainConfig.weight_pull_timeout_s must be > 0 seconds, got "
+                f"{self.weight_pull_timeout_s}"
+            )
+        names = ("sft_steps", "max_staleness", "rl_warmup_steps", "sft_warmup_steps")
+        for name in (*names, "engine_replicas"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
 

@@ -36,9 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
+from jaxrl_orch import roles
 from jaxrl_orch.build.accel import accel_model_config, engine_param_dtype, step_config
 from jaxrl_orch.build.checks import check_examples
 from jaxrl_orch.build.engines import (
@@ -47,7 +49,6 @@ from jaxrl_orch.build.engines import (
     engine_notes,
     recompute_old_logprobs,
     reports_logprobs,
-    to_engine,
 )
 from jaxrl_orch.build.orchestrator import build_orchestrator
 from jaxrl_orch.build.parts import (
@@ -61,9 +62,8 @@ from jaxrl_orch.config import TrainConfig
 from jaxrl_orch.control import run_imitation
 from jaxrl_orch.envs.base import AtTemperature, make_env
 from jaxrl_orch.envs.demonstrator import MixedDemonstrator
+from jaxrl_orch.group import Role, resolve_role
 from jaxrl_orch.history import rl_summary, trim_for_rl
-from jaxrl_orch.inference.client import ClientPool, EngineClient
-from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.models.hf_import import export_hf_dir, load_hf_checkpoint
 from jaxrl_orch.models.tokenizer import load_tokenizer, tokenizer_json_path
@@ -82,15 +82,22 @@ from jaxrl_orch.trainer.sft import sft_sample
 from jaxrl_orch.trainer.trainer import Trainer
 from jaxrl_orch.types import PolicyHandle, Sample, SamplingParams
 from jaxrl_orch.warmup import run_warmup
-from jaxrl_orch.weights import WeightPath
 
 TOKENIZER_SIDECARS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
 class Experiment:
-    def __init__(self, cfg: TrainConfig, workdir: str | os.PathLike) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        workdir: str | os.PathLike,
+        role: Role | None = None,
+        engine_addresses: tuple[str, ...] = (),
+    ) -> None:
         self.cfg = cfg
         self.workdir = as_path(workdir)  # local, or a gs:// URL (kept one: paths.as_path)
+        self.role = role or resolve_role(1, 0, None)  # which process of the run this is (group)
+        self.engine_addresses = list(engine_addresses)
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         # The preset / checkpoint shapes with the run's precision, attention and remat.
         self.model_cfg = accel_model_config(model_config(cfg.model, self.tokenizer), cfg)
@@ -103,7 +110,10 @@ class Experiment:
     def validate(self) -> None:
         """Fail before any work: mesh shapes vs devices, env, data (built once if bundled)."""
         cfg = self.cfg
-        placement = build_placement(cfg, len(jax.devices()))
+        if self.role.kind == "single":
+            placement = build_placement(cfg, len(jax.devices()))
+        else:
+            placement = roles.placement(cfg, self.role)
         self.colocated, self.decode_mesh, self.trainer_mesh = placement
         env_kwargs = {} if cfg.instruction is None else {"instruction": cfg.instruction}
         self.env = make_env(cfg.env, tokenizer=self.tokenizer, **env_kwargs)
@@ -131,6 +141,8 @@ class Experiment:
         )
 
     def write_config(self, text: str) -> None:
+        if not self.role.leader:
+            return
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "config.gin").write_text(text)
 
@@ -151,7 +163,12 @@ class Experiment:
         _, model = load_hf_checkpoint(path, dtype=mc.dtype, param_dtype=mc.param_dtype)
         return nnx.split(model)[1]
 
-    stop_requested = property(lambda self: self._stop.is_set(), doc="SIGTERM / Ctrl-C seen")
+    @property
+    def stop_requested(self) -> bool:
+        """SIGTERM / Ctrl-C seen (in a trainer group: by process 0, told to all at once)."""
+        if self.role.kind == "trainer" and self.role.trainer_processes > 1:
+            return bool(multihost_utils.broadcast_one_to_all(np.array(self._stop.is_set())))
+        return self._stop.is_set()
 
     def sft_batches(self) -> Iterator[list[Sample]]:
         while True:
@@ -214,8 +231,11 @@ class Experiment:
         return run_warmup(self, writer)
 
     def run(self) -> dict[str, Any]:
+        if self.role.kind == "engine":
+            return roles.serve_replica(self, self.role, self.engine_addresses[self.role.replica])
         self.workdir.mkdir(parents=True, exist_ok=True)
-        writer = JsonlWriter(self.workdir / "metrics.jsonl")
+        # A group's peers take the same warm-up steps (same data, same seed); process 0 writes.
+        writer = JsonlWriter(self.workdir / "metrics.jsonl" if self.role.leader else os.devnull)
         try:
             params, info = self.sft(writer)
         finally:
@@ -247,25 +267,25 @@ class Experiment:
         orch_state: dict[str, Any] = {}
         if ckpt.latest_step() is not None:
             orch_state = restore_trainer(ckpt, trainer)
+        if not self.role.leader:  # a peer of the trainer group: the leader's steps, in lockstep
+            try:
+                return roles.follow(self, trainer, ckpt, roles.make_stager(trainer, engine))
+            finally:
+                ckpt.close()
         start_step = trainer.version + 1
         # Rows an interrupted attempt wrote past the restored step are written again below.
         dropped = trim_for_rl(self.workdir, start_step, cfg.orchestrator.eval_at_start)
         if any(dropped.values()):
             what = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in dropped.items())
             stage("resume", f"at step {start_step}; the earlier attempt's rows past it: {what}")
-        # The engine starts on the trainer's current weights: after a resume, the restored ones.
-        first = jax.tree.map(jnp.copy, trainer.params) if self.colocated else trainer.params
-        driver = InferenceDriver(engine, to_engine(first, engine), trainer.version)
-        weights = WeightPath(
-            trainer,
-            driver,
-            engine.param_shardings,
-            dtype=getattr(engine, "param_dtype", None),
+        path_kw = dict(
             checkpoint_every=cfg.checkpoint_every,
             last_step=cfg.rl_steps,
             checkpoint=lambda v: self._checkpoint_from_trainer_thread(ckpt, trainer, v),
             synchronous=cfg.max_staleness == 0,
         )
+        driver, wiring, weights, pool = roles.engine_side(self, engine, trainer, path_kw)
+        self._wiring, engines = wiring, (driver or pool)
         sampling = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens)
         greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens)
         name = self.env.name
@@ -274,7 +294,7 @@ class Experiment:
         self.orch = orch = build_orchestrator(
             cfg.orchestrator,
             PolicyHandle(trainer.version),
-            pool=ClientPool([EngineClient(driver)]),
+            pool=pool,
             envs={name: self.env},
             source=self.train_source,
             sampling=sampling,
@@ -287,7 +307,7 @@ class Experiment:
                 "engine_logprobs": self.engine_logprobs,
             },
             eval_plan=EvalPlan(views, sources, cfg.eval_examples, greedy),
-            telemetry=rl_telemetry(self, driver, trainer, start_step),
+            telemetry=rl_telemetry(self, engines, trainer, start_step),
             on_step=weights.on_ship,
             step_metrics=weights.step_metrics,
         )
@@ -295,7 +315,12 @@ class Experiment:
             orch.restore(orch_state)
         if self._stop.is_set():
             orch.request_drain(cfg.drain_timeout_s)
-        driver.start()
+        watch = None
+        if wiring is not None:  # every replica holds the trainer's current weights first
+            await wiring.pool.start(trainer.version, wiring.move(trainer.params))
+            watch = asyncio.ensure_future(wiring.pool.watch())
+        else:
+            driver.start()
         trainer.start()
         t0 = time.perf_counter()
         try:
@@ -303,17 +328,27 @@ class Experiment:
             trainer.wait_idle()
             ckpt.wait()
             if trainer.version not in ckpt.all_steps() and trainer.version > 0:
-                save_trainer(ckpt, trainer, trainer.version, orch.state())
+                state = orch.state()
+                if wiring is not None:
+                    wiring.before_save(trainer.version, state)
+                save_trainer(ckpt, trainer, trainer.version, state)
             ckpt.wait()
             secs = time.perf_counter() - t0
             final = merge_evals(orch.eval_history).get(trainer.version, {})
             stage("final eval", eval_line(final))
-            exported = self._export(trainer.params) if cfg.export_hf else None
+            params = trainer.params if wiring is None else wiring.stop_peers(trainer)
+            exported = self._export(params) if cfg.export_hf else None
         finally:
             trainer.stop()
-            driver.stop()
+            if driver is not None:
+                driver.stop()
+            if watch is not None:
+                watch.cancel()
+                await wiring.pool.close()
             ckpt.close()
         summary = rl_summary(self, orch, trainer.version, start_step, secs)
+        if wiring is not None:
+            summary["replicas"] = {k.split("/")[1]: v for k, v in wiring.pool.gauges().items()}
         summary["export_dir"] = None if exported is None else str(exported)
         return summary
 
@@ -341,6 +376,8 @@ class Experiment:
             return self.orch.state()
 
         state = asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(timeout=60)
+        if self._wiring is not None:  # a trainer group: every process saves this step
+            self._wiring.before_save(v, state)
         st = trainer.state()
         meta = {"version": st["version"], "steps_done": st["steps_done"]}
         ckpt.save(v, params=st["params"], opt_state=st["opt_state"], rng=st["rng"], meta=meta,
@@ -353,5 +390,7 @@ class Experiment:
         return f"{self.env.name}@t{self.cfg.temperature:g}"
 
     def finish(self, summary: dict[str, Any]) -> None:
+        if not self.role.leader:
+            return
         (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         write_report(self.workdir)

@@ -168,4 +168,18 @@ def rl_summary(exp: Any, orch: Any, version: int, start: int, secs: float) -> di
         "age_policy": cfg.age_policy,
         "dropped": orch.dropped_total,
         "env_errors": orch.faults.digest(),
+        "rollouts": rollout_counts(orch),
+    }
+
+
+def rollout_counts(orch: Any) -> dict[str, int]:
+    """This attempt's rollouts: dispatched, handed to the sinks (each exactly once), failed,
+    cancelled, and those the train sink saw."""
+    d, s = orch.dispatcher.gauges(), orch.train_sink.gauges()
+    return {
+        "dispatched": int(d["dispatcher/admitted_total"] + d["dispatcher/eval_admitted_total"]),
+        "reached_sinks": int(d["dispatcher/emitted_total"]),
+        "errors": int(d["dispatcher/errors_total"]),
+        "cancelled": int(d["dispatcher/cancelled_total"]),
+        "train_sink_seen": int(s["train_sink/rollouts_seen_total"]),
     }

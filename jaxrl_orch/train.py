@@ -85,6 +85,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="run TrainConfig's built-in defaults without a gin file, on purpose",
     )
+    roles = p.add_argument_group(
+        "processes (DESIGN.md section 8; python -m jaxrl_orch.launch_local sets these)",
+        "TrainConfig.trainer_processes (P) and engine_replicas (R) name the layout; process K < P "
+        "trains (0 also runs the orchestrator), P <= K < P + R serves as replica K - P.",
+    )
+    roles.add_argument("--process_index", type=int, default=None, help="this process's K")
+    roles.add_argument(
+        "--coordinator_address",
+        default=None,
+        help="HOST:PORT of the trainer group's jax.distributed coordinator (trainer process 0)",
+    )
+    roles.add_argument(
+        "--engine_addresses",
+        default="",
+        help="HOST:PORT,... the gRPC address of every engine replica, in replica order",
+    )
     p.add_argument(
         "--list_config",
         action="store_true",
@@ -155,8 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.gin_file, args.gin_param)
         from jaxrl_orch.experiment import Experiment  # heavy imports (jax) only after config checks
+        from jaxrl_orch.group import join_group, resolve_role
 
-        exp = Experiment(cfg, as_path(args.workdir))  # a gs:// URL stays a URL
+        role = resolve_role(cfg.trainer_processes, cfg.engine_replicas, args.process_index)
+        addresses = tuple(a for a in args.engine_addresses.split(",") if a)
+        if cfg.engine_replicas and len(addresses) != cfg.engine_replicas:
+            raise ValueError(
+                f"--engine_addresses names {len(addresses)} replicas ({args.engine_addresses!r}); "
+                f"the config has engine_replicas={cfg.engine_replicas}"
+            )
+        role = join_group(role, args.coordinator_address)  # before any JAX computation
+        if role.kind != "single":
+            print(f"[process {role.process_index}] {role.describe()}", flush=True)
+        exp = Experiment(cfg, as_path(args.workdir), role, addresses)  # gs:// stays a URL
         exp.validate()
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -201,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if not exp.role.leader:
+        return 0  # the leader reports the run
     print(json.dumps({k: summary[k] for k in _HEADLINE if k in summary}))
     print(outputs_line(args.workdir))
     return 0

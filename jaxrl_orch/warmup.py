@@ -19,6 +19,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax
+from jax.experimental import multihost_utils
+
 from jaxrl_orch.history import trim_for_sft
 from jaxrl_orch.orchestrator.writers import ConsoleWriter, JsonlWriter, ProgressWriter, stage
 from jaxrl_orch.paths import as_path, copy_tree
@@ -30,11 +33,14 @@ def run_warmup(exp: Any, writer: JsonlWriter) -> tuple[Any, dict[str, float]]:
     """The warm-up, or its checkpoint: complete (skip), partial (continue), or none."""
     cfg = exp.cfg
     own = exp.workdir / "sft"
-    if cfg.warmup_from is not None and not has_steps(own):
+    leader = exp.role.leader  # a trainer group: every process steps, process 0 writes
+    if cfg.warmup_from is not None and not has_steps(own) and leader:
         # Start from that run's warm-up: copied, so this workdir stays self-contained.
         if own.exists():
             own.rmtree()
         copy_tree(as_path(cfg.warmup_from) / "sft", own)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("warm-up checkpoint in place")
     ckpt = Checkpointer(own, max_to_keep=1, async_save=False)
     latest = ckpt.latest_step()
     resuming = latest is not None or has_steps(exp.workdir / "checkpoints")
@@ -58,7 +64,8 @@ def run_warmup(exp: Any, writer: JsonlWriter) -> tuple[Any, dict[str, float]]:
             done = latest
             info["sft_resumed_from_step"] = float(latest)
         # Rows an interrupted attempt wrote past the restored step are written again.
-        trim_for_sft(exp.workdir, done)
+        if leader:
+            trim_for_sft(exp.workdir, done)
         if not cfg.sft_steps:
             return trainer.params, info
         stage(

@@ -1,10 +1,11 @@
 """WeightPath: how a trained version gets from the trainer into the engine, and onto disk.
 
-What it owns, per trained version ``v``: the reshard of the trainer's params onto the decode
-mesh, the publish that the orchestrator's weight watcher observes, the swap into the engine
-between two decode steps, the periodic checkpoint, and the step's row of trainer diagnostics
-and phase times (``step_metrics``) that the orchestrator merges into step ``v``'s one
-``metrics.jsonl`` row.
+What it owns, per trained version ``v``: the move of the trainer's params to the engine (a
+reshard onto the decode mesh in one process, ``in_process``; with engine replicas, the trainer
+group's stage into a replica's layout, which replicas then pull), the publish that the
+orchestrator's weight watcher observes, the swap into the engine(s) between two decode steps,
+the periodic checkpoint, and the step's row of trainer diagnostics and phase times
+(``step_metrics``) that the orchestrator merges into step ``v``'s one ``metrics.jsonl`` row.
 
 Thread contract
     ``on_publish(v, params)`` runs on the trainer's worker thread, right after step ``v`` and
@@ -14,9 +15,9 @@ Thread contract
     fetched from the event loop with ``run_coroutine_threadsafe``). The row of ``v`` is
     recorded before ``v`` is published, so it is complete once the loop sees the version.
     ``swap(v, params)`` runs on the event loop (the watcher's reload): it hands the params to
-    the inference driver, whose thread switches between two ``generate`` calls, and awaits
-    that. ``on_ship(step)`` and ``step_metrics(step, row)`` run on the event loop (the
-    orchestrator's callbacks).
+    the inference driver, whose thread switches between two ``generate`` calls (or has every
+    replica pull them, ``remote.pool``), and awaits that. ``on_ship(step)`` and
+    ``step_metrics(step, row)`` run on the event loop (the orchestrator's callbacks).
 
 Never: reshards on the event loop, or lets a step's row carry another step's numbers.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import jax
@@ -38,17 +39,17 @@ class WeightPath:
     def __init__(
         self,
         trainer: Any,
-        driver: Any,
-        shardings: Any,
+        move: Callable[[Any], Any],
+        swap: Callable[[int, Any], Awaitable[None]],
+        engine_seconds: Callable[[], float],
         *,
-        dtype: Any = None,
         checkpoint_every: int,
         last_step: int,
         checkpoint: Callable[[int], None],
         synchronous: bool,
     ) -> None:
-        self.trainer, self.driver, self.shardings = trainer, driver, shardings
-        self.dtype = dtype  # the engine's weight dtype: cast on the trainer's devices, then move
+        self.trainer, self._move, self._swap = trainer, move, swap
+        self._engine_seconds = engine_seconds  # prefill + decode time so far, all replicas
         self.publisher = InProcessPublisher()
         self.checkpoint_every, self.last_step = checkpoint_every, last_step
         self._checkpoint = checkpoint
@@ -58,11 +59,28 @@ class WeightPath:
         self._gen_total = 0.0
         trainer.add_publisher(self.on_publish)
 
+    @classmethod
+    def in_process(cls, trainer: Any, driver: Any, shardings: Any, dtype: Any, **kw: Any):
+        """The engine in this process: reshard onto its mesh (casting to ``dtype`` on the
+        trainer's devices first), swap into ``driver`` between two decode steps."""
+
+        def move(params: Any) -> Any:
+            return jax.block_until_ready(reshard(params, shardings, dtype=dtype))
+
+        async def swap(version: int, params: Any) -> None:
+            await asyncio.wrap_future(driver.swap_params(params, version))
+
+        def engine_seconds() -> float:
+            g = driver.gauges()
+            return g["inference/prefill_s"] + g["inference/decode_s"]
+
+        return cls(trainer, move, swap, engine_seconds, **kw)
+
     # ------------------------------------------------------------------ trainer thread
 
     def on_publish(self, version: int, params: Any) -> None:
         t0 = time.perf_counter()
-        moved = jax.block_until_ready(reshard(params, self.shardings, dtype=self.dtype))
+        moved = self._move(params)
         row = {f"trainer/{k}": v for k, v in self.trainer.last_step_metrics.items()}
         row["time/train_s"] = row.get("trainer/step_s", 0.0)
         row["time/transfer_s"] = time.perf_counter() - t0
@@ -75,12 +93,11 @@ class WeightPath:
     # ------------------------------------------------------------------ event loop
 
     async def swap(self, version: int, params: Any) -> None:
-        await asyncio.wrap_future(self.driver.swap_params(params, version))
+        await self._swap(version, params)
 
     def on_ship(self, step: int, _state: dict[str, Any]) -> None:
         """Engine time since the previous ship: the generation behind batch ``step``."""
-        g = self.driver.gauges()
-        total = g["inference/prefill_s"] + g["inference/decode_s"]
+        total = self._engine_seconds()
         self._generated[step] = total - self._gen_total
         self._gen_total = total
 

@@ -222,8 +222,8 @@ def test_defaults_with_a_gin_file_is_refused_naming_both(no_run, capsys):
 class _FakeExperiment:
     made: list[_FakeExperiment] = []
 
-    def __init__(self, cfg: TrainConfig, workdir: Path):
-        self.cfg, self.workdir = cfg, workdir
+    def __init__(self, cfg: TrainConfig, workdir: Path, role, engine_addresses=()):
+        self.cfg, self.workdir, self.role = cfg, workdir, role
         _FakeExperiment.made.append(self)
 
     def validate(self) -> None:

@@ -123,16 +123,21 @@ class RemoteEngineClient:
         self.alive = True
         return response
 
-    async def load_weights(self, version: int, address: str, uuid: int, timeout_s: float) -> dict:
+    async def load_weights(
+        self, version: int, address: str, uuid: int, timeout_s: float, layout: dict | None = None
+    ) -> dict:
         """Have the replica pull ``uuid`` from the transfer server at ``address`` and serve it
-        as ``version``; returns ``{"version", "pull_s", "swap_s"}``."""
+        as ``version``; returns ``{"version", "pull_s", "swap_s"}``. ``layout``: how the sender
+        laid the arrays out (``server.transfer_targets``) when it is not the replica's own."""
         request = {"version": version, "address": address, "uuid": uuid, "timeout_s": timeout_s}
+        if layout is not None:
+            request["layout"] = layout
         try:
             # The RPC outlives the pull's own deadline by the swap (at most a decode step).
             return await self._call("LoadWeights")(request, timeout=timeout_s + 30.0)
         except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
-                self.alive = False
+            if _is_lost(err):  # the replica died during the load: the pool moves on without it
+                raise self._lost(err) from None
             raise WeightPullError(
                 self.replica, version, f"{err.code().name}: {err.details()}"
             ) from None

@@ -5,6 +5,12 @@ Owns: the grpc.aio server of one engine process, the ``InferenceDriver`` that de
 The engine role of the train command builds a ``DecodeEngine`` on this host's devices and
 awaits ``ReplicaServer(engine, address=..., replica=i).serve()``.
 
+Layouts: the transfer copies shard for shard between identical layouts. A sender whose hosts
+have fewer devices than this replica's decode mesh (a v5e trainer host has 4 chips, a v5e-8
+engine VM 8) names the layout it staged in (``layout``: mesh axis sizes and one spec per
+leaf); the replica pulls into that layout on its first devices, then reshards on its own
+devices into its decode sharding (``transfer_targets``).
+
 Lifecycle: the replica starts with NO weights (``Health.ready`` False, version -1; ``Generate``
 fails FAILED_PRECONDITION). ``LoadWeights`` pulls an offered pytree device to device
 (``remote.weights.pull``) straight into ``engine.param_shardings`` with ``engine.param_dtype``;
@@ -37,10 +43,13 @@ from typing import Any
 
 import grpc
 import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.remote import protocol
 from jaxrl_orch.remote import weights as remote_weights
+from sharding.reshard import reshard
 
 
 class ReplicaServer:
@@ -101,8 +110,11 @@ class ReplicaServer:
     # ------------------------------------------------------------------ handlers
 
     async def _health(self, request: dict, context: Any) -> dict:
-        queued = self.driver.gauges()["inference/queue_depth"] if self.driver else 0
+        g = self.driver.gauges() if self.driver else {}
+        queued = g.get("inference/queue_depth", 0)
+        engine_s = g.get("inference/prefill_s", 0.0) + g.get("inference/decode_s", 0.0)
         return {
+            "engine_s": engine_s,  # prefill + decode seconds so far
             "replica": self.replica,
             "ready": self.driver is not None,
             "version": self.version,
@@ -132,10 +144,16 @@ class ReplicaServer:
                 )
             where = f"replica {self.replica}: weight pull of version {version} from {address}"
             t0 = time.perf_counter()
+            layout = request.get("layout")
+            if layout is not None and layout == self._own_layout():
+                layout = None  # the sender staged in this replica's own layout: pull straight in
+            targets = self._pull_targets() if layout is None else self._layout_targets(layout)
             try:
                 params = await asyncio.to_thread(
-                    remote_weights.pull, address, uuid, self._pull_targets(), timeout_s
+                    remote_weights.pull, address, uuid, targets, timeout_s
                 )
+                if layout is not None:  # on this host's devices: into the decode sharding
+                    params = jax.block_until_ready(reshard(params, self.engine.param_shardings))
             except TimeoutError:
                 await context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED, f"{where} timed out after {timeout_s} s"
@@ -155,7 +173,27 @@ class ReplicaServer:
             else:
                 await asyncio.wrap_future(self.driver.swap_params(params, version))
             self.version = version
-            return {"version": version, "pull_s": pull_s, "swap_s": time.perf_counter() - t1}
+            swap_s = time.perf_counter() - t1
+            print(
+                f"replica {self.replica}: serving version {version} (pull {pull_s:.3f} s, "
+                f"swap {swap_s:.3f} s)",
+                flush=True,
+            )
+            return {"version": version, "pull_s": pull_s, "swap_s": swap_s}
+
+    def _own_layout(self) -> dict:
+        shardings = jax.tree.leaves(self.engine.param_shardings)
+        return {
+            "mesh": dict(self.engine.mesh.shape),
+            "specs": [spec_to_json(x.spec) for x in shardings],
+        }
+
+    def _layout_targets(self, layout: dict) -> Any:
+        """Pull targets in the sender's layout (``transfer_targets``), on this host's devices."""
+        try:
+            return transfer_targets(self._pull_targets(), layout)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"replica {self.replica}: bad layout in LoadWeights: {exc}") from exc
 
     def _pull_targets(self) -> Any:
         """The engine's params as pull targets: its decode shardings and ``param_dtype``."""
@@ -205,3 +243,34 @@ class ReplicaServer:
         finally:
             self.in_flight -= 1
         return protocol.completion_to_json(completion)
+
+
+def transfer_targets(targets: Any, layout: dict) -> Any:
+    """``targets`` (pull targets in the decode sharding) re-laid as ``layout`` says:
+    ``{"mesh": {axis: size, ...}, "specs": [spec per leaf]}`` over this process's first
+    devices, each spec a list of None / axis name / list of axis names (``spec_to_json``)."""
+    axes, sizes = zip(*layout["mesh"].items(), strict=True)
+    n = int(np.prod(sizes))
+    local = jax.local_devices()
+    if n > len(local):
+        raise ValueError(
+            f"layout mesh {layout['mesh']} needs {n} devices, this host has {len(local)}"
+        )
+    mesh = Mesh(np.array(local[:n]).reshape(sizes), axes)
+    leaves, treedef = jax.tree.flatten(targets)
+    specs = layout["specs"]
+    if len(specs) != len(leaves):
+        raise ValueError(f"layout has {len(specs)} specs for {len(leaves)} arrays")
+    out = []
+    for x, spec in zip(leaves, specs, strict=True):
+        parts = [tuple(p) if isinstance(p, list) else p for p in spec]
+        out.append(
+            jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec(*parts))
+            )
+        )
+    return jax.tree.unflatten(treedef, out)
+
+
+def spec_to_json(spec: PartitionSpec) -> list:
+    return [list(p) if isinstance(p, tuple) else p for p in spec]

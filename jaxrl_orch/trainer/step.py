@@ -33,7 +33,7 @@ Invariants
     ``R`` on a small set of values to bound recompiles. The step never reads the host, never
     allocates outside XLA and never calls back into Python.
 
-Who drives it: ``trainer/trainer.py`` (and ``benchmarks/train_step.py``). It must never touch
+Driven by ``trainer/trainer.py`` (and ``benchmarks/train_step.py``); never touches
 orchestration, the engine or checkpoints.
 """
 
@@ -366,17 +366,21 @@ def build_train_step(
             out["first/clip_high"] = metrics["clip_high"][0, 0]
         return params, opt_state, out
 
-    batch_sharding = {
-        k: NamedSharding(mesh, PartitionSpec(row_axis if rows_spec is not None else None, None))
-        for k in BATCH_FIELDS
-    }
-    ref_sh = param_shardings if use_ref else None
+    ref_sh, batch_sh = (param_shardings if use_ref else None), batch_shardings(mesh, cfg, row_axis)
     return jax.jit(
         step,
-        in_shardings=(param_shardings, opt_shardings, batch_sharding, replicated, ref_sh),
+        in_shardings=(param_shardings, opt_shardings, batch_sh, replicated, ref_sh),
         out_shardings=(param_shardings, opt_shardings, replicated),
         donate_argnums=(0, 1),
     )
+
+
+def batch_shardings(mesh: jax.sharding.Mesh, cfg: StepConfig, row_axis: str | None = "fsdp"):
+    """Each packed field's sharding: rows over ``row_axis`` when a chunk's rows divide over it,
+    else replicated (a multi-process trainer builds its global batch with these)."""
+    split = row_axis is not None and cfg.chunk_rows % mesh.shape[row_axis] == 0
+    spec = PartitionSpec(row_axis if split else None, None)
+    return {k: NamedSharding(mesh, spec) for k in BATCH_FIELDS}
 
 
 def opt_state_shardings(opt_state_shape: Any, params_shape: Any, param_shardings: Any, mesh):

@@ -35,7 +35,6 @@ Never: imports orchestration code, writes metrics itself, or re-tokenizes anythi
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 import time
@@ -46,75 +45,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_orch.algorithms.packing import PackedBatch, pack_samples
-from jaxrl_orch.models.transformer import ModelConfig, Transformer, logical_specs
+from jaxrl_orch.models.transformer import ModelConfig, Transformer
 from jaxrl_orch.trainer import step as step_lib
+from jaxrl_orch.trainer.programs import build_programs
 from jaxrl_orch.types import TrainBatch
-from sharding.rules import TRAINER_RULES, Rules, logical_to_mesh_spec, resolve_shardings
+from sharding.rules import TRAINER_RULES, Rules
 
 Publisher = Callable[[int, Any], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainPrograms:
-    """What a trainer compiles, built without allocating anything (``python -m jaxrl_orch.aot``
-    lowers ``step_fn`` against ``abstract_params`` / ``abstract_opt_state`` deviceless)."""
-
-    graphdef: Any
-    abstract_params: Any
-    param_shardings: Any
-    optimizer: Any
-    abstract_opt_state: Any
-    opt_shardings: Any
-    step_fn: Any
-
-
-def splash_specs(model_config: ModelConfig, mesh: Mesh, rules: Rules, rows: int, row_len: int):
-    """``(mesh, q, kv, segment)`` PartitionSpecs splash attention runs under on this mesh, or
-    None when the model does not use splash (resolved by ``sharding.rules``, like all specs)."""
-    if model_config.attention != "splash":
-        return None
-    c = model_config
-    spec = lambda axes, shape: logical_to_mesh_spec(axes, rules, mesh=mesh, shape=shape)
-    q = spec(("batch", "length", "heads", "head_dim"), (rows, row_len, c.n_heads, c.head_dim))
-    kv = spec(
-        ("batch", "length", "kv_heads", "head_dim"), (rows, row_len, c.n_kv_heads, c.head_dim)
-    )
-    return mesh, q, kv, spec(("batch", "length"), (rows, row_len))
-
-
-def build_programs(
-    model_config: ModelConfig,
-    mesh: Mesh,
-    step_cfg: step_lib.StepConfig,
-    optim_cfg: step_lib.OptimConfig,
-    rules: Rules = TRAINER_RULES,
-    seed: int = 0,
-    row_len: int = 2048,
-) -> TrainPrograms:
-    """Shapes, shardings, optimizer and the jitted step of a trainer (no arrays built)."""
-    abstract = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(seed)))
-    graphdef, abstract_state = nnx.split(abstract)
-    param_shardings = resolve_shardings(
-        logical_specs(abstract_state), mesh, rules, shapes=abstract_state
-    )
-    optimizer = step_lib.make_optimizer(optim_cfg)
-    opt_shape = jax.eval_shape(optimizer.init, abstract_state)
-    opt_shardings = step_lib.opt_state_shardings(opt_shape, abstract_state, param_shardings, mesh)
-    step_fn = step_lib.build_train_step(
-        graphdef,
-        optimizer,
-        step_cfg,
-        param_shardings=param_shardings,
-        opt_shardings=opt_shardings,
-        mesh=mesh,
-        splash_specs=splash_specs(model_config, mesh, rules, step_cfg.chunk_rows, row_len),
-    )
-    return TrainPrograms(
-        graphdef, abstract_state, param_shardings, optimizer, opt_shape, opt_shardings, step_fn
-    )
 
 
 class Trainer:
@@ -186,7 +126,12 @@ class Trainer:
             # resumed trainer is rebuilt from the same seed / init_params, so it is rebuilt too.
             self.ref_params = self._copy(self.params)
         self._step_fn = programs.step_fn
-        self.rng = jax.random.PRNGKey(seed)
+        # A trainer group (several processes, DESIGN.md section 8): every process passes the
+        # whole batch, placed with the step's shardings; process 0 hands it over (on_batch).
+        self._batch_shardings = step_lib.batch_shardings(mesh, self.step_cfg)
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self.on_batch: Callable[[dict[str, np.ndarray]], None] | None = None
+        self.rng = jax.device_put(jax.random.PRNGKey(seed), self._replicated)
         self.version = int(initial_version)
         self.steps_done = 0
 
@@ -237,24 +182,32 @@ class Trainer:
     def train_packed(self, packed: PackedBatch) -> dict[str, float]:
         """Run one step on already packed rows; returns host metrics. Does not bump versions."""
         arrays = {k: getattr(packed, k) for k in step_lib.BATCH_FIELDS}
+        if self.on_batch is not None:
+            self.on_batch(arrays)  # a group's process 0: its peers take the same step
+        metrics = self.step_arrays(arrays)
+        metrics["tokens_per_s"] = packed.num_tokens / metrics["step_s"]
+        metrics["batch_tokens"] = float(packed.num_tokens)
+        metrics["rows"] = float(packed.num_rows)
+        metrics["fill_ratio"] = packed.fill_ratio
+        return metrics
+
+    def step_arrays(self, arrays: dict[str, np.ndarray]) -> dict[str, float]:
+        """One optimizer step on a packed batch's arrays (``BATCH_FIELDS``); what every process
+        of a trainer group runs in lockstep. Returns the step's host metrics."""
         self.rng, step_rng = jax.random.split(self.rng)
         # The rate of this step's first update (optax counts updates, several per step).
         updates = self.steps_done * self.step_cfg.minibatches * self.step_cfg.ppo_epochs
         lr = float(self._schedule(updates))
         t0 = time.perf_counter()
+        batch = jax.device_put(arrays, self._batch_shardings)
         self.params, self.opt_state, metrics = self._step_fn(
-            self.params, self.opt_state, arrays, step_rng, self.ref_params
+            self.params, self.opt_state, batch, step_rng, self.ref_params
         )
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         jax.block_until_ready(self.params)
-        dt = time.perf_counter() - t0
         self.steps_done += 1
-        metrics["step_s"] = dt
+        metrics["step_s"] = max(time.perf_counter() - t0, 1e-9)
         metrics["lr"] = lr
-        metrics["tokens_per_s"] = packed.num_tokens / dt if dt > 0 else 0.0
-        metrics["batch_tokens"] = float(packed.num_tokens)
-        metrics["rows"] = float(packed.num_rows)
-        metrics["fill_ratio"] = packed.fill_ratio
         return metrics
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -372,7 +325,7 @@ class Trainer:
         """Adopt a restored ``state()`` (arrays must already carry this trainer's shardings)."""
         self.params = jax.device_put(state["params"], self.param_shardings)
         self.opt_state = jax.device_put(state["opt_state"], self.opt_shardings)
-        self.rng = jnp.asarray(state["rng"], dtype=jnp.uint32)
+        self.rng = jax.device_put(np.asarray(state["rng"], dtype=np.uint32), self._replicated)
         self.version = int(state["version"])
         self.steps_done = int(state["steps_done"])
 

@@ -21,10 +21,12 @@ import time
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
 from replica_main import make_engine
 
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.remote.client import RemoteEngineClient, ReplicaLost, WeightPullError
+from jaxrl_orch.remote.server import spec_to_json
 from jaxrl_orch.remote.weights import WeightOffer, local_layout
 from jaxrl_orch.types import SamplingParams
 from sharding.reshard import reshard
@@ -109,6 +111,7 @@ def test_replica_without_weights_reports_it_and_refuses_generate(replica):
 
     health = asyncio.run(main())
     assert health == {
+        "engine_s": 0.0,
         "replica": 1,
         "ready": False,
         "version": -1,
@@ -146,6 +149,34 @@ def test_pulled_weights_decode_like_the_in_process_engine_and_stamp_their_versio
     # byte, so compare log-probs), not just the stamp.
     assert not np.allclose(got[1][0].logprobs, got[2][0].logprobs, atol=1e-3)
     assert health["ready"] and health["version"] == 2
+
+
+def test_a_sender_with_fewer_devices_names_its_layout_and_the_replica_reshards(
+    replica, reference, offer
+):
+    # A trainer host with fewer devices than the replica's decode mesh (tp=2 here) stages on
+    # one device; the replica pulls in that layout, then reshards onto its own two.
+    engine, params = reference
+    want = _reference_run(engine, params[1], 3, PROMPTS, GREEDY)
+    one = Mesh(np.array(jax.local_devices()[:1]), ("tp",))
+    shardings = jax.tree.map(lambda s: NamedSharding(one, s.spec), engine.param_shardings)
+    staged = reshard(params[1], shardings)
+    specs = [spec_to_json(s.spec) for s in jax.tree.leaves(shardings)]
+    assert any(any(p is not None for p in sp) for sp in specs)  # some leaves are split on tp
+
+    async def main():
+        client = RemoteEngineClient(replica[0], replica=1)
+        layout = {"mesh": {"tp": 1}, "specs": specs}
+        loaded = await client.load_weights(3, offer.address, offer.offer(staged), 30.0, layout)
+        got = await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))
+        await client.close()
+        return loaded, got
+
+    loaded, got = asyncio.run(main())
+    assert loaded["version"] == 3
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids and g.versions == [3] * len(g.token_ids)
+        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-6)
 
 
 def test_pull_of_a_uuid_never_offered_fails_in_time_naming_replica_and_version(

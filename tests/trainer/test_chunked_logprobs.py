@@ -18,7 +18,8 @@ from jaxrl_orch.algorithms.packing import pack_samples
 from jaxrl_orch.models.transformer import Transformer
 from jaxrl_orch.trainer import step as step_lib
 from jaxrl_orch.trainer.logprobs import token_stats
-from jaxrl_orch.trainer.trainer import Trainer, build_programs
+from jaxrl_orch.trainer.programs import build_programs
+from jaxrl_orch.trainer.trainer import Trainer
 from sharding.rules import abstract_arrays
 
 OPTIM = step_lib.OptimConfig(learning_rate=1e-2)

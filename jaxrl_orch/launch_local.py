@@ -1,0 +1,250 @@
+"""``python -m jaxrl_orch.launch_local``: a whole multi-process run on one machine (like torchrun).
+
+    python -m jaxrl_orch.launch_local --trainer_processes=2 --engine_replicas=2 \\
+        --gin_file=configs/reverse_text.gin [--gin_param=...] --workdir=runs/multi
+
+What it owns: the processes of one run on this machine. It picks free loopback ports (the
+trainer group's jax.distributed coordinator, one gRPC port per replica), gives every process
+its own ``--devices_per_process`` fake CPU devices (``XLA_FLAGS``) unless told to leave the
+devices alone, and starts ``python -m jaxrl_orch.train`` once per process with the layout
+bound (``TrainConfig.trainer_processes`` / ``engine_replicas``) and that process's
+``--process_index``: 0..P-1 train (0 also runs the orchestrator), P..P+R-1 serve. Each
+process's output goes to ``WORKDIR/logs/process_<K>_<role>.log``; process 0's is also echoed
+here. The workdir gets the same outputs as the single-process command (``summary.json``,
+``metrics.jsonl``, checkpoints, report, export).
+
+Supervision
+    - The run ends when the trainer processes have exited: exit status 0 when all did,
+      otherwise the first failure's; the replicas are then stopped (SIGTERM, then SIGKILL).
+    - A trainer process that dies stops the whole run at once (the others would block in a
+      collective), naming it and its log; the same command resumes from the last checkpoint.
+    - A replica that dies is restarted (``--restart_replicas``, on by default) on the same
+      port; it pulls the current weights before it serves again.
+    - Every process dies with the launcher (Linux ``PR_SET_PDEATHSIG``), even a kill -9 of it.
+    - SIGTERM / SIGINT here: passed to trainer process 0, which drains (at most
+      ``drain_timeout_s``), checkpoints and tells its peers to stop; past the deadline
+      (``--stop_timeout_s``) every process is killed. A second signal kills at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback TCP ports (bound then released, so a process can take one)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, SIGKILL it when the launcher dies (even by kill -9),
+    so no process of the run outlives it."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxrl_orch.launch_local",
+        description="Start every process of a multi-process run on this machine.",
+        epilog="Other flags (--gin_file, --gin_param, --workdir, ...) go to every process's "
+        "python -m jaxrl_orch.train.",
+    )
+    p.add_argument("--trainer_processes", type=int, default=2)
+    p.add_argument("--engine_replicas", type=int, default=1)
+    p.add_argument(
+        "--devices_per_process",
+        type=int,
+        default=2,
+        help="fake CPU devices per process (XLA_FLAGS); 0: leave the devices as they are",
+    )
+    p.add_argument("--workdir", default="runs/launch_local")
+    p.add_argument("--restart_replicas", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max_restarts", type=int, default=10, help="replica restarts in all")
+    p.add_argument("--stop_timeout_s", type=float, default=120.0)
+    args, rest = p.parse_known_args(argv)
+    if args.trainer_processes < 1:
+        p.error(f"--trainer_processes must be >= 1, got {args.trainer_processes}")
+    if args.engine_replicas < 1:
+        p.error(
+            f"--engine_replicas must be >= 1, got {args.engine_replicas} (a run without "
+            "replicas is the single-process command: python -m jaxrl_orch.train)"
+        )
+    for flag in ("--process_index", "--coordinator_address", "--engine_addresses"):
+        if any(a.split("=")[0] == flag for a in rest):
+            p.error(f"{flag} is set by the launcher for every process; leave it out")
+    return args, rest
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace, train_args: list[str]) -> None:
+        self.args = args
+        self.p, self.r = args.trainer_processes, args.engine_replicas
+        ports = free_ports(1 + self.r)
+        self.coordinator = f"127.0.0.1:{ports[0]}"
+        self.addresses = [f"127.0.0.1:{port}" for port in ports[1:]]
+        self.logs = Path(args.workdir) / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.train_args = [
+            *train_args,
+            f"--workdir={args.workdir}",
+            f"--gin_param=TrainConfig.trainer_processes = {self.p}",
+            f"--gin_param=TrainConfig.engine_replicas = {self.r}",
+            f"--coordinator_address={self.coordinator}",
+            f"--engine_addresses={','.join(self.addresses)}",
+        ]
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.restarts = 0
+        self.stop_at: float | None = None
+
+    def role(self, k: int) -> str:
+        return "trainer" if k < self.p else "engine"
+
+    def start(self, k: int) -> None:
+        env = dict(os.environ)
+        if self.args.devices_per_process:
+            flags = env.get("XLA_FLAGS", "")
+            flags = " ".join(f for f in flags.split() if "host_platform_device_count" not in f)
+            n = self.args.devices_per_process
+            env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+            env.setdefault("JAX_PLATFORMS", "cpu")
+        log = open(self.logs / f"process_{k}_{self.role(k)}.log", "ab")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "jaxrl_orch.train", *self.train_args, f"--process_index={k}"]
+        self.procs[k] = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+
+    def kill_all(self, sig: int = signal.SIGKILL) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        if self.stop_at is not None:
+            print(f"{signal.Signals(signum).name} again: killing every process", flush=True)
+            self.kill_all()
+            return
+        print(
+            f"{signal.Signals(signum).name}: trainer process 0 drains and checkpoints; every "
+            f"process is killed past {self.args.stop_timeout_s:g} s",
+            flush=True,
+        )
+        self.stop_at = time.monotonic() + self.args.stop_timeout_s
+        if self.procs[0].poll() is None:
+            self.procs[0].send_signal(signal.SIGTERM)
+
+    def run(self) -> int:
+        for k in range(self.p, self.p + self.r):  # replicas first: they import and compile
+            self.start(k)
+        for k in range(self.p):
+            self.start(k)
+        print(
+            f"launch_local: {self.p} trainer process(es) (coordinator {self.coordinator}), "
+            f"{self.r} engine replica(s) at {', '.join(self.addresses)}; logs in {self.logs}",
+            flush=True,
+        )
+        follow = open(self.logs / "process_0_trainer.log", "rb")  # noqa: SIM115
+        try:
+            return self._supervise(follow)
+        finally:
+            follow.close()
+            self.stop_replicas()
+
+    def _supervise(self, follow: Any) -> int:
+        while True:
+            chunk = follow.read()
+            if chunk:
+                sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
+            codes = {k: self.procs[k].poll() for k in range(self.p)}
+            failed = [k for k, c in codes.items() if c not in (None, 0)]
+            if failed:
+                k = failed[0]
+                print(
+                    f"launch_local: trainer process {k} exited with {codes[k]} (log "
+                    f"{self.logs / f'process_{k}_trainer.log'}); stopping the run. The same "
+                    "command resumes from the last checkpoint",
+                    flush=True,
+                )
+                self.kill_all()
+                sys.stdout.write(follow.read().decode(errors="replace"))
+                return codes[k] if codes[k] > 0 else 128 - codes[k]
+            if all(c == 0 for c in codes.values()):
+                sys.stdout.write(follow.read().decode(errors="replace"))
+                return 0
+            for k in range(self.p, self.p + self.r):
+                code = self.procs[k].poll()
+                if code is not None and self.args.restart_replicas and self.stop_at is None:
+                    if self.restarts >= self.args.max_restarts:
+                        print(
+                            f"launch_local: engine replica {k - self.p} exited with {code} after "
+                            f"{self.restarts} restarts (--max_restarts); stopping the run",
+                            flush=True,
+                        )
+                        self.kill_all()
+                        return 1
+                    self.restarts += 1
+                    print(
+                        f"launch_local: engine replica {k - self.p} exited with {code}; "
+                        f"restarting it (restart {self.restarts})",
+                        flush=True,
+                    )
+                    self.start(k)
+            if self.stop_at is not None and time.monotonic() > self.stop_at:
+                print("launch_local: the stop deadline passed; killing every process", flush=True)
+                self.kill_all()
+                return 124
+            time.sleep(0.2)
+
+    def stop_replicas(self, timeout_s: float = 10.0) -> None:
+        for k in range(self.p, self.p + self.r):
+            if self.procs[k].poll() is None:
+                os.killpg(self.procs[k].pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        self.kill_all()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = parse_args(argv)
+    launcher = Launcher(args, rest)
+    previous = {s: signal.signal(s, launcher.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return launcher.run()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

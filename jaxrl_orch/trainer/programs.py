@@ -1,0 +1,79 @@
+"""What a trainer compiles, without allocating: shapes, shardings, optimizer and the jitted step.
+
+``build_programs`` is shared by ``trainer.Trainer`` (which then allocates onto the shardings) and
+``python -m jaxrl_orch.aot`` (which lowers ``step_fn`` against the abstract arrays deviceless for
+a TPU topology). ``splash_specs`` resolves the PartitionSpecs splash attention runs under.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxrl_orch.models.transformer import ModelConfig, Transformer, logical_specs
+from jaxrl_orch.trainer import step as step_lib
+from sharding.rules import TRAINER_RULES, Rules, logical_to_mesh_spec, resolve_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainPrograms:
+    """What a trainer compiles, built without allocating anything (``python -m jaxrl_orch.aot``
+    lowers ``step_fn`` against ``abstract_params`` / ``abstract_opt_state`` deviceless)."""
+
+    graphdef: Any
+    abstract_params: Any
+    param_shardings: Any
+    optimizer: Any
+    abstract_opt_state: Any
+    opt_shardings: Any
+    step_fn: Any
+
+
+def splash_specs(model_config: ModelConfig, mesh: Mesh, rules: Rules, rows: int, row_len: int):
+    """``(mesh, q, kv, segment)`` PartitionSpecs splash attention runs under on this mesh, or
+    None when the model does not use splash (resolved by ``sharding.rules``, like all specs)."""
+    if model_config.attention != "splash":
+        return None
+    c = model_config
+    spec = lambda axes, shape: logical_to_mesh_spec(axes, rules, mesh=mesh, shape=shape)
+    q = spec(("batch", "length", "heads", "head_dim"), (rows, row_len, c.n_heads, c.head_dim))
+    kv = spec(
+        ("batch", "length", "kv_heads", "head_dim"), (rows, row_len, c.n_kv_heads, c.head_dim)
+    )
+    return mesh, q, kv, spec(("batch", "length"), (rows, row_len))
+
+
+def build_programs(
+    model_config: ModelConfig,
+    mesh: Mesh,
+    step_cfg: step_lib.StepConfig,
+    optim_cfg: step_lib.OptimConfig,
+    rules: Rules = TRAINER_RULES,
+    seed: int = 0,
+    row_len: int = 2048,
+) -> TrainPrograms:
+    """Shapes, shardings, optimizer and the jitted step of a trainer (no arrays built)."""
+    abstract = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(seed)))
+    graphdef, abstract_state = nnx.split(abstract)
+    param_shardings = resolve_shardings(
+        logical_specs(abstract_state), mesh, rules, shapes=abstract_state
+    )
+    optimizer = step_lib.make_optimizer(optim_cfg)
+    opt_shape = jax.eval_shape(optimizer.init, abstract_state)
+    opt_shardings = step_lib.opt_state_shardings(opt_shape, abstract_state, param_shardings, mesh)
+    step_fn = step_lib.build_train_step(
+        graphdef,
+        optimizer,
+        step_cfg,
+        param_shardings=param_shardings,
+        opt_shardings=opt_shardings,
+        mesh=mesh,
+        splash_specs=splash_specs(model_config, mesh, rules, step_cfg.chunk_rows, row_len),
+    )
+    return TrainPrograms(
+        graphdef, abstract_state, param_shardings, optimizer, opt_shape, opt_shardings, step_fn
+    )

@@ -1,0 +1,136 @@
+"""RemotePool: groups pinned to a replica move whole when it is lost, without failing a request;
+weights reach every live replica; a lost replica that answers again gets the current weights
+before it serves. Fake replica clients (the gRPC side is tested in test_remote_replica.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from jaxrl_orch.remote.client import ReplicaLost, WeightPullError
+from jaxrl_orch.remote.pool import RemotePool
+from jaxrl_orch.types import Completion, SamplingParams
+
+
+class FakeOffer:
+    address = "127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.offers = 0
+
+    def offer(self, arrays, *, expire_s=None):
+        self.offers += 1
+        return self.offers
+
+
+class FakeReplica:
+    def __init__(self, i: int) -> None:
+        self.i, self.in_flight, self.up, self.loads, self.calls = i, 0, True, [], []
+        self.address = f"addr{i}"
+        self.fail_pull = False
+
+    async def generate(self, prompt_ids, sampling):
+        self.calls.append(list(prompt_ids))
+        self.in_flight += 1
+        try:
+            await asyncio.sleep(0.01)
+            if not self.up:
+                raise ReplicaLost(self.i, f"addr{self.i}", "connection refused")
+            return Completion([self.i], [0.0], [self.loads[-1] if self.loads else -1], "stop")
+        finally:
+            self.in_flight -= 1
+
+    async def health(self, timeout_s=5.0):
+        return (
+            {"engine_s": 1.5, "version": self.loads[-1] if self.loads else -1} if self.up else None
+        )
+
+    async def load_weights(self, version, address, uuid, timeout_s, layout=None):
+        if not self.up:
+            raise ReplicaLost(self.i, f"addr{self.i}", "connection refused")
+        if self.fail_pull:
+            raise WeightPullError(self.i, version, "timed out")
+        self.loads.append(version)
+        return {"version": version}
+
+    async def close(self):
+        pass
+
+
+def make_pool(n: int = 2) -> tuple[RemotePool, list[FakeReplica]]:
+    pool = RemotePool(
+        [f"addr{i}" for i in range(n)],
+        FakeOffer(),
+        request_timeout_s=5,
+        pull_timeout_s=5,
+        probe_interval_s=0.01,
+    )
+    fakes = [FakeReplica(i) for i in range(n)]
+    pool.clients = fakes
+    return pool, fakes
+
+
+SAMPLING = SamplingParams(max_tokens=4)
+
+
+def test_a_lost_replicas_group_moves_whole_and_no_request_fails():
+    async def main():
+        pool, fakes = make_pool()
+        await pool.start(0, params="w0")
+        assert [f.loads for f in fakes] == [[0], [0]] and pool.live == {0, 1}
+        handle = pool.select()
+        lost = fakes[handle.replica]
+        lost.up = False  # dies with the group's requests in flight
+        done = await asyncio.gather(*(handle.generate([1, 2], SAMPLING) for _ in range(4)))
+        other = 1 - lost.i
+        assert [c.token_ids for c in done] == [[other]] * 4  # all served by the other replica
+        assert handle.replica == other and pool.live == {other}
+        assert pool.lost_total == 1 and pool.reissued_total == 4
+        assert pool.moved_groups_total == 1
+        # New groups go to the live replica only.
+        assert {pool.select().replica for _ in range(5)} == {other}
+
+    asyncio.run(main())
+
+
+def test_weights_reach_live_replicas_and_a_returning_one_loads_before_it_serves():
+    async def main():
+        pool, fakes = make_pool()
+        await pool.start(0, params="w0")
+        fakes[1].up = False
+        await pool.load_weights(1, "w1")  # replica 1 is found lost here; 0 gets version 1
+        assert fakes[0].loads == [0, 1] and pool.live == {0}
+        watch = asyncio.ensure_future(pool.watch())
+        fakes[1].up = True  # restarted
+        for _ in range(200):
+            if 1 in pool.live:
+                break
+            await asyncio.sleep(0.01)
+        watch.cancel()
+        assert pool.live == {0, 1} and pool.rejoined_total == 1
+        assert fakes[1].loads == [0, 1]  # the current version, before it is live again
+        assert pool.engine_seconds() == pytest.approx(3.0)  # both replicas' engine time
+
+    asyncio.run(main())
+
+
+def test_a_failed_pull_fails_loudly_naming_replica_and_version():
+    async def main():
+        pool, fakes = make_pool()
+        await pool.start(0, params="w0")
+        fakes[0].fail_pull = True
+        with pytest.raises(WeightPullError, match="replica 0.*version 3"):
+            await pool.load_weights(3, "w3")
+
+    asyncio.run(main())
+
+
+def test_start_names_the_replicas_that_never_answer():
+    async def main():
+        pool, fakes = make_pool()
+        fakes[1].up = False
+        with pytest.raises(TimeoutError, match=r"engine replicas 1 \(addr1\) did not answer"):
+            await pool.start(0, params="w0", timeout_s=0.3)
+
+    asyncio.run(main())

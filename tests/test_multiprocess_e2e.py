@@ -1,0 +1,270 @@
+"""End-to-end: multi-process runs (DESIGN.md section 8), started by ``jaxrl_orch.launch_local``.
+
+A trainer group of 2 processes (``jax.distributed`` on 127.0.0.1, 2 fake CPU devices each)
+and 2 engine replicas (own processes, gRPC, weights pulled with ``jax.experimental.transfer``)
+run the tiny scenario; with ``max_staleness = 0`` its losses and rewards equal the
+single-process run of the same config and seed (per-request sampling seeds make the samples
+independent of which replica drew them). A replica killed with SIGKILL mid-run loses no
+rollout: its groups move to the other replica and the launcher restarts it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCENARIO = [
+    "TrainConfig.sft_steps = 2",
+    "TrainConfig.sft_batch_size = 8",
+    "TrainConfig.prompts_per_step = 2",
+    "TrainConfig.group_size = 4",
+    "TrainConfig.eval_examples = 4",
+    "TrainConfig.eval_every = 5",
+    "TrainConfig.checkpoint_every = 3",
+    "TrainConfig.max_new_tokens = 16",
+    "TrainConfig.decode_slots = 8",
+    "TrainConfig.dynamic_sampling = False",
+    "TrainConfig.export_hf = True",
+    # An untrained model scores (near) 0 on the real task: a user env with a dense reward
+    # (tests/dense_env.py), plugged by name so every process imports it.
+    "TrainConfig.env = 'dense_env:make'",
+]
+
+
+def _env(devices: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    tests = str(Path(__file__).parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def _params(*extra: str) -> list[str]:
+    return [f"--gin_param={p}" for p in [*SCENARIO, *extra]]
+
+
+def _launch(workdir: Path, *extra: str, replicas: int = 2, trainers: int = 2, **kw):
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxrl_orch.launch_local",
+        f"--trainer_processes={trainers}",
+        f"--engine_replicas={replicas}",
+        "--devices_per_process=2",
+        f"--workdir={workdir}",
+        *_params(*extra),
+    ]
+    return subprocess.Popen(
+        cmd, env=_env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw
+    )
+
+
+def _rl_rows(workdir: Path) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "train/reward_mean" in r}
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 900) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"launch_local did not finish within {timeout} s:\n{out[-4000:]}")
+    return out
+
+
+def _logs(workdir: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in (workdir / "logs").glob("*"))
+
+
+def test_group_of_two_with_two_replicas_matches_one_process(tmp_path: Path) -> None:
+    steps = ["TrainConfig.rl_steps = 5", "TrainConfig.max_staleness = 0"]
+    single = tmp_path / "single"
+    # The single process splits its 6 devices like the multi-process run: trainer fsdp over 4,
+    # decode tp over 2.
+    ref = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxrl_orch.train",
+            f"--workdir={single}",
+            *_params(
+                *steps,
+                "TrainConfig.trainer_mesh = (('fsdp', 4),)",
+                "TrainConfig.decode_mesh = (('tp', 2),)",
+                "TrainConfig.colocated = False",
+            ),
+        ],
+        env=_env(6),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+
+    multi = tmp_path / "multi"
+    out = _finish(_launch(multi, *steps))
+    assert "exited with" not in out, out[-4000:] + _logs(multi)
+    a, b = _rl_rows(single), _rl_rows(multi)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5], (sorted(a), sorted(b), _logs(multi))
+    for step in a:
+        for key in ("trainer/loss", "train/reward_mean", "trainer/entropy", "trainer/grad_norm"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-5), (step, key)
+        assert b[step]["trainer/batch_tokens"] == a[step]["trainer/batch_tokens"], step
+    sa = json.loads((single / "summary.json").read_text())
+    sb = json.loads((multi / "summary.json").read_text())
+    assert sb["eval_reward_final"] == pytest.approx(sa["eval_reward_final"], abs=1e-6)
+    assert sb["eval_reward_before_rl"] == pytest.approx(sa["eval_reward_before_rl"], abs=1e-6)
+    # The same outputs as the single-process command, plus one log per process.
+    for name in ("summary.json", "report.md", "config.gin", "export/config.json"):
+        assert (multi / name).exists(), name
+    logs = sorted(p.name for p in (multi / "logs").iterdir())
+    assert logs == [
+        "process_0_trainer.log",
+        "process_1_trainer.log",
+        "process_2_engine.log",
+        "process_3_engine.log",
+    ]
+    assert sb["replicas"]["live"] == 2 and sb["replicas"]["lost_total"] == 0
+    assert any(abs(a[s]["trainer/loss"]) > 1e-4 for s in a), "no learning signal: a vacuous test"
+    # Every replica pulled every version, the last one included.
+    for k in (2, 3):
+        log = (multi / "logs" / f"process_{k}_engine.log").read_text()
+        assert [f"serving version {v} " in log for v in range(6)] == [True] * 6
+
+
+def test_staleness_bound_holds_across_processes(tmp_path: Path) -> None:
+    workdir = tmp_path / "s1"
+    # Two replicas finish groups out of admission order: the "pace" age policy holds a batch
+    # back until no rollout in it would be older than S (the default "admit" only bounds the
+    # admissions, so its observed ages may overshoot; README, simulator table).
+    bound = ["TrainConfig.max_staleness = 1", "TrainConfig.age_policy = 'pace'"]
+    out = _finish(_launch(workdir, "TrainConfig.rl_steps = 5", *bound))
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["rl_steps"] == 5, out[-3000:] + _logs(workdir)
+    ages = {int(k): v for k, v in summary["age_histogram"].items()}
+    assert ages and max(ages) <= 1 and sum(ages.values()) == 5 * 2 * 4, ages
+    assert summary["dropped"] == 0
+
+
+STEPS = 40  # long enough (~40 s) for the killed replica to restart (~10-20 s) and rejoin
+
+
+def test_replica_killed_mid_run_loses_no_rollout(tmp_path: Path) -> None:
+    workdir = tmp_path / "kill"
+    proc = _launch(
+        workdir,
+        f"TrainConfig.rl_steps = {STEPS}",
+        "TrainConfig.max_staleness = 1",
+        replicas=2,
+        trainers=1,
+        start_new_session=True,
+    )
+    metrics = workdir / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and '"train/reward_mean"' in metrics.read_text():
+                break
+            time.sleep(0.5)
+        time.sleep(random.uniform(0.0, 2.0))  # a random point of the run
+        victim = random.choice([1, 2])
+        pattern = f"jaxrl_orch.train .*--process_index={victim}$"
+        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+        assert pids.split(), f"replica process {victim} not found"
+        for pid in pids.split():
+            os.kill(int(pid), signal.SIGKILL)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-4000:] + _logs(workdir)
+    assert f"engine replica {victim - 1} exited with -9; restarting it" in out
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["rl_steps"] == STEPS
+    assert summary["replicas"]["lost_total"] >= 1
+    assert summary["replicas"]["rejoined_total"] >= 1, out[-3000:]
+    # Restarted, it loaded the current weights (not version 0) before it served again.
+    log = (workdir / "logs" / f"process_{victim}_engine.log").read_text()
+    restarted = log.split(f"[process {victim}] engine replica")[2]
+    first = int(restarted.split("serving version ")[1].split()[0])
+    assert first >= 1, restarted[:2000]
+    counts = summary["rollouts"]
+    # Every dispatched rollout reached a sink exactly once; none failed for the lost replica.
+    assert counts["reached_sinks"] == counts["dispatched"], counts
+    assert counts["errors"] == 0, counts
+    seen: set[tuple[int, int]] = set()
+    for f in sorted((workdir / "rollouts").glob("step_*.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            key = (r["group_id"], r["episode_id"])
+            assert key not in seen, key
+            seen.add(key)
+    assert len(seen) == STEPS * 2 * 4
+
+
+def _wait_for_step(workdir: Path, proc: subprocess.Popen, step: int, timeout: float = 600) -> None:
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and step in _rl_rows(workdir):
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"step {step} never appeared (exit {proc.poll()})\n{_logs(workdir)}")
+
+
+def test_lost_trainer_stops_the_run_sigterm_drains_and_the_same_command_resumes(tmp_path):
+    workdir = tmp_path / "resume"
+    run = ["TrainConfig.rl_steps = 8", "TrainConfig.checkpoint_every = 2"]
+    # 1. A trainer peer killed with SIGKILL: the launcher stops the whole run, loudly.
+    proc = _launch(workdir, *run, replicas=1, start_new_session=True)
+    try:
+        _wait_for_step(workdir, proc, 3)
+        pattern = "jaxrl_orch.train .*--process_index=1$"
+        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+        for pid in pids.split():
+            os.kill(int(pid), signal.SIGKILL)
+        t0 = time.monotonic()
+        out = _finish(proc, timeout=120)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert time.monotonic() - t0 < 60
+    assert proc.returncode != 0 and "trainer process 1 exited with -9" in out, out[-3000:]
+    assert "resumes from the last checkpoint" in out
+    # 2. The same command resumes; SIGTERM to the launcher drains every role and checkpoints.
+    proc = _launch(workdir, *run, replicas=1, start_new_session=True)
+    try:
+        first = max(_rl_rows(workdir)) + 1
+        _wait_for_step(workdir, proc, first + 1)
+        proc.send_signal(signal.SIGTERM)
+        out = _finish(proc, timeout=240)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, out[-3000:] + _logs(workdir)
+    assert "== resume: at step" in out, out[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["stopped_by_signal"] == signal.SIGTERM
+    stopped = summary["rl_steps"]
+    assert stopped < 8
+    # 3. And again, to the end: every step trained exactly once across the three attempts.
+    out = _finish(_launch(workdir, *run, replicas=1))
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["rl_steps"] == 8 and summary["resumed_from_step"] == stopped, out[-3000:]
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in lines if "train/reward_mean" in r]
+    assert steps == list(range(1, 9)), steps
