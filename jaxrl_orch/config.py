@@ -72,13 +72,18 @@ class TrainConfig:
     kl_beta: float = 0.0
     # packing / shapes
     row_len: int = 256  # one or two bundled reverse-text samples a row
-    rows_per_batch: int | None = None  # None: as many as needed, rounded up to chunk_rows
+    # None: one row per sample (the most a batch can need; padding chunks are skipped on
+    # device), more if a batch needs more: a fixed shape, compiled once
+    rows_per_batch: int | None = None
     chunk_rows: int = 8
     # engine: "builtin", or "package.module:factory" for a JetStream-shaped engine
     engine: str = "builtin"
     decode_slots: int = 32
     max_target_length: int = 256
     steps_per_call: int = 8
+    # run every prompt bucket's prefill and every decode width once before the first rollout,
+    # so nothing compiles mid-run (JetStream's model warm-up)
+    engine_warmup: bool = True
     # placement: {} means all devices split evenly; colocated shares one set of devices
     trainer_mesh: tuple[tuple[str, int], ...] = ()
     decode_mesh: tuple[tuple[str, int], ...] = ()

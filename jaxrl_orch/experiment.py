@@ -219,6 +219,8 @@ class Experiment:
             self.trainer_mesh,
             row_len=cfg.row_len,
             num_rows=cfg.rows_per_batch,
+            # A row per sample at most: one shape all run long (no recompiles mid-run).
+            min_rows=cfg.batch_size if kind == "rl" else cfg.sft_batch_size,
             step=step,
             optim=optim,
             seed=cfg.seed,

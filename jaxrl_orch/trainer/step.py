@@ -50,7 +50,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_orch.algorithms import losses
+from jaxrl_orch.trainer.chunks import scan as _scan
+from jaxrl_orch.trainer.chunks import shift_targets, skip_empty
+from jaxrl_orch.trainer.chunks import take_rows as _take_rows
+from jaxrl_orch.trainer.chunks import to_chunks as _to_chunks
 from jaxrl_orch.trainer.logprobs import sft_loss_from_logprobs, token_stats
+
+__all__ = ["shift_targets"]
 
 BATCH_FIELDS = (
     "tokens",
@@ -169,43 +175,6 @@ class StepConfig:
         return self.chunk_rows * self.minibatches
 
 
-def shift_targets(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Inputs ``[R, L]`` and targets ``[R, L-1]`` (see module docstring for the mask rule)."""
-    seg = batch["segment_ids"]
-    same_seq = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
-    return {
-        "tokens": batch["tokens"],
-        "positions": batch["positions"],
-        "segment_ids": seg,
-        "targets": batch["tokens"][:, 1:],
-        "target_segments": seg[:, 1:],
-        "mask": batch["loss_mask"][:, 1:].astype(bool) & same_seq,
-        "advantages": batch["advantages"][:, 1:],
-        "behavior": batch["logprobs"][:, 1:],
-        "temperatures": batch["temperatures"][:, 1:],
-    }
-
-
-def _take_rows(tree: dict[str, jax.Array], idx: jax.Array) -> dict[str, jax.Array]:
-    return {k: jnp.take(v, idx, axis=0) for k, v in tree.items()}
-
-
-def _to_chunks(tree: dict[str, jax.Array], chunk_rows: int) -> dict[str, jax.Array]:
-    return {
-        k: v.reshape(v.shape[0] // chunk_rows, chunk_rows, *v.shape[1:]) for k, v in tree.items()
-    }
-
-
-def _scan(f: Callable, init: Any, xs: Any) -> tuple[Any, Any]:
-    """``lax.scan``, except a length-1 scan is inlined: the common one-chunk / one-minibatch
-    step then compiles to the same graph as a hand-written step (smaller, faster program)."""
-    n = jax.tree.leaves(xs)[0].shape[0]
-    if n != 1:
-        return jax.lax.scan(f, init, xs)
-    carry, y = f(init, jax.tree.map(lambda v: v[0], xs))
-    return carry, jax.tree.map(lambda v: v[None], y)
-
-
 def build_train_step(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
@@ -252,14 +221,15 @@ def build_train_step(
         )
 
     def logprobs_only(params: Any, chunks: dict[str, jax.Array]) -> jax.Array:
-        def body(_, chunk):
+        def chunk_lp(chunk):
             chunk = constrain_rows(chunk)
             if lp_chunk:
-                return None, stats(params, chunk, chunk["temperatures"], False)[0]
+                return stats(params, chunk, chunk["temperatures"], False)[0]
             logits = forward(params, chunk)
-            return None, losses.token_logprobs(logits, chunk["targets"], chunk["temperatures"])
+            return losses.token_logprobs(logits, chunk["targets"], chunk["temperatures"])
 
-        _, lp = _scan(body, None, chunks)
+        zeros = lambda chunk: jnp.zeros(chunk["targets"].shape, jnp.float32)
+        _, lp = _scan(lambda _, c: (None, skip_empty(c, chunk_lp, zeros, c)), None, chunks)
         return jax.lax.stop_gradient(lp)  # [n_chunks, C, L-1]
 
     def chunk_loss(params: Any, chunk: dict[str, jax.Array]):
@@ -301,11 +271,14 @@ def build_train_step(
         first = jax.tree.map(lambda v: v[0], chunks)
         sums_shape = jax.eval_shape(lambda p, c: chunk_loss(p, c)[1], params, first)
 
-        def body(acc, chunk):
+        def accumulate(acc, chunk):
             grads_acc, sums_acc = acc
             (_, sums), grads = grad_fn(params, chunk)
             grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
-            return (grads_acc, losses.merge_metric_sums(sums_acc, sums)), None
+            return grads_acc, losses.merge_metric_sums(sums_acc, sums)
+
+        def body(acc, chunk):  # an all-padding chunk adds exact zeros: skip its work
+            return skip_empty(chunk, lambda c: accumulate(acc, c), lambda _: acc, chunk), None
 
         zero_sums = {
             k: jnp.full(v.shape, -jnp.inf if k == "ratio_max" else 0.0, v.dtype)

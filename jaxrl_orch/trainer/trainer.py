@@ -10,9 +10,14 @@ What it owns
     weights) and moved onto the shardings.
 
 Per batch (``train_step``): pack ``TrainBatch.samples`` with ``algorithms.packing.pack_samples``
-into ``[R, row_len]`` rows (R padded to a multiple of ``chunk_rows * minibatches``, or to
-``num_rows`` when fixed), run the jitted step from ``trainer/step.py``, set ``version =
-batch.step``, then call every publisher with ``(version, params)``.
+into ``[R, row_len]`` rows (R padded to a multiple of ``chunk_rows * minibatches`` and to at
+least ``min_rows``, or to ``num_rows`` when fixed), run the jitted step from
+``trainer/step.py``, set ``version = batch.step``, then call every publisher with
+``(version, params)``.
+
+Fixed shapes: with ``min_rows`` at the most rows a batch can need (one per sample: every
+sample fits a row) the step sees one shape for the whole run, so it compiles once; the chunks
+of padding rows cost a ``lax.cond`` each, not a forward and backward pass (``trainer/chunks``).
 
 Versions: the initial params are version ``initial_version`` (0); batch ``step`` must be trained
 on version ``step - 1`` and produces version ``step``, so batches arrive in order and a batch
@@ -71,6 +76,7 @@ class Trainer:
         seed: int = 0,
         rules: Rules = TRAINER_RULES,
         num_rows: int | None = None,
+        min_rows: int | None = None,
         init_params: Any = None,
         initial_version: int = 0,
         copy_on_publish: bool = False,
@@ -93,6 +99,8 @@ class Trainer:
                 f"{self.step_cfg.rows_multiple}"
             )
         self.num_rows = num_rows
+        mult = self.step_cfg.rows_multiple
+        self.min_rows = -(-(min_rows or 0) // mult) * mult  # rounded up to whole chunks
         self.pad_id = pad_id
         self.copy_on_publish = copy_on_publish
         self._publishers: list[Publisher] = []
@@ -172,8 +180,8 @@ class Trainer:
             truncate=truncate,
         )
         mult = self.step_cfg.rows_multiple
-        if packed.num_rows % mult:
-            rows = -(-packed.num_rows // mult) * mult
+        rows = max(-(-packed.num_rows // mult) * mult, self.min_rows)
+        if rows != packed.num_rows:
             packed = pack_samples(
                 batch.samples, self.row_len, num_rows=rows, pad_id=self.pad_id, truncate=truncate
             )
