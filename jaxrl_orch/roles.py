@@ -64,7 +64,11 @@ def serve_replica(exp: Any, role: Role, address: str) -> dict[str, Any]:
     """Serve the engine at ``address`` until SIGTERM / SIGINT (the launcher's stop)."""
     engine = exp.make_engine()
     server = ReplicaServer(
-        engine, address=address, replica=role.replica, pull_timeout_s=exp.cfg.weight_pull_timeout_s
+        engine,
+        address=address,
+        replica=role.replica,
+        pull_timeout_s=exp.cfg.weight_pull_timeout_s,
+        warm_up=exp.cfg.engine_warmup,
     )
     stage("engine replica", f"{role.describe()} on {address}, {len(jax.local_devices())} devices")
 
@@ -135,6 +139,10 @@ def engine_side(exp: Any, engine: Any, trainer: Any, path_kw: dict[str, Any]):
         # The engine starts on the trainer's weights: after a resume, the restored ones.
         first = jax.tree.map(jnp.copy, trainer.params) if exp.colocated else trainer.params
         driver = InferenceDriver(engine, to_engine(first, engine), trainer.version)
+        if exp.cfg.engine_warmup:
+            stage(
+                "engine", f"warm-up: every prompt bucket and decode width, {driver.warm_up():.1f} s"
+            )
         dtype = getattr(engine, "param_dtype", None)
         weights = WeightPath.in_process(trainer, driver, engine.param_shardings, dtype, **path_kw)
         return driver, None, weights, ClientPool([EngineClient(driver)])

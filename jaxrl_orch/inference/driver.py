@@ -153,6 +153,26 @@ class InferenceDriver:
             self._cv.notify_all()
         return done
 
+    def warm_up(self) -> float:
+        """Run every program the loop can call once, on a scratch decode state: each prompt
+        bucket's prefill and insert, each decode width, a slot move (JetStream's model warm-up),
+        so none compiles mid-run. Call before ``start``; returns the seconds it took."""
+        t0 = time.perf_counter()
+        state = self.engine.init_decode_state()
+        kwargs = {"sampling": SamplingParams()} if self._pass_sampling else {}
+        for b in sorted({self._bucket(n) for n in range(1, self._max_prefill + 1)}):
+            pad = np.zeros(b, np.int32)
+            prefix, _ = self.engine.prefill(params=self._params, padded_tokens=pad, true_length=1)
+            state = self.engine.insert(prefix, state, 0, **kwargs)
+        if len(self._widths) > 1:
+            state = self.engine.move_slot(state, 0, 1)
+        for w in self._widths:
+            step = {"version": self._version} if self._pass_version else {}
+            step.update({"width": w} if w != self._n_slots else {})
+            state, result = self.engine.generate(self._params, state, **step)
+            result.convert_to_numpy()  # waits for the device
+        return time.perf_counter() - t0
+
     def start(self) -> None:
         with self._cv:
             if self._thread is not None:

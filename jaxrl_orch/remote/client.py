@@ -124,7 +124,13 @@ class RemoteEngineClient:
         return response
 
     async def load_weights(
-        self, version: int, address: str, uuid: int, timeout_s: float, layout: dict | None = None
+        self,
+        version: int,
+        address: str,
+        uuid: int,
+        timeout_s: float,
+        layout: dict | None = None,
+        extra_s: float = 30.0,
     ) -> dict:
         """Have the replica pull ``uuid`` from the transfer server at ``address`` and serve it
         as ``version``; returns ``{"version", "pull_s", "swap_s"}``. ``layout``: how the sender
@@ -133,8 +139,9 @@ class RemoteEngineClient:
         if layout is not None:
             request["layout"] = layout
         try:
-            # The RPC outlives the pull's own deadline by the swap (at most a decode step).
-            return await self._call("LoadWeights")(request, timeout=timeout_s + 30.0)
+            # The RPC outlives the pull's own deadline by the swap (at most a decode step), or
+            # the first load's engine warm-up (``extra_s``).
+            return await self._call("LoadWeights")(request, timeout=timeout_s + extra_s)
         except grpc.aio.AioRpcError as err:
             if _is_lost(err):  # the replica died during the load: the pool moves on without it
                 raise self._lost(err) from None

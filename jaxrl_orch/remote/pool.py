@@ -33,6 +33,8 @@ from jaxrl_orch.remote.client import RemoteEngineClient, ReplicaLost, WeightPull
 from jaxrl_orch.remote.weights import WeightOffer
 from jaxrl_orch.types import Completion, SamplingParams
 
+FIRST_LOAD_EXTRA_S = 900.0  # a replica's first load also compiles its engine (warm-up)
+
 
 class RemotePool:
     def __init__(
@@ -81,7 +83,8 @@ class RemotePool:
                 raise TimeoutError(f"engine replicas {names} did not answer within {timeout_s:g} s")
             if waiting:
                 await asyncio.sleep(0.5)
-        await asyncio.gather(*(self._load(i, version, params) for i in range(len(self.clients))))
+        loads = (self._load(i, version, params, first=True) for i in range(len(self.clients)))
+        await asyncio.gather(*loads)
         self.live = set(range(len(self.clients)))
         self._changed.set()
 
@@ -98,11 +101,19 @@ class RemotePool:
             elif isinstance(r, BaseException):
                 raise r
 
-    async def _load(self, i: int, version: int, params: Any) -> None:
+    async def _load(self, i: int, version: int, params: Any, first: bool = False) -> None:
+        """Replica ``i`` pulls ``version``; ``first``: its first load since it started, which
+        also runs its engine warm-up (compiles), so the call may take longer."""
         t0 = time.perf_counter()
         uuid = self.offer.offer(params, expire_s=self.pull_timeout_s + 30)
+        extra = FIRST_LOAD_EXTRA_S if first else 30.0
         await self.clients[i].load_weights(
-            version, self.offer.address, uuid, self.pull_timeout_s, layout=self.layout
+            version,
+            self.offer.address,
+            uuid,
+            self.pull_timeout_s,
+            layout=self.layout,
+            extra_s=extra,
         )
         self.pull_s += time.perf_counter() - t0
 
@@ -144,7 +155,7 @@ class RemotePool:
                     continue
                 version, params = self._current
                 try:
-                    await self._load(i, version, params)
+                    await self._load(i, version, params, first=health.get("version", -1) < 0)
                 except (ReplicaLost, WeightPullError) as exc:
                     print(f"engine replica {i} answers but did not load version {version}: {exc}")
                     continue

@@ -62,6 +62,7 @@ class ReplicaServer:
         max_queued: int = 4096,
         prefix_cache_size: int = 16,
         pull_timeout_s: float = 120.0,
+        warm_up: bool = False,
     ) -> None:
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued!r}")
@@ -71,6 +72,7 @@ class ReplicaServer:
         self.max_queued = int(max_queued)
         self.prefix_cache_size = prefix_cache_size
         self.pull_timeout_s = float(pull_timeout_s)  # when a LoadWeights gives no timeout_s
+        self.warm_up = warm_up  # InferenceDriver.warm_up at the first load, before serving
         self.bound_address: str | None = None  # "host:port" once serve() has bound
         self.driver: InferenceDriver | None = None
         self.version = -1
@@ -168,6 +170,9 @@ class ReplicaServer:
                 driver = InferenceDriver(
                     self.engine, params, version, prefix_cache_size=self.prefix_cache_size
                 )
+                if self.warm_up:  # every program compiled before the first request is served
+                    warm_s = await asyncio.to_thread(driver.warm_up)
+                    print(f"replica {self.replica}: engine warm-up {warm_s:.1f} s", flush=True)
                 driver.start()
                 self.driver = driver
             else:

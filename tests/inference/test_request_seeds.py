@@ -222,3 +222,29 @@ def test_top_k_and_top_p_still_cut_seeded_samples(engine, params):
     ref = completion_logits(engine, params, P, outs[2][0])
     top2 = np.argsort(-ref, axis=-1)[:, :2]
     assert any(t not in row for t, row in zip(outs[2][0], top2, strict=True))
+
+
+def test_warm_up_compiles_every_program_the_loop_calls(engine):
+    """After ``InferenceDriver.warm_up`` no prompt length or decode width compiles anything."""
+    params = engine.load_params(seed=0)
+    driver = InferenceDriver(engine, params, 0)
+    programs = lambda: (  # noqa: E731
+        sorted(engine._prefill_fns),
+        sorted(engine._insert_fns),
+        sorted(engine._generate_fns),
+        [f._cache_size() for f in (*engine._prefill_fns.values(), *engine._generate_fns.values())],
+        engine._move_fn._cache_size(),
+    )
+    assert driver.warm_up() > 0
+    compiled = programs()
+    assert compiled[0] == [8, 16] and compiled[2] == [1, 4]  # every bucket, every width
+    driver.start()
+    try:
+        # Every bucket, a group of 4 (full width), then a lone one (narrow: moved, width 1).
+        prompts = [list(range(3, 3 + n)) for n in (2, 9, 16)]
+        futures = [f for p in prompts for f in driver.submit(p, SamplingParams(max_tokens=5), n=2)]
+        [f.result(timeout=120) for f in futures]
+        driver.submit([5, 6, 7], SamplingParams(max_tokens=9, seed=3))[0].result(timeout=120)
+    finally:
+        driver.stop()
+    assert programs() == compiled

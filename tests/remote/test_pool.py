@@ -46,7 +46,7 @@ class FakeReplica:
             {"engine_s": 1.5, "version": self.loads[-1] if self.loads else -1} if self.up else None
         )
 
-    async def load_weights(self, version, address, uuid, timeout_s, layout=None):
+    async def load_weights(self, version, address, uuid, timeout_s, layout=None, extra_s=30.0):
         if not self.up:
             raise ReplicaLost(self.i, f"addr{self.i}", "connection refused")
         if self.fail_pull:
