@@ -21,6 +21,10 @@ temperature (``eval/<env>@t<T>/...``). RL checkpoints are taken on the trainer's
 between two optimizer steps, with the orchestrator's state fetched from the event loop; the
 last one after the drain. On resume the engine is built with the restored weights, so no
 rollout can come from older ones, and the orchestrator restores its state (``restore``).
+
+Several processes (``role``; DESIGN.md section 8, ``roles.py``): an engine replica only serves
+(``roles.serve_replica``); a trainer peer runs the same warm-up and then follows process 0's RL
+steps (``roles.follow``); process 0 runs every stage, with the replicas as its engine.
 """
 
 from __future__ import annotations
@@ -69,10 +73,7 @@ from jaxrl_orch.models.hf_import import export_hf_dir, load_hf_checkpoint
 from jaxrl_orch.models.tokenizer import load_tokenizer, tokenizer_json_path
 from jaxrl_orch.orchestrator.dispatcher import EvalPlan
 from jaxrl_orch.orchestrator.loop import Orchestrator
-from jaxrl_orch.orchestrator.writers import (
-    JsonlWriter,
-    stage,
-)
+from jaxrl_orch.orchestrator.writers import JsonlWriter, stage
 from jaxrl_orch.paths import as_path, copy_tree, is_url
 from jaxrl_orch.report import write_report
 from jaxrl_orch.summary import eval_line, merge_evals

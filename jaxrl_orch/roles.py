@@ -92,15 +92,17 @@ def serve_replica(exp: Any, role: Role, address: str) -> dict[str, Any]:
 class LeaderWiring:
     """Trainer process 0's parts for engine replicas (see the module docstring)."""
 
-    def __init__(self, exp: Any, trainer: Any, role: Role, engine_addresses: list[str]) -> None:
+    def __init__(
+        self, exp: Any, trainer: Any, engine: Any, role: Role, engine_addresses: list[str]
+    ) -> None:
         cfg = exp.cfg
         if len(engine_addresses) != cfg.engine_replicas:
             raise ValueError(
                 f"--engine_addresses names {len(engine_addresses)} replicas, the config has "
                 f"engine_replicas={cfg.engine_replicas}"
             )
-        layout = exp.make_engine()  # never run: its shardings and weight dtype are a replica's
-        self.stager = make_stager(trainer, layout)
+        # ``engine`` never runs here: its shardings and weight dtype are a replica's.
+        self.stager = make_stager(trainer, engine)
         self.channel = Channel(leader=True) if role.trainer_processes > 1 else None
         if self.channel is not None:
             trainer.on_batch = lambda arrays: self.channel.send(TRAIN, {}, arrays)
@@ -146,7 +148,7 @@ def engine_side(exp: Any, engine: Any, trainer: Any, path_kw: dict[str, Any]):
         dtype = getattr(engine, "param_dtype", None)
         weights = WeightPath.in_process(trainer, driver, engine.param_shardings, dtype, **path_kw)
         return driver, None, weights, ClientPool([EngineClient(driver)])
-    wiring = LeaderWiring(exp, trainer, exp.role, exp.engine_addresses)
+    wiring = LeaderWiring(exp, trainer, engine, exp.role, exp.engine_addresses)
     pool = wiring.pool
     weights = WeightPath(trainer, wiring.move, pool.load_weights, pool.engine_seconds, **path_kw)
     return None, wiring, weights, wiring.pool
