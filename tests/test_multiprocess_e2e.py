@@ -169,6 +169,9 @@ def test_replica_killed_mid_run_loses_no_rollout(tmp_path: Path) -> None:
         workdir,
         f"TrainConfig.rl_steps = {STEPS}",
         "TrainConfig.max_staleness = 1",
+        # The restarted replica's first load would also compile every program (~20 s on 2
+        # loaded cores) while versions move on; without it the rejoin lands within the run.
+        "TrainConfig.engine_warmup = False",
         replicas=2,
         trainers=1,
         start_new_session=True,
