@@ -73,8 +73,11 @@ def _profile_steps(workdir: Path, first: int, last: int, trace_dir: str, out: di
     out["wall_s"] = time.time() - t0
 
 
-def run_once(staleness: int, steps: int, warmup: int, workdir: Path, profile=None) -> dict:
-    cfg = TrainConfig(
+def run_once(
+    staleness: int, steps: int, warmup: int, workdir: Path, profile=None, **overrides
+) -> dict:
+    """One run of the scenario (``overrides``: TrainConfig fields to change) -> its figures."""
+    settings = dict(
         model="small-byte",
         sft_steps=0,
         rl_steps=steps,
@@ -91,6 +94,7 @@ def run_once(staleness: int, steps: int, warmup: int, workdir: Path, profile=Non
         decode_slots=32,
         row_len=256,
     )
+    cfg = TrainConfig(**{**settings, **overrides})
     exp = Experiment(cfg, workdir)
     exp.validate()
     traced: dict = {}

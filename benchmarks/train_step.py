@@ -23,6 +23,7 @@ Prints one JSON line ``{"tokens_per_s", "mfu", "overhead_ratio", ...}`` with ``-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -38,6 +39,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--chunk-rows", type=int, default=8)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--matmul-n", type=int, default=1024)
+    p.add_argument("--attention", default="auto", help="TrainConfig.attention (auto: by backend)")
+    p.add_argument("--attention-block", type=int, default=None, help="default: the model's")
     p.add_argument("--json", action="store_true", help="print one JSON line only")
     return p.parse_args()
 
@@ -60,7 +63,13 @@ def main() -> None:
     from jaxrl_orch.trainer.trainer import Trainer
     from jaxrl_orch.types import Sample
 
+    from jaxrl_orch.build import accel
+    from jaxrl_orch.config import TrainConfig
+
     cfg = get_config(args.model)
+    run_cfg = TrainConfig(attention=args.attention)
+    block = args.attention_block or accel.attention_block(run_cfg, cfg)
+    cfg = dataclasses.replace(cfg, attention=accel.attention_impl(run_cfg), attention_block=block)
     rng = np.random.default_rng(0)
     samples = []
     per_row = 4
@@ -161,6 +170,7 @@ def main() -> None:
         "model": args.model,
         "rows": args.rows,
         "row_len": args.row_len,
+        "attention": f"{cfg.attention} (block {cfg.attention_block})",
         "real_tokens": packed.num_tokens,
         "devices": jax.device_count(),
     }

@@ -99,7 +99,7 @@ class TrainConfig:
     compute_dtype: str = "auto"  # matmuls, activations; "auto": bfloat16 on TPU/GPU, else float32
     param_dtype: str = "float32"  # the trainer's master weights and Adam moments (or "bfloat16")
     engine_param_dtype: str | None = None  # the engine's copy of the weights; None: compute_dtype
-    attention: str = "auto"  # "auto": splash on TPU, else einsum (the reference); xla, chunked
+    attention: str = "auto"  # auto: splash on TPU, xla on GPU, chunked on CPU; einsum: reference
     remat: str = "none"  # per-block rematerialisation: none, full, dots, dots_no_batch
     logprob_chunk: int = 0  # trainer log-probs and loss in chunks of this many positions; 0: off
     scan_layers: bool = False  # trainer forward as one lax.scan over layers (fast TPU compile)

@@ -121,11 +121,13 @@ def test_bf16_compute_within_bounds_of_fp32(plain, batch):
     assert abs(-b.mean() - float(loss)) / float(loss) < 0.01
 
 
-def test_cpu_default_resolves_to_the_plain_model():
-    """TrainConfig's defaults on CPU build exactly the preset (fp32, einsum, no remat, no scan):
-    the same programs as before these settings existed."""
+def test_cpu_default_resolves_to_the_plain_model_with_blocked_attention():
+    """TrainConfig's defaults on CPU build the preset (fp32, no remat, no scan) with chunked
+    attention in 128-blocks (the CPU's fastest; same function); an explicit einsum is the preset."""
     base = get_config("tiny-byte")
-    assert accel_model_config(base, TrainConfig(), "cpu") == base
+    cpu = accel_model_config(base, TrainConfig(), "cpu")
+    assert cpu == dataclasses.replace(base, attention="chunked", attention_block=128)
+    assert accel_model_config(base, TrainConfig(attention="einsum"), "cpu") == base
     assert engine_param_dtype(TrainConfig(), "cpu") == jnp.float32
     tpu = accel_model_config(base, TrainConfig(), "tpu")
     assert (tpu.dtype, tpu.param_dtype, tpu.attention) == (
