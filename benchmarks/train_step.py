@@ -58,13 +58,12 @@ def main() -> None:
 
     from jaxrl_orch.algorithms import losses
     from jaxrl_orch.algorithms.packing import pack_samples
+    from jaxrl_orch.build import accel
+    from jaxrl_orch.config import TrainConfig
     from jaxrl_orch.models.transformer import get_config
     from jaxrl_orch.trainer import step as step_lib
     from jaxrl_orch.trainer.trainer import Trainer
     from jaxrl_orch.types import Sample
-
-    from jaxrl_orch.build import accel
-    from jaxrl_orch.config import TrainConfig
 
     cfg = get_config(args.model)
     run_cfg = TrainConfig(attention=args.attention)

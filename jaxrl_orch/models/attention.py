@@ -89,7 +89,7 @@ def _query_blocks(q, k, v, q_index, segment_ids, block, causal=False):
     keys ``[0, (i + 1) * block)`` (unrolled: one static shape per block), which skips the
     fully masked upper blocks: about half the scores, exactly the same result."""
     b, t, h, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     n = t // block
     qb = q.reshape(b, n, block, hkv, h // hkv, d).swapaxes(0, 1)
     ib = q_index.reshape(b, n, block).swapaxes(0, 1)
