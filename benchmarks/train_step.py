@@ -41,6 +41,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--matmul-n", type=int, default=1024)
     p.add_argument("--attention", default="auto", help="TrainConfig.attention (auto: by backend)")
     p.add_argument("--attention-block", type=int, default=None, help="default: the model's")
+    p.add_argument("--compute-dtype", default="auto", help="TrainConfig.compute_dtype")
     p.add_argument("--json", action="store_true", help="print one JSON line only")
     return p.parse_args()
 
@@ -66,9 +67,12 @@ def main() -> None:
     from jaxrl_orch.types import Sample
 
     cfg = get_config(args.model)
-    run_cfg = TrainConfig(attention=args.attention)
+    run_cfg = TrainConfig(attention=args.attention, compute_dtype=args.compute_dtype)
     block = args.attention_block or accel.attention_block(run_cfg, cfg)
-    cfg = dataclasses.replace(cfg, attention=accel.attention_impl(run_cfg), attention_block=block)
+    dtype = accel.compute_dtype(run_cfg)
+    cfg = dataclasses.replace(
+        cfg, attention=accel.attention_impl(run_cfg), attention_block=block, dtype=dtype
+    )
     rng = np.random.default_rng(0)
     samples = []
     per_row = 4
@@ -135,8 +139,9 @@ def main() -> None:
 
     # ---- matmul peak
     n = args.matmul_n
-    a = jnp.asarray(rng.normal(size=(n, n)), jnp.float32)
-    mm = jax.jit(lambda x: x @ x)
+    # The peak of the compute dtype's matmul, accumulating in float32 as the model's do.
+    a = jnp.asarray(rng.normal(size=(n, n)), dtype)
+    mm = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
     mm(a).block_until_ready()
 
     def run_matmul():
@@ -170,6 +175,7 @@ def main() -> None:
         "rows": args.rows,
         "row_len": args.row_len,
         "attention": f"{cfg.attention} (block {cfg.attention_block})",
+        "compute_dtype": jnp.dtype(dtype).name,
         "real_tokens": packed.num_tokens,
         "devices": jax.device_count(),
     }

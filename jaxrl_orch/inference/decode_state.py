@@ -1,7 +1,7 @@
 """The decode state's layout and the pure slot operations on it (build, insert, move, narrow).
 
 Owns: what one ``DecodeEngine`` decode state holds -- the KV cache
-``{"k", "v"}: [layers, slots, max_target_length, kv_heads, head_dim]`` and one row per slot of
+``{"k", "v"}: [layers, slots, kv_heads, max_target_length, head_dim]`` and one row per slot of
 ``tokens`` (last token), ``pos`` (its position), ``active``, ``generated`` and the request's
 sampling settings (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``stop [slots, m]``,
 ``seeded`` and its ``seed_key [slots, key words]`` = ``sampling.request_key(seed, prompt

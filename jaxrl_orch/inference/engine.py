@@ -253,7 +253,7 @@ class DecodeEngine:
         if not 0 <= slot < self._slots:
             raise ValueError(f"slot must be in [0, {self._slots}), got {slot}")
         fields = dstate.slot_fields(prefix, sampling or SamplingParams(), self.max_stop_tokens)
-        length = prefix["cache"]["k"].shape[2]
+        length = prefix["cache"]["k"].shape[3]
         fn = self._insert_fns.get(length)
         if fn is None:
             fn = self._insert_fns[length] = jax.jit(
@@ -375,7 +375,7 @@ class DecodeEngine:
         shape = None
         if length is not None:
             c = self.config
-            shape = (c.n_layers, batch, length, c.n_kv_heads, c.head_dim)
+            shape = (c.n_layers, batch, c.n_kv_heads, length, c.head_dim)
         specs = cache_logical_specs()
         shapes = None if shape is None else {name: shape for name in specs}
         return resolve_shardings(specs, self._mesh, DECODE_RULES, shapes=shapes)

@@ -57,18 +57,24 @@ def _mask(q_index, s: int, segment_ids):
     return mask
 
 
-def einsum_attention(q, k, v, q_index, segment_ids=None):
+def _kv(kv_heads_first: bool) -> str:
+    """The einsum letters of k / v: ``[B, S, Hkv, D]``, or the cache's ``[B, Hkv, S, D]``."""
+    return "bksd" if kv_heads_first else "bskd"
+
+
+def einsum_attention(q, k, v, q_index, segment_ids=None, kv_heads_first=False):
     """The reference: full scores, float32 softmax (the pre-backend ``_attend``, unchanged)."""
     b, t, h, d = q.shape
-    hkv = k.shape[2]
-    mask = _mask(q_index, k.shape[1], segment_ids)
+    hkv, s = (k.shape[1], k.shape[2]) if kv_heads_first else (k.shape[2], k.shape[1])
+    kv = _kv(kv_heads_first)
+    mask = _mask(q_index, s, segment_ids)
     qg = q.reshape(b, t, hkv, h // hkv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(f"btkgd,{kv}->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(d)
     # A finite floor, not -inf: a fully masked row yields a uniform average instead of NaNs.
     scores = jnp.where(mask[:, None, None, :, :], scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    out = jnp.einsum(f"bkgts,{kv}->btkgd", probs, v)
     return out.reshape(b, t, h, d)
 
 
@@ -119,32 +125,36 @@ def _query_blocks(q, k, v, q_index, segment_ids, block, causal=False):
     return out.swapaxes(0, 1).reshape(b, t, h, d)
 
 
-def length_aware_attention(q, k, v, q_index, block: int = 128):
+def length_aware_attention(q, k, v, q_index, block: int = 128, kv_heads_first: bool = False):
     """Cache attention that reads key blocks only up to the furthest visible index."""
     b, t, h, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
+    axis = 2 if kv_heads_first else 1  # the keys' position axis
+    s, hkv = k.shape[axis], k.shape[3 - axis]
+    kv = _kv(kv_heads_first)
     g = h // hkv
     block = min(block, s)
     pad = (-s) % block
     if pad:
-        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        widths = [(0, 0)] * 4
+        widths[axis] = (0, pad)
+        k, v = jnp.pad(k, widths), jnp.pad(v, widths)
     qg = q.reshape(b, t, hkv, g, d)
     n_needed = jnp.minimum(jnp.max(q_index) // block + 1, (s + pad) // block)
 
     def body(carry):
         i, m, denom, acc = carry
-        kb = jax.lax.dynamic_slice_in_dim(k, i * block, block, axis=1)
-        vb = jax.lax.dynamic_slice_in_dim(v, i * block, block, axis=1)
+        kb = jax.lax.dynamic_slice_in_dim(k, i * block, block, axis=axis)
+        vb = jax.lax.dynamic_slice_in_dim(v, i * block, block, axis=axis)
         idx = i * block + jnp.arange(block)
         visible = idx[None, None, :] <= q_index[:, :, None]  # [B,T,blk]
-        sc = jnp.where(visible[:, None, None], _block_scores(qg, kb, d), _NEG)
+        scores = jnp.einsum(f"btkgd,{kv}->bkgts", qg, kb, preferred_element_type=jnp.float32)
+        sc = jnp.where(visible[:, None, None], scores / math.sqrt(d), _NEG)
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
         p = jnp.exp(sc - m_new[..., None])
         scale = jnp.exp(m - m_new)
         denom = denom * scale + jnp.sum(p, axis=-1)
         pv = jnp.einsum(
-            "bkgts,bskd->bkgtd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32
+            f"bkgts,{kv}->bkgtd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32
         )
         acc = acc * scale[..., None] + pv
         return i + 1, m_new, denom, acc
@@ -234,14 +244,21 @@ def attend(
     block: int = 512,
     splash_specs: tuple[Any, PartitionSpec, PartitionSpec, PartitionSpec] | None = None,
     interpret: bool = False,
+    kv_heads_first: bool = False,
 ):
-    """The one entry point (see the module docstring for the mask rule and the backends)."""
+    """The one entry point (see the module docstring for the mask rule and the backends).
+    ``self_attention``: ``q_index`` is each query's own row position (packed causal rows).
+    ``kv_heads_first``: k / v are ``[B, Hkv, S, D]`` (the KV cache's layout)."""
     check_impl(impl)
-    t, s = q.shape[1], k.shape[1]
+    t, s = q.shape[1], k.shape[2 if kv_heads_first else 1]
     if segment_ids is not None and t != s:
         raise ValueError(f"segment_ids need self-attention (T == S), got T={t}, S={s}")
     if impl == "einsum":
-        return einsum_attention(q, k, v, q_index, segment_ids)
+        return einsum_attention(q, k, v, q_index, segment_ids, kv_heads_first)
+    if kv_heads_first and ((t % block == 0 and t > block) or self_attention or impl == "xla"):
+        # The backends below take [B, S, Hkv, D]; cache reads are long prefills here.
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        kv_heads_first = False
     if impl == "xla":
         return xla_attention(q, k, v, q_index, segment_ids)
     if impl == "splash" and self_attention:
@@ -255,5 +272,7 @@ def attend(
     if not self_attention and t < block:
         # A cache read (decode / short prefill): never differentiated, so a while_loop may
         # stop at the furthest visible block.
-        return length_aware_attention(q, k, v, q_index, block=min(block, 128))
-    return einsum_attention(q, k, v, q_index, segment_ids)
+        return length_aware_attention(
+            q, k, v, q_index, block=min(block, 128), kv_heads_first=kv_heads_first
+        )
+    return einsum_attention(q, k, v, q_index, segment_ids, kv_heads_first)

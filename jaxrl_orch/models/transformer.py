@@ -64,7 +64,10 @@ __all__ = [
     "rope_inv_freq",
 ]
 
-CACHE_AXES = ("layers", "cache_batch", "cache_length", "kv_heads", "head_dim")
+# Heads before positions: a decode step's attention reads each (slot, kv head)'s keys as one
+# contiguous [length, head_dim] matrix, so no step transposes the cache (measured 2.6x faster
+# per layer on CPU than the [.., length, kv_heads, ..] layout, which XLA copied every step).
+CACHE_AXES = ("layers", "cache_batch", "kv_heads", "cache_length", "head_dim")
 ACTIVATION_AXES = ("batch", "length", "embed")
 LOGITS_AXES = ("batch", "length", "vocab")
 # Logit of an id past ``ModelConfig.output_vocab`` (padding rows of the vocab).
@@ -119,9 +122,9 @@ class Attention(nnx.Module):
     def project(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray):
         """``x[B,T,E]`` -> rotated ``q[B,T,H,D]``, ``k[B,T,Hkv,D]`` and ``v[B,T,Hkv,D]``."""
         dt = self.cfg.dtype
-        q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...].astype(dt))
-        k = jnp.einsum("bte,ehd->bthd", x, self.k_proj[...].astype(dt))
-        v = jnp.einsum("bte,ehd->bthd", x, self.v_proj[...].astype(dt))
+        q = matmul("bte,ehd->bthd", x, self.q_proj[...], dt)
+        k = matmul("bte,ehd->bthd", x, self.k_proj[...], dt)
+        v = matmul("bte,ehd->bthd", x, self.v_proj[...], dt)
         if self.cfg.qkv_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -131,7 +134,15 @@ class Attention(nnx.Module):
         return _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq), v
 
     def output(self, o: jax.Array) -> jax.Array:
-        return jnp.einsum("bthd,hde->bte", o, self.o_proj[...].astype(self.cfg.dtype))
+        return matmul("bthd,hde->bte", o, self.o_proj[...], self.cfg.dtype)
+
+
+def matmul(spec: str, x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
+    """``einsum(spec, x, w)`` in ``dtype`` with float32 accumulation: a bf16 matmul keeps f32
+    partial sums (as the MXU does), and XLA's CPU backend runs bf16 x bf16 -> f32 on the
+    AVX512-BF16 dot instructions (~2x its f32 matmul, where bf16 -> bf16 is no faster)."""
+    out = jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+    return out.astype(dtype)
 
 
 class MLP(nnx.Module):
@@ -146,8 +157,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        gate = jax.nn.silu(x @ self.gate_proj[...].astype(dt))
-        return (gate * (x @ self.up_proj[...].astype(dt))) @ self.down_proj[...].astype(dt)
+        gate = jax.nn.silu(matmul("...e,ef->...f", x, self.gate_proj[...], dt))
+        up = matmul("...e,ef->...f", x, self.up_proj[...], dt)
+        return matmul("...f,fe->...e", gate * up, self.down_proj[...], dt)
 
 
 class Block(nnx.Module):
@@ -288,7 +300,7 @@ class Transformer(nnx.Module):
         """
         _check_tokens(tokens, positions)
         ck, cv = cache["k"], cache["v"]
-        n_layers, b, s = ck.shape[:3]
+        n_layers, b = ck.shape[:2]
         if n_layers != self.config.n_layers or b != tokens.shape[0]:
             raise ValueError(
                 f"cache [layers={n_layers}, batch={b}] does not match model layers "
@@ -301,13 +313,15 @@ class Transformer(nnx.Module):
 
         def block(layer: Block, i: Any, x: jax.Array, ck: jax.Array, cv: jax.Array):
             q, k, v = layer.qkv(x, positions, inv_freq)
-            ck = ck.at[i, rows, positions].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[i, rows, positions].set(v.astype(cv.dtype), mode="drop")
+            # [b, t] index pairs around the heads' slice: the update is k's own [b, t, kv, d]
+            ck = ck.at[i, rows, :, positions].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[i, rows, :, positions].set(v.astype(cv.dtype), mode="drop")
             o = attend(
                 q,
                 ck[i].astype(dt),
                 cv[i].astype(dt),
                 q_index=positions,
+                kv_heads_first=True,
                 impl=cfg.attention,
                 block=cfg.attention_block,
             )
@@ -347,10 +361,10 @@ def _check_tokens(tokens: jax.Array, positions: jax.Array) -> None:
 def init_cache(
     config: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32
 ) -> dict[str, jax.Array]:
-    """Zeroed KV cache ``{"k", "v"}: [layers, batch, max_len, kv_heads, head_dim]``."""
+    """Zeroed KV cache ``{"k", "v"}: [layers, batch, kv_heads, max_len, head_dim]``."""
     if batch <= 0 or max_len <= 0:
         raise ValueError(f"cache batch and max_len must be > 0, got {batch}, {max_len}")
-    shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
+    shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 

@@ -76,4 +76,4 @@ def test_decode_mesh_cached_step_matches_single_device():
     local = jax.device_put(params, jax.devices()[0])
     single, _ = step(local, jnp.asarray(tokens), jnp.asarray(positions), init_cache(CFG, 2, 16))
     np.testing.assert_allclose(np.asarray(sharded), np.asarray(single), rtol=1e-5, atol=1e-5)
-    assert new_cache["k"].shape == (2, 2, 16, 2, 8)
+    assert new_cache["k"].shape == (2, 2, 2, 16, 8)  # [layers, batch, kv heads, length, dim]

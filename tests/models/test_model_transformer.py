@@ -173,7 +173,8 @@ def test_cache_writes_beyond_length_are_dropped_and_cache_dtype_kept():
     assert new["k"].dtype == jnp.bfloat16 and new["k"].shape == cache["k"].shape
     assert logits.dtype == jnp.float32
     k = np.asarray(new["k"].astype(jnp.float32))
-    assert np.all(k[:, :, :6] == 0) and np.all(np.any(k[:, :, 6:8] != 0, axis=(-1, -2)))
+    # [layers, batch, kv_heads, length, head_dim]
+    assert np.all(k[:, :, :, :6] == 0) and np.all(np.any(k[:, :, :, 6:8] != 0, axis=(2, 4)))
 
 
 def test_segment_ids_packing_equals_each_sequence_alone():
@@ -264,8 +265,8 @@ def test_every_param_has_logical_axes_of_its_rank(name):
     assert tf.cache_logical_specs()["k"] == (
         "layers",
         "cache_batch",
-        "cache_length",
         "kv_heads",
+        "cache_length",
         "head_dim",
     )
     with pytest.raises(TypeError, match="Variables"):

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from sharding.mesh import make_meshes
 from sharding.rules import DECODE_RULES, TRAINER_RULES, resolve_shardings
 
-CACHE = ("layers", "cache_batch", "cache_length", "kv_heads", "head_dim")
+CACHE = ("layers", "cache_batch", "kv_heads", "cache_length", "head_dim")
 SPECS = {
     "cache": CACHE,
     "q": ("embed", "heads", "head_dim"),
@@ -20,7 +20,7 @@ SPECS = {
 
 def _shapes(heads, kv, hd, slots=128, length=1024, layers=24, d=896):
     return {
-        "cache": (layers, slots, length, kv, hd),
+        "cache": (layers, slots, kv, length, hd),
         "q": (d, heads, hd),
         "k": (d, kv, hd),
         "o": (heads, hd, d),
@@ -61,7 +61,7 @@ def test_qwen25_05b_on_tp4_shards_cache_slots_and_head_dim(decode):
 def test_dividing_kv_heads_keep_the_head_layout(decode):
     """Qwen3-0.6B (16 heads, 8 kv heads): heads shard, cache slots stay whole on every chip."""
     spec = _specs(decode, DECODE_RULES, _shapes(heads=16, kv=8, hd=128, d=1024))
-    assert spec["cache"] == P(None, None, None, "tp", None)
+    assert spec["cache"] == P(None, None, "tp", None, None)
     assert spec["q"] == P(None, "tp", None)
     assert spec["k"] == P(None, "tp", None)
 
