@@ -259,6 +259,7 @@ def run_ours(a: argparse.Namespace) -> dict:
     from rl_step import run_once
 
     from jaxrl_orch.models.configs import get_config
+    from jaxrl_orch.overlap import probe_steps
 
     overrides = dict(
         env="peer_env:make",
@@ -281,10 +282,12 @@ def run_ours(a: argparse.Namespace) -> dict:
             workdir = Path(tmp) / name
             t0 = time.perf_counter()
             # run_once's warm-up counts steps from 1 and times those after it: the same steps
-            res = run_once(staleness, a.warmup + a.steps, a.warmup, workdir, **overrides)
+            # Async: also past the overlap probe (jaxrl_orch/overlap.py), which sets its schedule.
+            warm = max(a.warmup, probe_steps()) if staleness else a.warmup
+            res = run_once(staleness, warm + a.steps, warm, workdir, **overrides)
             res["wall_s"] = time.perf_counter() - t0
             res["generated_tokens_per_s"] = res["generated_tokens_per_step"] / res["step_s"]
-            res["mean_prompt_tokens"] = _prompt_tokens(workdir, a.warmup)
+            res["mean_prompt_tokens"] = _prompt_tokens(workdir, warm)
             out[name] = res
     return out
 

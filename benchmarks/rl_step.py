@@ -11,11 +11,17 @@ the stored rollouts), and ``compiles_after_warmup``: XLA backend compilations th
 the warm-up steps (JAX's ``/jax/core/compile/backend_compile_duration`` events). A steady state
 with fixed shapes compiles nothing: a non-zero count is a step paying for a recompile.
 
+The asynchronous run's schedule is ``TrainConfig.overlap = "auto"``: on shared cores it probes
+overlapped vs time-sliced steps first (``jaxrl_orch/overlap.py``) and keeps the faster; its
+steps are timed after that probe (``overlap`` in the result: the choice and both medians).
+``--devices 1,2`` runs the whole measurement once per device count, each in its own process
+(``XLA_FLAGS`` fake CPU devices; with 2, the trainer and the engine get one each).
+
 ``--profile DIR`` traces the asynchronous run's measured steps with the JAX profiler (the trace
 under DIR opens in TensorBoard's profile plugin or Perfetto) and prints where that time went
 (``benchmarks/profiling.py``: device compute, compile, transfers, waits, host Python).
 
-    python benchmarks/rl_step.py --json [--profile runs/profile]
+    python benchmarks/rl_step.py --json [--devices 1,2] [--profile runs/profile]
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -37,6 +44,7 @@ from jax import monitoring  # noqa: E402
 
 from jaxrl_orch.config import TrainConfig  # noqa: E402
 from jaxrl_orch.experiment import Experiment  # noqa: E402
+from jaxrl_orch.overlap import probe_steps  # noqa: E402
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles: list[float] = []  # wall-clock end time of every backend compile in this process
@@ -120,6 +128,7 @@ def run_once(
         lines = (workdir / "rollouts" / f"step_{int(r['step']):08d}.jsonl").read_text().splitlines()
         tokens[r["step"]] = sum(sum(json.loads(x)["loss_mask"]) for x in lines)
     step_s = med("orch/step_s")
+    summary = json.loads((workdir / "summary.json").read_text())
     if profile:
         from profiling import summarize, table
 
@@ -133,21 +142,24 @@ def run_once(
         # Up to the last measured step's row: the final eval, checkpoint and export come after.
         "compiles_after_warmup": sum(warm_end < t <= rows[-1]["time"] for t in _compiles),
         "breakdown": {k: med(f"time/{k}_s") for k in ("generate", "train", "transfer", "idle")},
+        "overlap": summary.get("overlap"),
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--profile", default=None, help="trace the async run's measured steps here")
-    a = p.parse_args()
+def measure(a: argparse.Namespace) -> dict:
+    """Sync and async in this process (its devices: ``XLA_FLAGS``)."""
+    import jax
+
+    # Async steps are timed after the overlap probe (overlap.py), which picks the schedule.
+    async_warmup = max(a.warmup, probe_steps())
     # Per-step console lines go to stderr so stdout holds only the result.
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
         sync = run_once(0, a.steps, a.warmup, Path(tmp) / "sync")
-        async_ = run_once(1, a.steps, a.warmup, Path(tmp) / "async", a.profile)
-    out = {
+        async_ = run_once(
+            1, async_warmup + a.steps - a.warmup, async_warmup, Path(tmp) / "async", a.profile
+        )
+    return {
+        "devices": jax.device_count(),
         "sync_step_s": sync["step_s"],
         "async_step_s": async_["step_s"],
         "speedup": sync["step_s"] / async_["step_s"],
@@ -160,8 +172,29 @@ def main() -> None:
                 "compiles_after_warmup",
             )
         },  # fmt: skip
+        "overlap": async_["overlap"],
         "breakdown": {"sync": sync["breakdown"], "async": async_["breakdown"]},
     }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--devices", default=None, help="e.g. 1,2: one child process per count")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", default=None, help="trace the async run's measured steps here")
+    a = p.parse_args()
+    if a.devices is None:
+        out = measure(a)
+    else:
+        out = {"by_devices": {}}
+        for n in a.devices.split(","):
+            env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+            cmd = [sys.executable, __file__, "--json", "--steps", str(a.steps)]
+            cmd += ["--warmup", str(a.warmup)] + (["--profile", a.profile] if a.profile else [])
+            done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
+            out["by_devices"][n] = json.loads(done.stdout.strip().splitlines()[-1])
     print(json.dumps(out) if a.json else json.dumps(out, indent=2))
 
 

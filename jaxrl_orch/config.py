@@ -88,6 +88,9 @@ class TrainConfig:
     trainer_mesh: tuple[tuple[str, int], ...] = ()
     decode_mesh: tuple[tuple[str, int], ...] = ()
     colocated: bool | None = None  # None: colocated iff there is one device
+    # S >= 1, engine in this process: "overlapped" (generate while training), "sliced" (the
+    # engine pauses during train steps) or "auto" (where they share cores: measure, keep faster)
+    overlap: str = "auto"
     # processes (DESIGN.md section 8): a trainer group of this many jax.distributed processes
     # (SPMD over one mesh spanning them; process 0 also runs the orchestrator) ...
     trainer_processes: int = 1
@@ -179,6 +182,7 @@ class TrainConfig:
             ("engine_param_dtype", self.engine_param_dtype, (None, *DTYPES)),
             ("attention", self.attention, ("auto", "einsum", "xla", "chunked", "splash")),
             ("remat", self.remat, ("none", "full", "dots", "dots_no_batch")),
+            ("overlap", self.overlap, ("auto", "overlapped", "sliced")),
         ):
             if value not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {value!r}")

@@ -169,6 +169,8 @@ def rl_summary(exp: Any, orch: Any, version: int, start: int, secs: float) -> di
         "dropped": orch.dropped_total,
         "env_errors": orch.faults.digest(),
         "rollouts": rollout_counts(orch),
+        # overlap.OverlapSchedule's choice (an engine in this process), None with replicas
+        "overlap": getattr(getattr(exp, "overlap", None), "decision", None),
     }
 
 

@@ -34,6 +34,7 @@ from jaxrl_orch.group import CHECKPOINT, STOP, TRAIN, Channel, EngineStager, Rol
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.orchestrator.writers import stage
+from jaxrl_orch.overlap import OverlapSchedule
 from jaxrl_orch.remote.pool import RemotePool
 from jaxrl_orch.remote.server import ReplicaServer
 from jaxrl_orch.remote.weights import WeightOffer
@@ -140,7 +141,11 @@ def engine_side(exp: Any, engine: Any, trainer: Any, path_kw: dict[str, Any]):
     if exp.role.kind == "single":
         # The engine starts on the trainer's weights: after a resume, the restored ones.
         first = jax.tree.map(jnp.copy, trainer.params) if exp.colocated else trainer.params
-        driver = InferenceDriver(engine, to_engine(first, engine), trainer.version)
+        exp.overlap = schedule = overlap_schedule(exp.cfg, exp.colocated)
+        driver = InferenceDriver(
+            engine, to_engine(first, engine), trainer.version, gate=schedule.engine_may_run
+        )
+        trainer.around_step = schedule.training
         if exp.cfg.engine_warmup:
             stage(
                 "engine", f"warm-up: every prompt bucket and decode width, {driver.warm_up():.1f} s"
@@ -152,6 +157,17 @@ def engine_side(exp: Any, engine: Any, trainer: Any, path_kw: dict[str, Any]):
     pool = wiring.pool
     weights = WeightPath(trainer, wiring.move, pool.load_weights, pool.engine_seconds, **path_kw)
     return None, wiring, weights, wiring.pool
+
+
+def overlap_schedule(cfg: Any, colocated: bool) -> OverlapSchedule:
+    """``auto`` measures only where engine and trainer share cores (a CPU host, or one set of
+    devices); separate chips always overlap. Synchronous runs never overlap anyway."""
+    mode = cfg.overlap
+    if mode == "auto" and not (colocated or jax.default_backend() == "cpu"):
+        mode = "overlapped"
+    if cfg.max_staleness == 0:
+        mode = "overlapped"
+    return OverlapSchedule(mode, announce=lambda line: stage("overlap", line))
 
 
 def make_stager(trainer: Any, layout_engine: Any) -> EngineStager:

@@ -71,6 +71,7 @@ class InferenceDriver:
         prefix_cache_size: int = 16,
         idle_wait_s: float = 0.05,
         rate_window_s: float = 10.0,
+        gate: threading.Event | None = None,  # decode only while set (overlap.OverlapSchedule)
     ) -> None:
         if prefix_cache_size < 0:
             raise ValueError(f"prefix_cache_size must be >= 0, got {prefix_cache_size!r}")
@@ -81,6 +82,7 @@ class InferenceDriver:
         self._prefix_cache_size = prefix_cache_size
         self._prefix_cache: collections.OrderedDict = collections.OrderedDict()
         self._idle_wait_s = idle_wait_s
+        self._gate = gate
         self._rate_window_s = rate_window_s
         self._n_slots = int(engine.max_concurrent_decodes)
         self._max_prefill = int(engine.max_prefill_length)
@@ -226,6 +228,8 @@ class InferenceDriver:
                     for waiter in self._swap_waiters:
                         resolve(waiter, result=self._version)
                     self._swap_waiters.clear()
+            while self._gate is not None and not self._gate.is_set() and not self._stopping:
+                self._gate.wait(self._idle_wait_s)  # the trainer's step has the cores
             try:
                 self._reap_cancelled()
                 self._admit()

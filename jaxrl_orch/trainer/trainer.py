@@ -40,6 +40,7 @@ Never: imports orchestration code, writes metrics itself, or re-tokenizes anythi
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -148,6 +149,8 @@ class Trainer:
         self._error: BaseException | None = None
         self._busy = False
         self._last: dict[str, float] = {}
+        # Wraps every worker step (overlap.OverlapSchedule.training pauses the engine there).
+        self.around_step: Callable[[], Any] = contextlib.nullcontext
 
     # ------------------------------------------------------------------ publishing
 
@@ -258,7 +261,8 @@ class Trainer:
                 if batch is None:
                     return
                 if self._error is None:
-                    self.train_step(batch)
+                    with self.around_step():
+                        self.train_step(batch)
             except BaseException as e:  # noqa: BLE001 - kept and re-raised on the caller's side
                 self._error = e
             finally:
