@@ -182,12 +182,13 @@ def run_tunix(a: argparse.Namespace) -> dict:
             lengths[buf.global_steps] = float(np.mean(values))
 
     cluster.with_external_metrics_logger(on_metrics)
+    scored: list[int] = []  # completions per reward call: the samples Tunix really ran
     learner = grpo_learner.GRPOLearner(
         rl_cluster=cluster,
         algo_config=grpo_learner.GRPOConfig(num_generations=GROUP_SIZE, num_iterations=1, beta=0.0),
-        reward_fns=lambda prompts, completions, **_: [
-            peer_env.lowercase_share(c) for c in completions
-        ],
+        reward_fns=lambda prompts, completions, **_: (
+            scored.append(len(completions)) or [peer_env.lowercase_share(c) for c in completions]
+        ),
     )
 
     def device_ids(m) -> list[int]:
@@ -207,7 +208,9 @@ def run_tunix(a: argparse.Namespace) -> dict:
             stamps.append(time.perf_counter())
             batch = [source.next_example()["text"] for _ in range(PROMPTS_PER_STEP)]
             prompt_lens.extend(len(tokenizer.encode(p)) for p in batch)
-            yield {"prompts": batch}
+            # An array, as a grain dataset yields: Tunix repeats each prompt G times with
+            # np.repeat over the batch tree, which would treat a list's strings as leaves.
+            yield {"prompts": np.array(batch)}
         stamps.append(time.perf_counter())
 
     compiles: list[float] = []  # end times of XLA backend compilations, as rl_step counts them
@@ -222,6 +225,8 @@ def run_tunix(a: argparse.Namespace) -> dict:
     wall = time.perf_counter() - t0
     measured = [stamps[k + 1] - stamps[k] for k in range(a.warmup, total)]
     samples = PROMPTS_PER_STEP * GROUP_SIZE
+    if set(scored) != {samples}:  # e.g. a list batch Tunix would not repeat per generation
+        raise RuntimeError(f"Tunix scored {sorted(set(scored))} completions a step, not {samples}")
     tokens = [lengths[k] * samples for k in range(a.warmup, total)]
     med = statistics.median(measured)
     return {

@@ -111,7 +111,7 @@ def run_once(
     )
     if profile:
         tracer.start()
-    exp.run()
+    summary = exp.run()
     if profile:
         tracer.join()  # the trace is written once stop_trace returns
     # A step's timeline is written as its own line after the step's line: merge by step.
@@ -128,7 +128,6 @@ def run_once(
         lines = (workdir / "rollouts" / f"step_{int(r['step']):08d}.jsonl").read_text().splitlines()
         tokens[r["step"]] = sum(sum(json.loads(x)["loss_mask"]) for x in lines)
     step_s = med("orch/step_s")
-    summary = json.loads((workdir / "summary.json").read_text())
     if profile:
         from profiling import summarize, table
 
