@@ -38,7 +38,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--row-len", type=int, default=512)
     p.add_argument("--chunk-rows", type=int, default=8)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--matmul-n", type=int, default=1024)
+    p.add_argument("--matmul-n", type=int, default=2048)  # 1024 reads low on 2 cores
     p.add_argument("--attention", default="auto", help="TrainConfig.attention (auto: by backend)")
     p.add_argument("--attention-block", type=int, default=None, help="default: the model's")
     p.add_argument("--compute-dtype", default="auto", help="TrainConfig.compute_dtype")
