@@ -18,12 +18,12 @@ A bad spec fails in ``Experiment.validate``, naming the value and the allowed fo
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.inference.requests import accepts
+from jaxrl_orch.plugins import load_factory
 from sharding.reshard import reshard
 
 REQUIRED = ("prefill", "insert", "generate", "init_decode_state", "param_shardings")
@@ -32,23 +32,11 @@ REQUIRED = ("prefill", "insert", "generate", "init_decode_state", "param_shardin
 def engine_factory(spec: str) -> Callable[..., Any]:
     if spec == "builtin":
         return DecodeEngine
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in spec:
         raise ValueError(
             f"TrainConfig.engine must be 'builtin' or 'package.module:factory', got {spec!r}"
         )
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(
-            f"TrainConfig.engine {spec!r}: cannot load {attr!r} from {module_name!r} "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
-    if not callable(factory):
-        raise ValueError(
-            f"TrainConfig.engine {spec!r} names a {type(factory).__name__}, not a callable"
-        )
-    return factory
+    return load_factory(spec, "TrainConfig.engine")
 
 
 def check_engine(engine: Any, spec: str) -> Any:

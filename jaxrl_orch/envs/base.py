@@ -39,6 +39,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from jaxrl_orch.plugins import load_factory
 from jaxrl_orch.types import (
     NO_VERSION,
     Completion,
@@ -312,15 +313,8 @@ def make_env(name: str, **kwargs: Any) -> Any:
     if name in _USER:
         return _USER[name](**kwargs)
     if name not in _BUILTIN and ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(
-                f"env {name!r}: cannot import {attr!r} from module {module_name!r} ({e}); "
-                f"name an importable 'package.module:factory' or one of {env_names()}"
-            ) from e
-        return factory(**kwargs)
+        hint = f"; or one of the built-in envs {env_names()}"
+        return load_factory(name, "TrainConfig.env", hint)(**kwargs)
     if name not in _BUILTIN:
         raise ValueError(f"unknown env {name!r}; available envs: {env_names()}")
     module_name, cls_name = _BUILTIN[name].split(":")
