@@ -37,6 +37,7 @@ compares process CPU seconds, which other jobs on the machine disturb less). Usa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -44,6 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_orch.build import accel
+from jaxrl_orch.config import TrainConfig
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.models.transformer import get_config
@@ -187,6 +190,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=None, help="decode slots (default 32)")
     ap.add_argument("--steps-per-call", type=int, default=4, help="decode steps per host call")
     ap.add_argument("--repeats", type=int, default=1, help="alternate static/engine N times")
+    ap.add_argument("--attention", default="auto", help="TrainConfig.attention (auto: by backend)")
     args = ap.parse_args()
     if args.quick:
         model, prompts, slots, max_new = "tiny-byte", 16, 16, 128
@@ -198,7 +202,14 @@ def main() -> None:
     for name, value in (("prompts", prompts), ("samples", group), ("slots", slots)):
         if value < 1:
             raise SystemExit(f"--{name} must be >= 1, got {value}")
-    cfg = get_config(model)
+    # What a run builds: the attention TrainConfig resolves for this backend (build/accel.py).
+    run_cfg = TrainConfig(attention=args.attention)
+    base = get_config(model)
+    cfg = dataclasses.replace(
+        base,
+        attention=accel.attention_impl(run_cfg),
+        attention_block=accel.attention_block(run_cfg, base),
+    )
     engine = DecodeEngine(
         cfg,
         max_concurrent_decodes=slots,
@@ -251,6 +262,7 @@ def main() -> None:
         "decode_step_gflops": round(step_flops / step_s / 1e9, 2),
         "decode_step_peak_fraction": round(step_flops / step_s / 1e9 / peak, 3),
         "model": model,
+        "attention": f"{cfg.attention} (block {cfg.attention_block})",
         "prompts": prompts,
         "samples": group,
         "tokens_per_side": expected,
