@@ -162,10 +162,12 @@ def engine_side(exp: Any, engine: Any, trainer: Any, path_kw: dict[str, Any]):
 def overlap_schedule(cfg: Any, colocated: bool) -> OverlapSchedule:
     """``auto`` measures only where engine and trainer share cores (a CPU host, or one set of
     devices); separate chips always overlap. Synchronous runs never overlap anyway."""
+    if cfg.max_staleness == 0:
+        schedule = OverlapSchedule("overlapped")  # the engine never waits: nothing to time
+        schedule.decision = {"mode": "synchronous"}
+        return schedule
     mode = cfg.overlap
     if mode == "auto" and not (colocated or jax.default_backend() == "cpu"):
-        mode = "overlapped"
-    if cfg.max_staleness == 0:
         mode = "overlapped"
     return OverlapSchedule(mode, announce=lambda line: stage("overlap", line))
 

@@ -80,9 +80,11 @@ def _checkpoints(workdir: Path) -> list[int]:
 
 def test_split_placement_run_writes_metrics_checkpoints_and_report(tmp_path):
     wd = tmp_path / "run"
-    res = _run(wd, "TrainConfig.rl_steps = 3", devices=2)
+    # Time-sliced: the engine pauses during every train step and still serves every rollout.
+    res = _run(wd, "TrainConfig.rl_steps = 3", "TrainConfig.overlap = 'sliced'", devices=2)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((wd / "summary.json").read_text())
+    assert summary["overlap"] == {"mode": "sliced"}
     for key in ("eval_reward_before_rl", "eval_reward_final", "rl_steps", "wall_seconds"):
         assert key in summary, key
     assert summary["rl_steps"] == 3 and summary["resumed_from_step"] is None

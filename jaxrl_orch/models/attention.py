@@ -6,17 +6,20 @@ What it owns
     ``s <= q_index[b, t]`` and (with ``segment_ids``, self-attention only) both sit in the same
     segment. That one rule covers the trainer's packed causal rows (``q_index = arange(T)``) and
     the engine's cache (``q_index = positions``: a query sees the cache up to its own index).
-    Softmax statistics are always float32; the output has ``v``'s dtype.
+    Softmax statistics are always float32; the output has ``v``'s dtype. ``kv_heads_first``:
+    k / v come as ``[B, Hkv, S, D]``, the KV cache's layout, read without a transpose by the
+    einsum and length-aware paths (the others swap the axes first).
 
 Backends (``IMPLS``)
     - ``"einsum"``: the full ``[B, Hkv, G, T, S]`` score tensor, materialised. The oracle every
-      other backend is tested against (tests/models/test_attention.py), and the CPU default, so
-      the CPU path computes exactly what it always did.
+      other backend is tested against (tests/models/test_attention.py).
     - ``"xla"``: ``jax.nn.dot_product_attention`` (XLA's fused attention; cuDNN flash on GPU).
     - ``"chunked"``: query blocks of ``block`` rows, each block's scores recomputed in the
       backward pass (``jax.checkpoint``): peak memory ``O(block * S)`` instead of ``O(T * S)``,
-      on any backend; a self-attention of at most one block is the einsum. Cache calls
-      (``self_attention=False``, ``T < block``) become length-aware instead: a
+      on any backend; a self-attention of at most one block is the einsum. In self-attention,
+      query block i reads keys ``[0, (i + 1) * block)`` only (causal rows: the rest is masked),
+      so about half the scores are never computed; the CPU default (``build/accel.py``). Cache
+      calls (``self_attention=False``, ``T < block``) become length-aware instead: a
       ``while_loop`` over key blocks stops after the last block any query of the batch can see,
       so a decode step reads ``max(position)`` of the cache, not all of it (online softmax).
     - ``"splash"``: the Pallas TPU splash-attention kernel (causal + segment ids, GQA), one
