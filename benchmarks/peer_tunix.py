@@ -25,8 +25,12 @@ more and raises ``StopIteration``, which ends ``train`` without running another 
 own span timings come from its optional perf tracers, ``RLCluster(perf_config=...)``, off by
 default and left off here so that they add nothing to the step.) Tunix's generated tokens per
 step are its ``completions/mean_length`` metric x 32, read from each step's metrics buffer
-(``RLCluster.with_external_metrics_logger``); XLA compilations after the warm-up are counted
-on both sides as ``rl_step.py`` counts them.
+(``RLCluster.with_external_metrics_logger``); that 32 is checked, not assumed: the reward
+function records how many completions each call scores, and a run where that is not 32 fails
+(Tunix repeats each prompt G times with ``np.repeat`` over the batch tree, so the prompts go in
+as an array; a list's strings would be leaves, and it would run 8 samples a step). XLA
+compilations after the warm-up are counted on both sides as ``rl_step.py`` counts them. Our
+asynchronous run is timed after its overlap probe (``jaxrl_orch/overlap.py``).
 
 Equal workload: one model shape, ``small-byte`` (``jaxrl_orch/models/configs.py``: vocab 512 =
 ``BYTE_VOCAB_SIZE``, d_model 256, 4 layers, 8 heads, 4 kv heads, head_dim 32, d_ff 768, rope
