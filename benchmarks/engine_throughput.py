@@ -37,7 +37,6 @@ compares process CPU seconds, which other jobs on the machine disturb less). Usa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
@@ -204,12 +203,7 @@ def main() -> None:
             raise SystemExit(f"--{name} must be >= 1, got {value}")
     # What a run builds: the attention TrainConfig resolves for this backend (build/accel.py).
     run_cfg = TrainConfig(attention=args.attention)
-    base = get_config(model)
-    cfg = dataclasses.replace(
-        base,
-        attention=accel.attention_impl(run_cfg),
-        attention_block=accel.attention_block(run_cfg, base),
-    )
+    cfg = accel.accel_model_config(get_config(model), run_cfg)
     engine = DecodeEngine(
         cfg,
         max_concurrent_decodes=slots,

@@ -10,7 +10,8 @@ What is compared (side by side, interleaved, median of ``--iters``; this machine
 - ``minimal``: one ``jax.jit`` of ``value_and_grad`` of the same clipped-surrogate loss (ratio
   against behavior log-probs, token normalisation, same temperature scaling) followed by the
   same optax update, same host arrays in, loss out. No diagnostics, no mesh.
-- ``peak``: best FLOP/s of a float32 ``[n, n] @ [n, n]`` jitted matmul.
+- ``peak``: best FLOP/s of an ``[n, n] @ [n, n]`` jitted matmul in the compute dtype,
+  accumulating in float32 (as the model's matmuls do).
 
 FLOPs per processed token (padding slots included: the hardware computes them):
 ``6 * N_matmul + 12 * n_layers * row_len * n_heads * head_dim`` where ``N_matmul`` counts the
@@ -67,12 +68,12 @@ def main() -> None:
     from jaxrl_orch.types import Sample
 
     cfg = get_config(args.model)
+    # The model a run builds on this backend (build/accel.py), unless told otherwise.
     run_cfg = TrainConfig(attention=args.attention, compute_dtype=args.compute_dtype)
-    block = args.attention_block or accel.attention_block(run_cfg, cfg)
-    dtype = accel.compute_dtype(run_cfg)
-    cfg = dataclasses.replace(
-        cfg, attention=accel.attention_impl(run_cfg), attention_block=block, dtype=dtype
-    )
+    cfg = accel.accel_model_config(cfg, run_cfg)
+    if args.attention_block:
+        cfg = dataclasses.replace(cfg, attention_block=args.attention_block)
+    dtype = cfg.dtype
     rng = np.random.default_rng(0)
     samples = []
     per_row = 4

@@ -54,7 +54,6 @@ class OverlapSchedule:
             raise ValueError(f"overlap must be one of {MODES}, got {mode!r}")
         if probe < 1 or settle < 0:
             raise ValueError(f"probe must be >= 1 and settle >= 0, got {probe}, {settle}")
-        self.requested = mode
         self.mode = "overlapped" if mode == "auto" else mode
         self.engine_may_run = threading.Event()
         self.engine_may_run.set()
