@@ -1,19 +1,20 @@
 """The decode state's layout and the pure slot operations on it (build, insert, move, narrow).
 
-Owns: what one ``DecodeEngine`` decode state holds -- the KV cache
-``{"k", "v"}: [layers, slots, kv_heads, max_target_length, head_dim]`` and one row per slot of
+Owns: what one ``DecodeEngine`` decode state holds -- the KV cache ``{"k", "v"}`` of
+``init_cache`` (per layer ``[slots, kv_heads, max_target_length, head_dim]``; ``scan_layers``
+models one ``[layers, slots, ...]`` array) and one row per slot of
 ``tokens`` (last token), ``pos`` (its position), ``active``, ``generated`` and the request's
 sampling settings (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``stop [slots, m]``,
 ``seeded`` and its ``seed_key [slots, key words]`` = ``sampling.request_key(seed, prompt
 length)``), plus one shared PRNG key ``rng`` for unseeded slots -- the jnp functions that move
 slot rows around in it, and ``slot_fields`` (host side: one request's rows for ``insert``).
 
-Invariants: every entry but ``rng`` has the slot axis (axis 1 for the cache, 0 otherwise), so
-slot operations treat them alike by name, never by shape (a 2-slot state and the 2-word key
-look the same); a moved or narrowed slot therefore keeps its ``seed_key`` and ``generated``,
-i.e. its seeded token stream. Functions here are pure and shape-static; ``DecodeEngine`` jits
-them with donation and explicit shardings. Nothing here knows about models, params or the
-driver.
+Invariants: every entry but ``rng`` has the slot axis (axis 0, or 1 for a stacked cache:
+``cache_slot_axis``), so slot operations treat them alike by name, never by shape (a 2-slot
+state and the 2-word key look the same); a moved or narrowed slot therefore keeps its
+``seed_key`` and ``generated``, i.e. its seeded token stream. Functions here are pure and
+shape-static; ``DecodeEngine`` jits them with donation and explicit shardings. Nothing here
+knows about models, params or the driver.
 
 Narrow decoding (why ``head`` / ``put_head`` exist): a decode step's cost is nearly proportional
 to the slots it runs, so the engine can run only the first ``w`` slots. The narrow program
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_orch.inference.sampling import request_key
-from jaxrl_orch.models.transformer import ModelConfig, init_cache
+from jaxrl_orch.models.transformer import ModelConfig, cache_slot_axis, init_cache
 from jaxrl_orch.types import SamplingParams
 
 # Per-request settings written by insert; "token" lands in the state's "tokens" entry. The
@@ -108,8 +109,8 @@ def insert(
     """Write a prefix's KV (``cache``, batch 1, any length) and its ``fields`` into ``slot``."""
     state = dict(state)
     state["cache"] = jax.tree.map(
-        lambda dst, src: jax.lax.dynamic_update_slice(
-            dst, src.astype(dst.dtype), (0, slot, 0, 0, 0)
+        lambda dst, src: jax.lax.dynamic_update_slice_in_dim(
+            dst, src.astype(dst.dtype), slot, axis=cache_slot_axis(dst)
         ),
         state["cache"],
         cache,
@@ -131,9 +132,9 @@ def move(state: dict[str, Any], src: jax.Array, dst: jax.Array) -> dict[str, Any
         if name == "rng":
             moved[name] = value
             continue
-        axis = _slot_axis(name)
 
-        def copy_row(x: jax.Array, axis: int = axis) -> jax.Array:
+        def copy_row(x: jax.Array, name: str = name) -> jax.Array:
+            axis = _slot_axis(name, x)
             row = jax.lax.dynamic_slice_in_dim(x, src, 1, axis=axis)
             return jax.lax.dynamic_update_slice_in_dim(x, row, dst, axis=axis)
 
@@ -148,7 +149,8 @@ def head(state: dict[str, Any], width: int) -> dict[str, Any]:
         name: value
         if name == "rng"
         else jax.tree.map(
-            lambda x, axis=_slot_axis(name): jax.lax.slice_in_dim(x, 0, width, axis=axis), value
+            lambda x, name=name: jax.lax.slice_in_dim(x, 0, width, axis=_slot_axis(name, x)),
+            value,
         )
         for name, value in state.items()
     }
@@ -162,8 +164,8 @@ def put_head(state: dict[str, Any], narrow: dict[str, Any]) -> dict[str, Any]:
             merged[name] = narrow[name]
             continue
         merged[name] = jax.tree.map(
-            lambda dst, src, axis=_slot_axis(name): jax.lax.dynamic_update_slice_in_dim(
-                dst, src, 0, axis=axis
+            lambda dst, src, name=name: jax.lax.dynamic_update_slice_in_dim(
+                dst, src, 0, axis=_slot_axis(name, dst)
             ),
             value,
             narrow[name],
@@ -192,5 +194,5 @@ def check_widths(decode_widths: Any, slots: int) -> tuple[int, ...]:
     return widths
 
 
-def _slot_axis(name: str) -> int:
-    return 1 if name == "cache" else 0
+def _slot_axis(name: str, leaf: jax.Array) -> int:
+    return cache_slot_axis(leaf) if name == "cache" else 0

@@ -253,7 +253,7 @@ class DecodeEngine:
         if not 0 <= slot < self._slots:
             raise ValueError(f"slot must be in [0, {self._slots}), got {slot}")
         fields = dstate.slot_fields(prefix, sampling or SamplingParams(), self.max_stop_tokens)
-        length = prefix["cache"]["k"].shape[3]
+        length = jax.tree.leaves(prefix["cache"])[0].shape[-2]
         fn = self._insert_fns.get(length)
         if fn is None:
             fn = self._insert_fns[length] = jax.jit(
@@ -371,13 +371,13 @@ class DecodeEngine:
 
     # One entry per (length, batch); the cache lives as long as the engine, which is intended.
     @functools.cache  # noqa: B019
-    def _cache_sharding(self, length: int | None, batch: int) -> dict[str, NamedSharding]:
-        shape = None
+    def _cache_sharding(self, length: int | None, batch: int) -> dict[str, Any]:
+        specs = cache_logical_specs(self.config)
+        shapes = None
         if length is not None:
-            c = self.config
-            shape = (c.n_layers, batch, c.n_kv_heads, length, c.head_dim)
-        specs = cache_logical_specs()
-        shapes = None if shape is None else {name: shape for name in specs}
+            shapes = jax.eval_shape(
+                lambda: init_cache(self.config, batch, length, self.cache_dtype)
+            )
         return resolve_shardings(specs, self._mesh, DECODE_RULES, shapes=shapes)
 
 

@@ -102,7 +102,9 @@ def sample_tokens(
     )
     keys = jax.random.split(key, batch) if keys is None else keys
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],)))(keys)
-    sampled = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf), axis=-1)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    # One argmax for both kinds of row: a greedy row adds no noise to its logits (its ``scaled``
+    # is the logits, T = 1), and truncation always keeps the top token, so it gets the argmax.
+    noise = jnp.where(greedy[:, None], 0.0, gumbel)
+    tokens = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1).astype(jnp.int32)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)
     return tokens, logprobs[:, 0]

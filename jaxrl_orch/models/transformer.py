@@ -53,21 +53,28 @@ __all__ = [
     "BYTE_VOCAB_SIZE",
     "CACHE_AXES",
     "CONFIG_NAMES",
+    "LAYER_CACHE_AXES",
     "LOGITS_AXES",
     "ModelConfig",
     "RopeScaling",
     "Transformer",
     "cache_logical_specs",
+    "cache_slot_axis",
     "get_config",
     "init_cache",
     "logical_specs",
     "rope_inv_freq",
 ]
 
-# Heads before positions: a decode step's attention reads each (slot, kv head)'s keys as one
-# contiguous [length, head_dim] matrix, so no step transposes the cache (measured 2.6x faster
-# per layer on CPU than the [.., length, kv_heads, ..] layout, which XLA copied every step).
-CACHE_AXES = ("layers", "cache_batch", "kv_heads", "cache_length", "head_dim")
+# One array per layer, heads before positions: ``[slots, kv_heads, length, head_dim]``. A decode
+# step's attention then reads each (slot, kv head)'s keys as one contiguous [length, head_dim]
+# matrix straight from the layer's own buffer. Heads-first: the [.., length, kv_heads, ..]
+# layout was copied transposed every step (2.6x slower per layer on CPU). Per layer: slicing
+# layer i out of one [layers, ...] array made XLA copy that layer's whole cache every step
+# (about 40% of a small model's decode step on CPU, measured). ``scan_layers`` models keep the
+# layers stacked (``CACHE_AXES``), since their scan takes one layer's slice per iteration.
+LAYER_CACHE_AXES = ("cache_batch", "kv_heads", "cache_length", "head_dim")
+CACHE_AXES = ("layers", *LAYER_CACHE_AXES)
 ACTIVATION_AXES = ("batch", "length", "embed")
 LOGITS_AXES = ("batch", "length", "vocab")
 # Logit of an id past ``ModelConfig.output_vocab`` (padding rows of the vocab).
@@ -295,12 +302,13 @@ class Transformer(nnx.Module):
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Prefill or decode ``tokens[B,T]`` against ``cache``; returns ``(logits, new_cache)``.
 
-        ``cache`` comes from ``init_cache`` with the same batch. Writes land at index =
-        position; positions at or beyond the cache length are dropped (never attended).
+        ``cache`` comes from ``init_cache`` with the same batch (either layout). Writes land at
+        index = position; positions at or beyond the cache length are dropped (never attended).
         """
         _check_tokens(tokens, positions)
         ck, cv = cache["k"], cache["v"]
-        n_layers, b = ck.shape[:2]
+        stacked = not isinstance(ck, (list, tuple))
+        n_layers, b = ck.shape[:2] if stacked else (len(ck), ck[0].shape[0])
         if n_layers != self.config.n_layers or b != tokens.shape[0]:
             raise ValueError(
                 f"cache [layers={n_layers}, batch={b}] does not match model layers "
@@ -311,15 +319,16 @@ class Transformer(nnx.Module):
         inv_freq = self._inv_freq
         dt = self.config.dtype
 
-        def block(layer: Block, i: Any, x: jax.Array, ck: jax.Array, cv: jax.Array):
+        def block(layer: Block, x: jax.Array, ck: jax.Array, cv: jax.Array):
+            """One layer against its own cache ``[b, kv, length, d]``."""
             q, k, v = layer.qkv(x, positions, inv_freq)
             # [b, t] index pairs around the heads' slice: the update is k's own [b, t, kv, d]
-            ck = ck.at[i, rows, :, positions].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[i, rows, :, positions].set(v.astype(cv.dtype), mode="drop")
+            ck = ck.at[rows, :, positions].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[rows, :, positions].set(v.astype(cv.dtype), mode="drop")
             o = attend(
                 q,
-                ck[i].astype(dt),
-                cv[i].astype(dt),
+                ck.astype(dt),
+                cv.astype(dt),
                 q_index=positions,
                 kv_heads_first=True,
                 impl=cfg.attention,
@@ -328,20 +337,24 @@ class Transformer(nnx.Module):
             return layer.finish(x, o), ck, cv
 
         x = self._embed(tokens)
-        if cfg.scan_layers:
-            gdef, stacked = self._stacked_layers()
+        if stacked:
+            if not cfg.scan_layers:
+                raise ValueError(
+                    "a stacked [layers, ...] cache is for scan_layers models; init_cache "
+                    "builds one array per layer for this config"
+                )
+            gdef, stacked_params = self._stacked_layers()
 
             def body(x, xs):
-                # One layer's cache slice in, its update out (the scan stacks them), never a
-                # traced layer index into the whole cache.
-                st, cki, cvi = xs
-                x, cki, cvi = block(nnx.merge(gdef, st), 0, x, cki[None], cvi[None])
-                return x, (cki[0], cvi[0])
+                st, cki, cvi = xs  # one layer's params and cache slice in, its update out
+                x, cki, cvi = block(nnx.merge(gdef, st), x, cki, cvi)
+                return x, (cki, cvi)
 
-            x, (ck, cv) = jax.lax.scan(body, x, (stacked, ck, cv))
+            x, (ck, cv) = jax.lax.scan(body, x, (stacked_params, ck, cv))
         else:
-            for i, layer in enumerate(self.layers):
-                x, ck, cv = block(layer, i, x, ck, cv)
+            ck, cv = list(ck), list(cv)
+            for i, layer in enumerate(self.layers):  # scan_layers too: its params are per layer
+                x, ck[i], cv[i] = block(layer, x, ck[i], cv[i])
         return self.logits_from_hidden(self.final_norm(x)), {"k": ck, "v": cv}
 
     def _stacked_layers(self) -> tuple[Any, Any]:
@@ -360,17 +373,29 @@ def _check_tokens(tokens: jax.Array, positions: jax.Array) -> None:
 
 def init_cache(
     config: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32
-) -> dict[str, jax.Array]:
-    """Zeroed KV cache ``{"k", "v"}: [layers, batch, kv_heads, max_len, head_dim]``."""
+) -> dict[str, Any]:
+    """Zeroed KV cache ``{"k", "v"}``: a list of ``n_layers`` arrays
+    ``[batch, kv_heads, max_len, head_dim]`` each, or with ``config.scan_layers`` one stacked
+    ``[layers, batch, kv_heads, max_len, head_dim]`` array (``cache_logical_specs``)."""
     if batch <= 0 or max_len <= 0:
         raise ValueError(f"cache batch and max_len must be > 0, got {batch}, {max_len}")
-    shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    shape = (batch, config.n_kv_heads, max_len, config.head_dim)
+    if config.scan_layers:
+        stacked = (config.n_layers, *shape)
+        return {"k": jnp.zeros(stacked, dtype), "v": jnp.zeros(stacked, dtype)}
+    return {n: [jnp.zeros(shape, dtype) for _ in range(config.n_layers)] for n in ("k", "v")}
 
 
-def cache_logical_specs() -> dict[str, tuple[str, ...]]:
-    """Logical axis names of ``init_cache``'s pytree."""
-    return {"k": CACHE_AXES, "v": CACHE_AXES}
+def cache_logical_specs(config: ModelConfig) -> dict[str, Any]:
+    """Logical axis names of ``init_cache(config, ...)``'s pytree (tuples are its leaves)."""
+    if config.scan_layers:
+        return {"k": CACHE_AXES, "v": CACHE_AXES}
+    return {n: [LAYER_CACHE_AXES] * config.n_layers for n in ("k", "v")}
+
+
+def cache_slot_axis(leaf: Any) -> int:
+    """The slot (batch) axis of one cache array: 1 when stacked over layers, else 0."""
+    return 1 if leaf.ndim == len(CACHE_AXES) else 0
 
 
 def logical_specs(state: Any) -> Any:

@@ -323,10 +323,11 @@ def test_narrow_generate_leaves_upper_slots_untouched_and_validates(engine4):
     assert np.asarray(result.data).shape[0] == 1
     assert np.all(np.asarray(result.data)[0, 2:4] == 1)  # the narrow slot made 2 tokens
     np.testing.assert_array_equal(after["pos"], before["pos"] + [2, 0, 0, 0])
-    np.testing.assert_array_equal(after["cache"]["k"][:, 1:], before["cache"]["k"][:, 1:])
+    stack = lambda state, name: np.stack(state["cache"][name])  # [layers, slots, ...]
+    np.testing.assert_array_equal(stack(after, "k")[:, 1:], stack(before, "k")[:, 1:])
     state = engine4.move_slot(state, 0, 3)
     moved = jax.tree.map(np.asarray, state)
-    np.testing.assert_array_equal(moved["cache"]["v"][:, 3], after["cache"]["v"][:, 0])
+    np.testing.assert_array_equal(stack(moved, "v")[:, 3], stack(after, "v")[:, 0])
     assert moved["pos"][3] == after["pos"][0] and list(moved["active"]) == [False, True, True, True]
     with pytest.raises(ValueError, match=r"decode_widths=\(4, 1\), got 3"):
         engine4.generate(params, state, width=3)

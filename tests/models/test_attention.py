@@ -108,10 +108,12 @@ def test_splash_interpret_matches_einsum_forward_and_grad(qkv):
     )
 
 
+@pytest.mark.parametrize("heads_first", [False, True])
 @pytest.mark.parametrize("s", [300, 256])
-def test_length_aware_cache_attention_matches_einsum(s):
-    """Decode-shaped calls read the cache only up to the furthest visible index; padding and
-    entries past a row's position never count."""
+def test_length_aware_cache_attention_matches_einsum(s, heads_first):
+    """Decode-shaped calls read the cache only up to the furthest visible index; entries past a
+    row's position never count, and a last partial block (300 = 2 x 128 + 44) counts each key
+    once although its slice overlaps the block before."""
     rng = np.random.default_rng(2)
     q = jnp.asarray(rng.normal(size=(3, 1, H, D)), jnp.float32)
     ck = jnp.asarray(rng.normal(size=(3, s, KV, D)), jnp.float32)
@@ -119,12 +121,31 @@ def test_length_aware_cache_attention_matches_einsum(s):
     pos = jnp.asarray([[0], [5], [s - 1]], jnp.int32)
     ref = A.attend(q, ck, cv, q_index=pos, impl="einsum")
     np.testing.assert_allclose(np.asarray(ref), _np_attention(q, ck, cv, pos), atol=2e-5)
-    got = A.attend(q, ck, cv, q_index=pos, impl="chunked")
+    lay = (lambda x: jnp.swapaxes(x, 1, 2)) if heads_first else (lambda x: x)
+    got = A.length_aware_attention(q, lay(ck), lay(cv), pos, 128, kv_heads_first=heads_first)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6)
     # Junk past every position changes nothing: those blocks are never read.
     junk = ck.at[:2, 6:].set(1e4)
     short = A.length_aware_attention(q[:2], junk[:2], cv[:2], pos[:2], block=64)
     np.testing.assert_allclose(np.asarray(short), np.asarray(ref[:2]), atol=2e-6)
+
+
+def test_chunked_cache_reads_take_the_loop_only_for_long_caches():
+    """A cache shorter than LENGTH_AWARE_MIN_KEYS is read whole (one einsum, no loop); a longer
+    one by the length-aware while_loop; both equal the einsum."""
+    rng = np.random.default_rng(4)
+    for s, loops in ((256, False), (A.LENGTH_AWARE_MIN_KEYS + 100, True)):
+        q = jnp.asarray(rng.normal(size=(2, 1, H, D)), jnp.float32)
+        ck = jnp.asarray(rng.normal(size=(2, KV, s, D)), jnp.float32)
+        cv = jnp.asarray(rng.normal(size=(2, KV, s, D)), jnp.float32)
+        pos = jnp.asarray([[3], [s - 1]], jnp.int32)
+        call = lambda impl, q=q, ck=ck, cv=cv, pos=pos: A.attend(
+            q, ck, cv, q_index=pos, impl=impl, block=128, kv_heads_first=True
+        )
+        assert ("while" in str(jax.make_jaxpr(call, static_argnums=0)("chunked"))) == loops
+        np.testing.assert_allclose(
+            np.asarray(call("chunked")), np.asarray(call("einsum")), atol=2e-6
+        )
 
 
 def test_bad_impl_and_shapes_are_named():

@@ -65,7 +65,7 @@ def test_decode_mesh_cached_step_matches_single_device():
     mesh, graphdef, params = _setup(DECODE_MESH, DECODE_RULES)
     cache_shape = jax.eval_shape(lambda: init_cache(CFG, 2, 16))
     cache_shardings = resolve_shardings(
-        cache_logical_specs(), mesh, DECODE_RULES, shapes=cache_shape
+        cache_logical_specs(CFG), mesh, DECODE_RULES, shapes=cache_shape
     )
     step = jax.jit(lambda s, t, p, c: nnx.merge(graphdef, s).forward_cached(t, p, c))
     tokens = np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 5)).astype(np.int32)
@@ -76,4 +76,5 @@ def test_decode_mesh_cached_step_matches_single_device():
     local = jax.device_put(params, jax.devices()[0])
     single, _ = step(local, jnp.asarray(tokens), jnp.asarray(positions), init_cache(CFG, 2, 16))
     np.testing.assert_allclose(np.asarray(sharded), np.asarray(single), rtol=1e-5, atol=1e-5)
-    assert new_cache["k"].shape == (2, 2, 2, 16, 8)  # [layers, batch, kv heads, length, dim]
+    # One array per layer: [batch, kv heads, length, dim]
+    assert [k.shape for k in new_cache["k"]] == [(2, 2, 16, 8)] * CFG.n_layers

@@ -170,11 +170,11 @@ def test_cache_writes_beyond_length_are_dropped_and_cache_dtype_kept():
     positions = np.array([[6, 7, 8]], np.int32)  # last position falls off an 8-entry cache
     cache = init_cache(cfg, 1, 8, dtype=jnp.bfloat16)
     logits, new = cached(tokens, positions, cache)
-    assert new["k"].dtype == jnp.bfloat16 and new["k"].shape == cache["k"].shape
-    assert logits.dtype == jnp.float32
-    k = np.asarray(new["k"].astype(jnp.float32))
-    # [layers, batch, kv_heads, length, head_dim]
-    assert np.all(k[:, :, :, :6] == 0) and np.all(np.any(k[:, :, :, 6:8] != 0, axis=(2, 4)))
+    assert len(new["k"]) == cfg.n_layers and logits.dtype == jnp.float32
+    for layer, before in zip(new["k"], cache["k"], strict=True):
+        assert layer.dtype == jnp.bfloat16 and layer.shape == before.shape
+        k = np.asarray(layer.astype(jnp.float32))  # [batch, kv_heads, length, head_dim]
+        assert np.all(k[:, :, :6] == 0) and np.all(np.any(k[:, :, 6:8] != 0, axis=(1, 3)))
 
 
 def test_segment_ids_packing_equals_each_sequence_alone():
@@ -262,13 +262,16 @@ def test_every_param_has_logical_axes_of_its_rank(name):
     # Abstract (eval_shape) states carry the same metadata: meshes are planned before allocation.
     abstract = nnx.state(nnx.eval_shape(lambda: Transformer(VARIANTS[name], rngs=nnx.Rngs(0))))
     assert jax.tree.leaves(logical_specs(abstract), is_leaf=is_spec) == spec_leaves
-    assert tf.cache_logical_specs()["k"] == (
-        "layers",
-        "cache_batch",
-        "kv_heads",
-        "cache_length",
-        "head_dim",
-    )
+    per_layer = ("cache_batch", "kv_heads", "cache_length", "head_dim")
+    cfg = VARIANTS[name]
+    assert tf.cache_logical_specs(cfg)["k"] == [per_layer] * cfg.n_layers
+    scanned = dataclasses.replace(cfg, scan_layers=True)
+    assert tf.cache_logical_specs(scanned)["v"] == ("layers", *per_layer)
+    # The specs describe init_cache's tree, leaf for leaf, in both layouts.
+    for c in (cfg, scanned):
+        cache = jax.eval_shape(lambda c=c: tf.init_cache(c, 2, 8))
+        specs = jax.tree.leaves(tf.cache_logical_specs(c), is_leaf=is_spec)
+        assert [len(sp) for sp in specs] == [a.ndim for a in jax.tree.leaves(cache)]
     with pytest.raises(TypeError, match="Variables"):
         logical_specs(nnx.to_pure_dict(state))
 
