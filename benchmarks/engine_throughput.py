@@ -51,7 +51,6 @@ from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.models.transformer import get_config
 from jaxrl_orch.types import SamplingParams
 
-
 DECODE_CALLS = 20  # timed full-width decode calls (decode_step)
 
 
