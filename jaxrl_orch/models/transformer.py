@@ -351,7 +351,9 @@ class Transformer(nnx.Module):
             x, (ck, cv) = jax.lax.scan(body, x, (stacked_params, ck, cv))
         else:
             ck, cv = list(ck), list(cv)
-            for i, layer in enumerate(self.layers):  # scan_layers too: its params are per layer
+            # A per-layer cache runs the layers unrolled (a scan_layers model too: its params
+            # are stored per layer), each against its own arrays.
+            for i, layer in enumerate(self.layers):
                 x, ck[i], cv[i] = block(layer, x, ck[i], cv[i])
         return self.logits_from_hidden(self.final_norm(x)), {"k": ck, "v": cv}
 

@@ -149,6 +149,15 @@ def test_cached_prefill_and_decode_equal_full_forward(cfg):
         )
 
 
+def test_stacked_cache_needs_a_scan_layers_model():
+    cfg = VARIANTS["gqa-tied"]
+    model = make_model(cfg)
+    stacked = tf.init_cache(dataclasses.replace(cfg, scan_layers=True), 1, 8)
+    tokens = np.zeros((1, 2), np.int32)
+    with pytest.raises(ValueError, match="stacked .* scan_layers"):
+        model.forward_cached(tokens, positions_for(tokens), stacked)
+
+
 def test_refilled_slot_ignores_previous_occupant():
     cfg = VARIANTS["gqa-tied"]
     _, cached = jitted(make_model(cfg))
