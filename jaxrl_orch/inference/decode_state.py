@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_orch.inference.sampling import request_key
-from jaxrl_orch.models.transformer import ModelConfig, cache_slot_axis, init_cache
+from jaxrl_orch.models.kv_cache import cache_slot_axis, init_cache
+from jaxrl_orch.models.transformer import ModelConfig
 from jaxrl_orch.types import SamplingParams
 
 # Per-request settings written by insert; "token" lands in the state's "tokens" entry. The

@@ -47,9 +47,7 @@ from jaxrl_orch.models.configs import (
 )
 from jaxrl_orch.models.kv_cache import (
     CACHE_AXES,
-    LAYER_CACHE_AXES,
     cache_logical_specs,
-    cache_slot_axis,
     init_cache,
 )
 from jaxrl_orch.models.rope import apply_rope as _apply_rope
@@ -60,13 +58,11 @@ __all__ = [
     "BYTE_VOCAB_SIZE",
     "CACHE_AXES",
     "CONFIG_NAMES",
-    "LAYER_CACHE_AXES",
     "LOGITS_AXES",
     "ModelConfig",
     "RopeScaling",
     "Transformer",
     "cache_logical_specs",
-    "cache_slot_axis",
     "get_config",
     "init_cache",
     "logical_specs",
