@@ -108,9 +108,11 @@ def run_static(engine: DecodeEngine, params, work) -> tuple[int, float]:
     return tokens, time.perf_counter() - t0
 
 
-def matmul_peak_gflops(n: int = 2048, reps: int = 5) -> float:
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
+def matmul_peak_gflops(n: int = 2048, reps: int = 5, dtype=jnp.float32) -> float:
+    """Best FLOP/s of an ``[n, n] @ [n, n]`` matmul in ``dtype``, accumulating in float32 as
+    the model's matmuls do."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+    f = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
     f(a).block_until_ready()
     best = min(_timed(lambda: f(a).block_until_ready()) for _ in range(reps))
     return 2 * n**3 / best / 1e9
@@ -193,6 +195,7 @@ def main() -> None:
     ap.add_argument("--steps-per-call", type=int, default=4, help="decode steps per host call")
     ap.add_argument("--repeats", type=int, default=1, help="alternate static/engine N times")
     ap.add_argument("--attention", default="auto", help="TrainConfig.attention (auto: by backend)")
+    ap.add_argument("--compute-dtype", default="auto", help="TrainConfig.compute_dtype")
     args = ap.parse_args()
     if args.quick:
         model, prompts, slots, max_new = "tiny-byte", 16, 16, 128
@@ -205,7 +208,7 @@ def main() -> None:
         if value < 1:
             raise SystemExit(f"--{name} must be >= 1, got {value}")
     # What a run builds: the attention TrainConfig resolves for this backend (build/accel.py).
-    run_cfg = TrainConfig(attention=args.attention)
+    run_cfg = TrainConfig(attention=args.attention, compute_dtype=args.compute_dtype)
     cfg = accel.accel_model_config(get_config(model), run_cfg)
     engine = DecodeEngine(
         cfg,
@@ -242,7 +245,7 @@ def main() -> None:
             f"static {static_tokens}"
         )
     step_s, step_flops = decode_step(engine, params, cfg, context=(64 + max_new) // 2)
-    peak = matmul_peak_gflops()
+    peak = matmul_peak_gflops(dtype=cfg.dtype)
     prefilled = sum(len(p) for p, _ in work)  # once per group on the engine side
     result = {
         "engine_tok_s": round(engine_tokens / engine_s, 1),
@@ -260,6 +263,7 @@ def main() -> None:
         "decode_step_peak_fraction": round(step_flops / step_s / 1e9 / peak, 3),
         "model": model,
         "attention": f"{cfg.attention} (block {cfg.attention_block})",
+        "compute_dtype": jnp.dtype(cfg.dtype).name,
         "prompts": prompts,
         "samples": group,
         "tokens_per_side": expected,

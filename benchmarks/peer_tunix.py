@@ -17,14 +17,17 @@ repeats) of the per-repeat median steady-state step time, tokens/s at that time,
 tokens per step, mean prompt tokens, the ratios ours/Tunix, and every repeat's figures.
 
 Step timing. Both sides skip the first ``--warmup`` steps (compilation) and take the median of
-the next ``--steps``. Ours: ``orch/step_s`` as ``run_once`` reports it. Tunix: ``learner.train``
-runs over an iterator of batches that stamps the wall time of each ``next()``; the learner draws
-batch k+1 only once step k is over (rollout, rewards, update, weight sync, metric buffering),
-so step k lasts from draw k to draw k+1. After the last timed step the iterator stamps once
-more and raises ``StopIteration``, which ends ``train`` without running another step. (Tunix's
-own span timings come from its optional perf tracers, ``RLCluster(perf_config=...)``, off by
-default and left off here so that they add nothing to the step.) Tunix's generated tokens per
-step are its ``completions/mean_length`` metric x 32, read from each step's metrics buffer
+the next ``--steps``. Ours: ``orch/step_s`` as ``run_once`` reports it. Tunix:
+``learner.train`` runs over an iterator of batches that stamps the wall time of each
+``next()``; the learner draws batch k+1 only once step k is over (rollout, rewards, update,
+weight sync, metric buffering), so step k lasts from draw k to draw k+1. Tunix's phases
+(``tunix_phases_s``: its ``RLCluster.generate`` and ``update_actor``, each timed until its
+results exist) and ours (``time/generate_s``, ``time/train_s``, ...) are the medians over the
+timed steps. After the last timed step the iterator stamps once more and raises
+``StopIteration``, which ends ``train`` without running another step. (Tunix's own span timings
+come from its optional perf tracers, ``RLCluster(perf_config=...)``, off by default and left
+off here so that they add nothing to the step.) Tunix's generated tokens per step are its
+``completions/mean_length`` metric x 32, read from each step's metrics buffer
 (``RLCluster.with_external_metrics_logger``); that 32 is checked, not assumed: the reward
 function records how many completions each call scores, and a run where that is not 32 fails
 (Tunix repeats each prompt G times with ``np.repeat`` over the batch tree, so the prompts go in
@@ -35,7 +38,10 @@ asynchronous run is timed after its overlap probe (``jaxrl_orch/overlap.py``).
 Equal workload: one model shape, ``small-byte`` (``jaxrl_orch/models/configs.py``: vocab 512 =
 ``BYTE_VOCAB_SIZE``, d_model 256, 4 layers, 8 heads, 4 kv heads, head_dim 32, d_ff 768, rope
 theta 1e4, tied embeddings; Tunix's Qwen3 adds its q/k RMSNorms, 256 parameters: both counts
-are reported); float32 on CPU; 8 prompts x 4 samples per step, up to 128 new tokens, temperature
+are reported); float32 on CPU (``--compute-dtype bfloat16``: both sides' matmuls and
+activations in bf16, master weights float32; ``--engine-compute-dtype`` sets our engine's
+alone, since on a CPU with AMX a bf16 train step is faster and a bf16 decode step slower);
+8 prompts x 4 samples per step, up to 128 new tokens, temperature
 1 (no top-k / top-p), beta 0 (no reference model), one optimizer step per batch with the same
 optimizer (clip 1.0, AdamW, linear warm-up over 10 steps to 1e-4), a 256-position KV cache. The
 SAME prompt strings in the same order (``peer_env.write_prompts``: 18-byte reverse-text
@@ -73,7 +79,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # The per-repeat figures in the parent's output.
 COMMON_KEYS = ("step_s", "generated_tokens_per_s", "compiles_after_warmup", "wall_s")
-TUNIX_KEYS = (*COMMON_KEYS, "step_s_all", "process_s")
+TUNIX_KEYS = (*COMMON_KEYS, "step_s_all", "process_s", "phases")
 OURS_KEYS = (*COMMON_KEYS, "breakdown")
 PROMPTS_PER_STEP, GROUP_SIZE, LEARNING_RATE, WARMUP_LR_STEPS, KV_CACHE = 8, 4, 1e-4, 10, 256
 
@@ -113,6 +119,7 @@ class TunixByteTokenizer:
 
 def run_tunix(a: argparse.Namespace) -> dict:
     import jax
+    import jax.numpy as jnp
     import numpy as np
     import optax
     import peer_env
@@ -139,6 +146,7 @@ def run_tunix(a: argparse.Namespace) -> dict:
         rope_theta=int(mc.rope_theta),
         norm_eps=mc.norm_eps,
         use_tied_embedding=mc.tie_embeddings,
+        dtype=jnp.dtype(a.compute_dtype),  # activations and matmuls; master weights float32
     )
     model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(0))
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -195,6 +203,24 @@ def run_tunix(a: argparse.Namespace) -> dict:
         ),
     )
 
+    phases: dict[str, list[float]] = {"generate": [], "update": []}
+
+    def timed(name, fn, block=None):
+        # Tunix's two big phases, each until its results exist (its own perf tracers are off).
+        def wrapper(*args, **kw):
+            t = time.perf_counter()
+            out = fn(*args, **kw)
+            jax.block_until_ready(out if block is None else block())
+            phases[name].append(time.perf_counter() - t)
+            return out
+
+        return wrapper
+
+    cluster.generate = timed("generate", cluster.generate)
+    cluster.update_actor = timed(
+        "update", cluster.update_actor, lambda: nnx.state(cluster.actor_trainer.model)
+    )
+
     def device_ids(m) -> list[int]:
         return sorted({d.id for x in jax.tree.leaves(nnx.state(m)) for d in x.devices()})
 
@@ -243,6 +269,11 @@ def run_tunix(a: argparse.Namespace) -> dict:
         "compiles_after_warmup": sum(stamps[a.warmup] < t <= stamps[total] for t in compiles),
         "param_count": int(n_params),
         "placement": placement,
+        # one generate / update call a step (checked): medians over the timed steps
+        "phases": {
+            k: statistics.median(v[a.warmup : total]) if len(v) == total else None
+            for k, v in phases.items()
+        },
         "wall_s": wall,
     }
 
@@ -280,6 +311,8 @@ def run_ours(a: argparse.Namespace) -> dict:
         rl_warmup_steps=WARMUP_LR_STEPS,
         temperature=1.0,
         export_hf=False,
+        compute_dtype=a.compute_dtype,
+        engine_compute_dtype=a.engine_compute_dtype,
     )
     out = {
         "side": "ours",
@@ -309,8 +342,12 @@ def _child(side: str, a: argparse.Namespace, prompts: Path) -> dict:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.devices}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--prompts", str(prompts)]
-    for flag in ("devices", "steps", "warmup", "max_new_tokens", "row_len"):
-        cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
+    for flag in (
+        "devices", "steps", "warmup", "max_new_tokens", "row_len", "compute_dtype",
+        "engine_compute_dtype",
+    ):  # fmt: skip
+        if getattr(a, flag) is not None:
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=a.timeout)
     if proc.returncode:
@@ -334,6 +371,19 @@ def main() -> None:
         default=0,
         help="our trainer's row length (0: prompt + max new tokens, Tunix's sequence length; "
         "rl_step.py uses 256)",
+    )
+    p.add_argument(
+        "--compute-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="both sides' matmul / activation dtype (master weights stay float32)",
+    )
+    p.add_argument(
+        "--engine-compute-dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="ours only: the engine's matmul dtype (TrainConfig.engine_compute_dtype; "
+        "default: --compute-dtype). Tunix's rollout runs its actor's model config.",
     )
     p.add_argument("--timeout", type=float, default=1200, help="seconds per child process")
     p.add_argument("--json", action="store_true", help="one line of JSON (else indented)")
@@ -375,6 +425,10 @@ def main() -> None:
             f"ours_{m}_generated_tokens_per_step": ours[m]["generated_tokens_per_step"]
             for m in modes
         },
+        "compute_dtype": a.compute_dtype,
+        "ours_engine_compute_dtype": a.engine_compute_dtype or a.compute_dtype,
+        "tunix_phases_s": tunix["phases"],
+        **{f"ours_{m}_breakdown_s": ours[m]["breakdown"] for m in modes},
         "tunix_mean_prompt_tokens": tunix["mean_prompt_tokens"],
         **{f"ours_{m}_mean_prompt_tokens": ours[m]["mean_prompt_tokens"] for m in ours},
         "step_s_ratio_ours_over_tunix": {m: ours[m]["step_s"] / tunix["step_s"] for m in ours},

@@ -44,6 +44,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--attention-block", type=int, default=None, help="default: the model's")
     p.add_argument("--compute-dtype", default="auto", help="TrainConfig.compute_dtype")
     p.add_argument("--json", action="store_true", help="print one JSON line only")
+    p.add_argument("--profile", default=None, help="trace 3 of our steps here; table to stderr")
     return p.parse_args()
 
 
@@ -180,6 +181,16 @@ def main() -> None:
         "real_tokens": packed.num_tokens,
         "devices": jax.device_count(),
     }
+    if args.profile:
+        import profiling
+
+        jax.profiler.start_trace(args.profile)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            run_ours()
+        wall = time.perf_counter() - t0
+        jax.profiler.stop_trace()
+        print(profiling.table(profiling.summarize(args.profile), wall), file=sys.stderr)
     line = json.dumps(result)
     if args.json:
         print(line)

@@ -45,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxrl_orch import aot_report  # noqa: E402
 from jaxrl_orch.build.accel import (  # noqa: E402
     accel_model_config,
-    engine_param_dtype,
+    engine_model_config,
     step_config,
 )
 from jaxrl_orch.build.parts import build_placement, model_config, optim_config  # noqa: E402
@@ -123,13 +123,14 @@ def compile_train_step(cfg: TrainConfig, model_cfg, mesh) -> tuple[Any, Any, int
 
 
 def build_engine(cfg: TrainConfig, model_cfg, mesh) -> DecodeEngine:
+    model_cfg = engine_model_config(model_cfg, cfg, "tpu")
     return DecodeEngine(
         model_cfg,
         mesh=mesh,
         max_concurrent_decodes=cfg.decode_slots,
         max_target_length=cfg.max_target_length,
         steps_per_call=cfg.steps_per_call,
-        param_dtype=engine_param_dtype(cfg, "tpu"),
+        param_dtype=model_cfg.param_dtype,
         seed=cfg.seed,
     )
 

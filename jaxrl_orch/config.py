@@ -101,7 +101,8 @@ class TrainConfig:
     # accelerator path: precision, kernels, memory (python -m jaxrl_orch.aot checks the fit)
     compute_dtype: str = "auto"  # matmuls, activations; "auto": bfloat16 on TPU/GPU, else float32
     param_dtype: str = "float32"  # the trainer's master weights and Adam moments (or "bfloat16")
-    engine_param_dtype: str | None = None  # the engine's copy of the weights; None: compute_dtype
+    engine_param_dtype: str | None = None  # the engine's copy of the weights; None: its compute
+    engine_compute_dtype: str | None = None  # the engine's matmuls; None: compute_dtype
     attention: str = "auto"  # auto: splash on TPU, xla on GPU, chunked on CPU; einsum: reference
     remat: str = "none"  # per-block rematerialisation: none, full, dots, dots_no_batch
     logprob_chunk: int = 0  # trainer log-probs and loss in chunks of this many positions; 0: off
@@ -180,6 +181,7 @@ class TrainConfig:
             ("compute_dtype", self.compute_dtype, ("auto", *DTYPES)),
             ("param_dtype", self.param_dtype, DTYPES),
             ("engine_param_dtype", self.engine_param_dtype, (None, *DTYPES)),
+            ("engine_compute_dtype", self.engine_compute_dtype, (None, *DTYPES)),
             ("attention", self.attention, ("auto", "einsum", "xla", "chunked", "splash")),
             ("remat", self.remat, ("none", "full", "dots", "dots_no_batch")),
             ("overlap", self.overlap, ("auto", "overlapped", "sliced")),

@@ -45,7 +45,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxrl_orch import roles
-from jaxrl_orch.build.accel import accel_model_config, engine_param_dtype, step_config
+from jaxrl_orch.build.accel import accel_model_config, engine_model_config, step_config
 from jaxrl_orch.build.checks import check_examples
 from jaxrl_orch.build.engines import (
     check_engine,
@@ -186,10 +186,10 @@ class Experiment:
         """The decoding engine (``TrainConfig.engine``) on the decode mesh, with the run's
         slots and lengths; ``engine_logprobs`` records whether it reports log-probs."""
         cfg = self.cfg
-        # The built-in engine holds its weights in the compute dtype (bf16 on TPU/GPU).
-        extra = {"param_dtype": engine_param_dtype(cfg)} if cfg.engine == "builtin" else {}
+        model_cfg = engine_model_config(self.model_cfg, cfg)  # its dtypes (build/accel.py)
+        extra = {"param_dtype": model_cfg.param_dtype} if cfg.engine == "builtin" else {}
         engine = check_engine(self.engine_factory(
-            self.model_cfg,
+            model_cfg,
             **extra,
             mesh=self.decode_mesh,
             max_concurrent_decodes=cfg.decode_slots,

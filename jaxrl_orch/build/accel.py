@@ -70,21 +70,45 @@ def accel_model_config(
     model_cfg: ModelConfig, cfg: TrainConfig, backend: str | None = None
 ) -> ModelConfig:
     """``model_cfg`` with the config's compute / master dtypes, attention and remat."""
+    dtype = compute_dtype(cfg, backend)
     return dataclasses.replace(
         model_cfg,
-        dtype=compute_dtype(cfg, backend),
+        dtype=dtype,
         param_dtype=jnp.dtype(cfg.param_dtype),
         attention=attention_impl(cfg, backend),
         attention_block=attention_block(cfg, model_cfg, backend),
         remat=cfg.remat,
         scan_layers=cfg.scan_layers,
+        # Read by low-precision matmuls only (models/matmul.py): XLA:CPU's bf16 dot layout.
+        grad_transpose_copy=_backend(backend) == "cpu" and dtype != jnp.float32,
     )
+
+
+def engine_compute_dtype(cfg: TrainConfig, backend: str | None = None) -> jnp.dtype:
+    if cfg.engine_compute_dtype is not None:
+        return jnp.dtype(cfg.engine_compute_dtype)
+    return compute_dtype(cfg, backend)
 
 
 def engine_param_dtype(cfg: TrainConfig, backend: str | None = None) -> jnp.dtype:
     if cfg.engine_param_dtype is not None:
         return jnp.dtype(cfg.engine_param_dtype)
-    return compute_dtype(cfg, backend)
+    return engine_compute_dtype(cfg, backend)
+
+
+def engine_model_config(
+    model_cfg: ModelConfig, cfg: TrainConfig, backend: str | None = None
+) -> ModelConfig:
+    """The run's model config (``accel_model_config``) as the engine runs it: its matmuls in
+    ``engine_compute_dtype``, its weights in ``engine_param_dtype``. On a CPU with AMX a bf16
+    trainer step is ~1.5x faster than float32, a bf16 decode step slower (M = the slot count
+    is too small for the AMX tiles): ``compute_dtype=bfloat16, engine_compute_dtype=float32``
+    is the fast pair there (benchmarks/peer_tunix.py)."""
+    return dataclasses.replace(
+        model_cfg,
+        dtype=engine_compute_dtype(cfg, backend),
+        param_dtype=engine_param_dtype(cfg, backend),
+    )
 
 
 def step_config(cfg: TrainConfig, kind: str, recompute: bool | None = None) -> StepConfig:

@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxrl_orch.models.matmul import dot32
+
 IMPLS = ("einsum", "xla", "chunked", "splash")
 # Below this many cache positions a cache read is the einsum over the whole cache: reading every
 # key beats the length-aware loop, whose key blocks are copied out of the cache each iteration.
@@ -80,8 +82,7 @@ def einsum_attention(q, k, v, q_index, segment_ids=None, kv_heads_first=False):
     kv = _kv(kv_heads_first)
     mask = _mask(q_index, s, segment_ids)
     qg = q.reshape(b, t, hkv, h // hkv, d)
-    scores = jnp.einsum(f"btkgd,{kv}->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(d)
+    scores = dot32(f"btkgd,{kv}->bkgts", qg, k) / math.sqrt(d)
     # A finite floor, not -inf: a fully masked row yields a uniform average instead of NaNs.
     scores = jnp.where(mask[:, None, None, :, :], scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
@@ -89,9 +90,9 @@ def einsum_attention(q, k, v, q_index, segment_ids=None, kv_heads_first=False):
         # A cache read: with the batch axes leading in the output too, XLA:CPU runs it as its
         # fast batched dot, where the [b, t, k, g, d] output fell back to a per-batch loop
         # (~5x slower in a decode step, measured; the trainer's layout is unaffected).
-        out = jnp.einsum(f"bkgts,{kv}->bkgtd", probs, v)
+        out = dot32(f"bkgts,{kv}->bkgtd", probs, v).astype(v.dtype)
         return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d)
-    out = jnp.einsum(f"bkgts,{kv}->btkgd", probs, v)
+    out = dot32(f"bkgts,{kv}->btkgd", probs, v).astype(v.dtype)
     return out.reshape(b, t, h, d)
 
 
@@ -101,7 +102,7 @@ def xla_attention(q, k, v, q_index, segment_ids=None):
 
 
 def _block_scores(qg, k, d):
-    return jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    return dot32("btkgd,bskd->bkgts", qg, k) / math.sqrt(d)
 
 
 def _query_blocks(q, k, v, q_index, segment_ids, block, causal=False):
@@ -125,7 +126,7 @@ def _query_blocks(q, k, v, q_index, segment_ids, block, causal=False):
             mask = mask & (seg[:, :, None] == kv_seg[:, None, :])
         scores = jnp.where(mask[:, None, None], _block_scores(qg, k, d), _NEG)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum("bkgts,bskd->btkgd", probs, v)
+        return dot32("bkgts,bskd->btkgd", probs, v).astype(v.dtype)
 
     if causal:
         outs = []

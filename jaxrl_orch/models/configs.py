@@ -95,6 +95,9 @@ class ModelConfig:
     # The trainer's forward as a lax.scan over stacked layers: compile time independent of
     # depth (28 unrolled layers take minutes to compile for TPU on 2 cores); same maths.
     scan_layers: bool = False
+    # Low-precision weight gradients copy one operand contracted-axes-last (models/matmul.py):
+    # XLA:CPU's fast bf16 dot needs that layout; build/accel.py sets it on CPU only.
+    grad_transpose_copy: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_IMPLS:

@@ -50,6 +50,7 @@ from jaxrl_orch.models.kv_cache import (
     cache_logical_specs,
     init_cache,
 )
+from jaxrl_orch.models.matmul import matmul
 from jaxrl_orch.models.rope import apply_rope as _apply_rope
 from jaxrl_orch.models.rope import rope_inv_freq
 
@@ -123,9 +124,10 @@ class Attention(nnx.Module):
     def project(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray):
         """``x[B,T,E]`` -> rotated ``q[B,T,H,D]``, ``k[B,T,Hkv,D]`` and ``v[B,T,Hkv,D]``."""
         dt = self.cfg.dtype
-        q = matmul("bte,ehd->bthd", x, self.q_proj[...], dt)
-        k = matmul("bte,ehd->bthd", x, self.k_proj[...], dt)
-        v = matmul("bte,ehd->bthd", x, self.v_proj[...], dt)
+        tc = self.cfg.grad_transpose_copy
+        q = matmul("bte,ehd->bthd", x, self.q_proj[...], dt, tc)
+        k = matmul("bte,ehd->bthd", x, self.k_proj[...], dt, tc)
+        v = matmul("bte,ehd->bthd", x, self.v_proj[...], dt, tc)
         if self.cfg.qkv_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -135,15 +137,8 @@ class Attention(nnx.Module):
         return _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq), v
 
     def output(self, o: jax.Array) -> jax.Array:
-        return matmul("bthd,hde->bte", o, self.o_proj[...], self.cfg.dtype)
-
-
-def matmul(spec: str, x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
-    """``einsum(spec, x, w)`` in ``dtype`` with float32 accumulation: a bf16 matmul keeps f32
-    partial sums (as the MXU does), and XLA's CPU backend runs bf16 x bf16 -> f32 on the
-    AVX512-BF16 dot instructions (~2x its f32 matmul, where bf16 -> bf16 is no faster)."""
-    out = jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
-    return out.astype(dtype)
+        cfg = self.cfg
+        return matmul("bthd,hde->bte", o, self.o_proj[...], cfg.dtype, cfg.grad_transpose_copy)
 
 
 class MLP(nnx.Module):
@@ -151,16 +146,16 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
-        self.dtype = cfg.dtype
+        self.dtype, self.transpose_copy = cfg.dtype, cfg.grad_transpose_copy
         self.gate_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
         self.up_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
         self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), pd)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dt = self.dtype
-        gate = jax.nn.silu(matmul("...e,ef->...f", x, self.gate_proj[...], dt))
-        up = matmul("...e,ef->...f", x, self.up_proj[...], dt)
-        return matmul("...f,fe->...e", gate * up, self.down_proj[...], dt)
+        dt, tc = self.dtype, self.transpose_copy
+        gate = jax.nn.silu(matmul("bte,ef->btf", x, self.gate_proj[...], dt, tc))
+        up = matmul("bte,ef->btf", x, self.up_proj[...], dt, tc)
+        return matmul("btf,fe->bte", gate * up, self.down_proj[...], dt, tc)
 
 
 class Block(nnx.Module):
