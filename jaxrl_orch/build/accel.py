@@ -100,10 +100,10 @@ def engine_model_config(
     model_cfg: ModelConfig, cfg: TrainConfig, backend: str | None = None
 ) -> ModelConfig:
     """The run's model config (``accel_model_config``) as the engine runs it: its matmuls in
-    ``engine_compute_dtype``, its weights in ``engine_param_dtype``. On a CPU with AMX a bf16
-    trainer step is ~1.5x faster than float32, a bf16 decode step slower (M = the slot count
-    is too small for the AMX tiles): ``compute_dtype=bfloat16, engine_compute_dtype=float32``
-    is the fast pair there (benchmarks/peer_tunix.py)."""
+    ``engine_compute_dtype``, its weights in ``engine_param_dtype``. On this project's 2-core
+    Sapphire Rapids machine (AMX) a bf16 train step is ~1.9x faster than float32 and a bf16
+    decode step ~1.6x slower (README, Benchmarks): ``compute_dtype=bfloat16,
+    engine_compute_dtype=float32`` is the fast pair there (benchmarks/peer_tunix.py)."""
     return dataclasses.replace(
         model_cfg,
         dtype=engine_compute_dtype(cfg, backend),

@@ -6,7 +6,7 @@ preferred_element_type=f32)`` keeps float32 partial sums (as the MXU does), but 
 transpose takes the float32 cotangent, so both backward matmuls (``dx``, ``dw``: two thirds of
 a train step's FLOPs) run as float32 x bf16, which XLA promotes to float32 x float32. On
 XLA:CPU that is the slow path: bf16 x bf16 -> f32 runs on the AMX / AVX512-BF16 units through
-its YNNPACK dot fusions (measured on this project's Sapphire Rapids CI machine: a
+its YNNPACK dot fusions (measured on this project's 2-core Sapphire Rapids machine: a
 ``[4672, 256] @ [256, 768]`` dot 1.6 ms in bf16 against 7.2 ms in float32, while bf16 x bf16
 -> bf16 takes the generic path, 9 ms). ``lowp_matmul`` is a ``custom_vjp`` whose backward
 casts the cotangent to the compute dtype and runs ``dx`` and ``dw`` as bf16 x bf16 -> f32 too:
