@@ -108,7 +108,7 @@ def run_static(engine: DecodeEngine, params, work) -> tuple[int, float]:
     return tokens, time.perf_counter() - t0
 
 
-def matmul_peak_gflops(n: int = 2048, reps: int = 5, dtype=jnp.float32) -> float:
+def matmul_peak_gflops(n: int = 2048, reps: int = 8, dtype=jnp.float32) -> float:
     """Best FLOP/s of an ``[n, n] @ [n, n]`` matmul in ``dtype``, accumulating in float32 as
     the model's matmuls do."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
