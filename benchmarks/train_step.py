@@ -158,9 +158,9 @@ def main() -> None:
             t0 = time.perf_counter()
             f()
             acc.append(time.perf_counter() - t0)
-    # Plus a back-to-back block: the first matmul after a train step runs 10-25% slow (its
-    # fresh output buffer and cold caches; measured 161-192 interleaved vs 202-230 GFLOP/s in a
-    # block), and a low peak would flatter the MFU.
+    # Plus a back-to-back block: a matmul timed right after a train step runs 5-30% slow here
+    # (measured 161-192 interleaved vs 202-230 GFLOP/s in a block, one run), and a low peak
+    # would flatter the MFU.
     for _ in range(8):
         t0 = time.perf_counter()
         run_matmul()

@@ -101,7 +101,7 @@ def engine_model_config(
 ) -> ModelConfig:
     """The run's model config (``accel_model_config``) as the engine runs it: its matmuls in
     ``engine_compute_dtype``, its weights in ``engine_param_dtype``. On this project's 2-core
-    Sapphire Rapids machine (AMX) a bf16 train step is ~1.9x faster than float32 and a bf16
+    Sapphire Rapids machine (AMX) a bf16 train step is ~1.5x faster than float32 and a bf16
     decode step ~1.6x slower (README, Benchmarks): ``compute_dtype=bfloat16,
     engine_compute_dtype=float32`` is the fast pair there (benchmarks/peer_tunix.py)."""
     return dataclasses.replace(
