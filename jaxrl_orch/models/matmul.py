@@ -13,12 +13,12 @@ Why it is more than ``jnp.einsum``:
   cotangent to the compute dtype and runs ``dx`` and ``dw`` as bf16 x bf16 -> f32 too: mixed
   precision as MaxText and every TPU trainer run it (bf16 operands, f32 accumulation, f32
   master weights, since ``w.astype`` outside turns ``dw`` back into float32).
-- **float32.** The same explicit backward (the cast is then a no-op, the dots are exactly
+- **float32.** The same explicit backward (the cast is then a no-op, the products are
   autodiff's). With JAX's own transpose of the einsum, XLA:CPU fused the MLP's SiLU backward
   into the transposing copy that feeds the gate/up weight gradient, an elementwise loop run in
   transposed order: 53 ms per layer of a 16 x 256-token small-byte step (profiled with
   ``benchmarks/train_step.py --profile``), and the whole step took 1.14-1.18 s. Written out as
-  ``einsum(x, g -> w)``, the dot reads the cotangent as it lies: 0.87-0.94 s, same maths.
+  ``einsum(x, g -> w)``, the dot reads the cotangent as it lies: 0.85-0.94 s, same maths.
 
 ``dw`` contracts over the token axes, which lead in both of its operands; XLA:CPU's bf16 dot
 is fast only when the left operand's contracted axes are innermost (the same dot measured
