@@ -14,11 +14,13 @@ Backends (``IMPLS``)
     - ``"einsum"``: the full ``[B, Hkv, G, T, S]`` score tensor, materialised. The oracle every
       other backend is tested against (tests/models/test_attention.py).
     - ``"xla"``: ``jax.nn.dot_product_attention`` (XLA's fused attention; cuDNN flash on GPU).
-    - ``"chunked"``: query blocks of ``block`` rows, each block's scores recomputed in the
-      backward pass (``jax.checkpoint``): peak memory ``O(block * S)`` instead of ``O(T * S)``,
-      on any backend; a self-attention of at most one block is the einsum. In self-attention,
-      query block i reads keys ``[0, (i + 1) * block)`` only (causal rows: the rest is masked),
-      so about half the scores are never computed; the CPU default (``build/accel.py``). Cache
+    - ``"chunked"``: no ``T x S`` tensor in the trainer's path, on any backend. Causal
+      self-attention (packed trainer rows) is ``models/tiled_attention.py``: flash attention's
+      algorithm in plain XLA, ``block x block`` tiles with an online softmax and a hand-written
+      backward, visiting only the tiles some query can see (causally and by segment). A
+      non-causal call of ``T % block == 0`` runs query blocks of ``block`` rows, each
+      rematerialised in the backward pass (``jax.checkpoint``); a self-attention of at most one
+      block is the einsum. The CPU default (``build/accel.py``). Cache
       calls (``self_attention=False``, ``T < block``) become length-aware instead: a
       ``while_loop`` over key blocks stops after the last block any query of the batch can see,
       so a decode step reads ``max(position)`` of the cache, not all of it (online softmax);
@@ -45,6 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxrl_orch.models.matmul import dot32
+from jaxrl_orch.models.tiled_attention import tiled_self_attention
 
 IMPLS = ("einsum", "xla", "chunked", "splash")
 # Below this many cache positions a cache read is the einsum over the whole cache: reading every
@@ -105,13 +108,9 @@ def _block_scores(qg, k, d):
     return dot32("btkgd,bskd->bkgts", qg, k) / math.sqrt(d)
 
 
-def _query_blocks(q, k, v, q_index, segment_ids, block, causal=False):
-    """Self-attention in query blocks; each block rematerialised in the backward pass.
-
-    ``causal``: ``q_index`` is the row position itself (``q_index[b, t] <= t``: packed trainer
-    rows), so no query of block i sees a key past the block's end. Block i then attends only
-    keys ``[0, (i + 1) * block)`` (unrolled: one static shape per block), which skips the
-    fully masked upper blocks: about half the scores, exactly the same result."""
+def _query_blocks(q, k, v, q_index, segment_ids, block):
+    """Attention in query blocks of ``block`` rows, each rematerialised in the backward pass:
+    peak memory ``O(block * S)`` (the non-causal long reads; causal rows are tiled instead)."""
     b, t, h, d = q.shape
     hkv = k.shape[2]
     n = t // block
@@ -128,15 +127,7 @@ def _query_blocks(q, k, v, q_index, segment_ids, block, causal=False):
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         return dot32("bkgts,bskd->btkgd", probs, v).astype(v.dtype)
 
-    if causal:
-        outs = []
-        for i in range(n):
-            end = (i + 1) * block
-            seg_i = None if sb is None else sb[i]
-            kv_i = None if segment_ids is None else segment_ids[:, :end]
-            outs.append(one(qb[i], ib[i], seg_i, k[:, :end], v[:, :end], kv_i))
-        out = jnp.stack(outs)
-    elif sb is None:
+    if sb is None:
         out = jax.lax.map(lambda xs: one(xs[0], xs[1], None, k, v, None), (qb, ib))
     else:
         out = jax.lax.map(lambda xs: one(*xs, k, v, segment_ids), (qb, ib, sb))
@@ -286,7 +277,9 @@ def attend(
             q, k, v, segment_ids, block=block, specs=splash_specs, interpret=interpret
         )
     if t % block == 0 and t > block:
-        return _query_blocks(q, k, v, q_index, segment_ids, block, causal=self_attention)
+        if self_attention:
+            return tiled_self_attention(q, k, v, q_index, segment_ids, block)
+        return _query_blocks(q, k, v, q_index, segment_ids, block)
     if not self_attention and t < block and s >= LENGTH_AWARE_MIN_KEYS:
         # A long cache read (decode / short prefill): never differentiated, so a while_loop
         # may stop at the furthest visible block.
