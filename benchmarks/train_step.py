@@ -14,12 +14,21 @@ What is compared (side by side, interleaved, median of ``--iters``; this machine
   accumulating in float32 (as the model's matmuls do): timed once after each step pair and 8
   times back to back after the loop, the best of all.
 
-FLOPs per processed token (padding slots included: the hardware computes them):
-``6 * N_matmul + 12 * n_layers * row_len * n_heads * head_dim`` where ``N_matmul`` counts the
-attention and MLP kernels plus the LM head (the embedding gather is not a matmul); attention is
-counted un-halved because the kernel computes the full masked ``T x T`` scores.
+FLOPs per processed token (padding slots included: the hardware computes them), three counts
+of the attention term (``A = n_layers * n_heads * head_dim``, ``N_matmul`` the attention and
+MLP kernels plus the LM head; the embedding gather is not a matmul):
+- ``mfu``: ``6 * N_matmul + 6 * A * row_len``, MaxText's convention (its
+  ``calculate_tflops_training_per_device``: causal attention is half the ``T x T`` scores), the
+  row taken as one sequence as packed trainers count it.
+- ``mfu_palm``: ``6 * N_matmul + 12 * A * row_len``, PaLM's (appendix B), un-halved; the
+  README's rows before 2026-12-02 are this count.
+- ``mfu_visible``: ``6 * N_matmul + 12 * A * pairs / tokens`` with ``pairs`` the (query, key)
+  pairs the causal segment mask lets attend: only the work the model needs. The tiled kernel
+  skips the tiles of other segments, so at long packed rows the first two count pairs it never
+  computes; this one does not.
 
-Prints one JSON line ``{"tokens_per_s", "mfu", "overhead_ratio", ...}`` with ``--json``.
+Prints one JSON line ``{"tokens_per_s", "mfu", "mfu_palm", "mfu_visible", "overhead_ratio",
+...}`` with ``--json``.
 """
 
 from __future__ import annotations
@@ -171,11 +180,20 @@ def main() -> None:
     d, h, kv, hd, ff = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
     n_matmul = cfg.n_layers * (2 * d * h * hd + 2 * d * kv * hd + 3 * d * ff) + d * cfg.vocab_size
     slots = args.rows * args.row_len
-    flops_per_token = 6 * n_matmul + 12 * cfg.n_layers * args.row_len * h * hd
-    achieved = flops_per_token * slots / ours
+    attn = cfg.n_layers * h * hd
+    seg = packed.segment_ids
+    pairs = sum(
+        int(c) * (int(c) + 1) // 2 for row in seg for c in np.unique(row, return_counts=True)[1]
+    )
+    counts = {
+        "mfu": 6 * n_matmul * slots + 6 * attn * args.row_len * slots,
+        "mfu_palm": 6 * n_matmul * slots + 12 * attn * args.row_len * slots,
+        "mfu_visible": 6 * n_matmul * slots + 12 * attn * pairs,
+    }
+    achieved = counts["mfu"] / ours
     result = {
         "tokens_per_s": round(packed.num_tokens / ours, 1),
-        "mfu": round(achieved / peak, 4),
+        **{k: round(v / ours / peak, 4) for k, v in counts.items()},
         "overhead_ratio": round(ours / minimal, 3),
         "step_s": round(ours, 5),
         "minimal_step_s": round(minimal, 5),
