@@ -5,8 +5,9 @@
 What is compared (one model, one packed batch of ``--rows x --row-len`` tokens, one device):
 - ``reference``: einsum attention (full ``[B, H, T, T]`` scores, kept for the backward pass),
   log-probs over the full ``[rows, T, V]`` float32 logits, no remat: the pre-#12 step.
-- ``new``: chunked attention (query blocks of ``--block``, each recomputed in the backward
-  pass) and chunked log-probs (``--logprob-chunk`` positions at a time, ``jax.checkpoint``-ed).
+- ``new``: chunked attention (``--block`` x ``--block`` tiles with an online softmax and a
+  written-out backward, ``models/tiled_attention.py``: ``O(T)`` residuals) and chunked
+  log-probs (``--logprob-chunk`` positions at a time, ``jax.checkpoint``-ed).
 - ``new+remat``: the same with ``remat="full"`` per block.
 
 For each: peak memory of the compiled train step from ``memory_analysis()`` (arguments +
