@@ -21,7 +21,7 @@ MLP kernels plus the LM head; the embedding gather is not a matmul):
   ``calculate_tflops_training_per_device``: causal attention is half the ``T x T`` scores), the
   row taken as one sequence as packed trainers count it.
 - ``mfu_palm``: ``6 * N_matmul + 12 * A * row_len``, PaLM's (appendix B), un-halved; the
-  README's rows before 2026-12-02 are this count.
+  README's rows before c7abd9e are this count.
 - ``mfu_visible``: ``6 * N_matmul + 12 * A * pairs / tokens`` with ``pairs`` the (query, key)
   pairs the causal segment mask lets attend: only the work the model needs. The tiled kernel
   skips the tiles of other segments, so at long packed rows the first two count pairs it never

@@ -9,10 +9,12 @@ the engine's parameter dtype (``engine_param_dtype``) and the train step's setti
 
 ``"auto"`` (the defaults) resolve by backend: on TPU and GPU bfloat16 compute (and engine
 params), splash attention on TPU and XLA's on GPU; on CPU float32 and ``"chunked"`` attention in
-blocks of ``CPU_ATTENTION_BLOCK``: causal query blocks that skip the masked upper keys in the
-trainer, the length-aware cache read in the engine. Same function as the einsum reference up to
-float rounding; measured here (``benchmarks/train_step.py``, small-byte, same sitting): a
-2 x 2048 step 13.5 s -> 2.6 s, 8 x 512 3.47 s -> 2.45 s, 16 x 256 equal; a 32-slot decode step
+blocks of ``CPU_ATTENTION_BLOCK``: tiles that skip what no query sees (causally and by segment,
+``models/tiled_attention.py``) in the trainer, the length-aware cache read in the engine. Same
+function as the einsum reference up to float rounding; measured here
+(``benchmarks/train_step.py``, small-byte, same sitting): a 2 x 2048 step 13.5 s with the
+einsum -> 2.6 s with causal query blocks -> 1.0 s with the tiles (a later sitting, 2.1 s
+before them); 8 x 512 3.47 s -> 2.45 s -> 0.75 s (1.01 before); a 32-slot decode step
 ~1.5x faster (``benchmarks/engine_throughput.py``). Master weights,
 Adam moments, log-probs, the loss and the ratios stay float32 unless ``param_dtype`` says
 ``bfloat16`` (log-probs and the loss are float32 always).
@@ -49,8 +51,9 @@ def compute_dtype(cfg: TrainConfig, backend: str | None = None) -> jnp.dtype:
     return jnp.dtype(jnp.float32 if _backend(backend) == "cpu" else jnp.bfloat16)
 
 
-# CPU blocks: 128-query blocks measured fastest for rows of 512-2048 (64: too many unrolled
-# blocks; 256 / 512: bigger score tensors than the caches hold).
+# CPU blocks: 128 measured fastest for rows of 512-2048 with the query blocks (64: too many
+# unrolled blocks; 256 / 512: bigger score tensors than the caches hold) and about even with the
+# tiles (8 x 512 / 2 x 2048 steps: 64 0.70 / 1.03 s, 128 0.68 / 0.97, 256 0.87 / 0.89).
 CPU_ATTENTION_BLOCK = 128
 
 

@@ -90,7 +90,7 @@ class ModelConfig:
     # Memory / kernels (models/attention.py, transformer.Block remat). "einsum" and "none" are
     # the reference path; TPU configs pick "splash" and a remat policy.
     attention: str = "einsum"  # one of attention.IMPLS
-    attention_block: int = 512  # query block of "chunked" / "splash"
+    attention_block: int = 512  # tile / query block of "chunked", block of "splash"
     remat: str = "none"  # one of REMAT_POLICIES: what a block keeps for its backward pass
     # The trainer's forward as a lax.scan over stacked layers: compile time independent of
     # depth (28 unrolled layers take minutes to compile for TPU on 2 cores); same maths.
