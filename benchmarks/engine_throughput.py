@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_orch.build import accel
-from jaxrl_orch.config import TrainConfig
+from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.models.transformer import get_config

@@ -4,7 +4,8 @@ What it measures
     The same scenario (tiny byte model, reverse-text, ``--prompts`` x ``--group`` rollouts a
     step, ``--new_tokens`` new tokens, S = ``--staleness``) run twice, one after the other:
     ``python -m jaxrl_orch.train`` in one process on ``P*D + R*D`` fake CPU devices (trainer
-    mesh fsdp over P*D, decode tp over D), and ``python -m jaxrl_orch.launch_local`` with P
+    mesh fsdp over P*D, decode tp over D), and
+    ``python -m jaxrl_orch.distributed.launch_local`` with P
     trainer processes and R engine replicas of D devices each (gRPC requests, weights pulled
     with ``jax.experimental.transfer``). Per run: the median ``orch/step_s`` (wall time between
     two shipped batches) over the steps after ``--skip`` warm-up steps, the median weight
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         cmd = [
             sys.executable,
             "-m",
-            "jaxrl_orch.launch_local",
+            "jaxrl_orch.distributed.launch_local",
             f"--trainer_processes={pp}",
             f"--engine_replicas={r}",
             f"--devices_per_process={d}",

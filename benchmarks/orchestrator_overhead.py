@@ -45,7 +45,7 @@ import json
 import pstats
 import time
 
-from jaxrl_orch.simulate import Scenario, run_scenario
+from jaxrl_orch.tools.simulate import Scenario, run_scenario
 
 
 async def _baseline(n: int) -> tuple[float, float]:

@@ -38,7 +38,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from jaxrl_orch.remote.weights import WeightOffer, local_layout, pull  # noqa: E402
+from jaxrl_orch.distributed.transfer import WeightOffer, local_layout, pull  # noqa: E402
 from sharding.mesh import make_meshes  # noqa: E402
 from sharding.reshard import reshard  # noqa: E402
 from sharding.rules import DECODE_RULES, TRAINER_RULES, resolve_shardings  # noqa: E402

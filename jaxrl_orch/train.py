@@ -13,7 +13,7 @@ exit 0; a second signal exits at once, non-zero), a full disk or a read-only / f
 workdir (one line naming the path, exit 1; the same command resumes once fixed), resume (restore the
 trainer and the orchestrator's state, give the engine the restored weights before any
 rollout), and the outputs: ``config.gin``, ``metrics.jsonl``, TensorBoard events,
-``summary.json`` and the report (``jaxrl_orch.report``).
+``summary.json`` and the report (``jaxrl_orch.tools.report``).
 
 Placement: with one device the engine and trainer share it (colocated); with several, the
 devices are split into a trainer mesh and a decode mesh (``sharding.mesh.make_meshes``), and
@@ -21,7 +21,7 @@ weights move by ``sharding.reshard.reshard`` inside the trainer's publish callba
 it receives are donated by the next step, so they are copied off before it returns).
 
 First contact: ``--help`` shows the documented command; ``--list_config`` prints every setting
-with its default and meaning (``config_help``, read from ``config.py``'s comments); a bare
+with its default and meaning (``config.listing``, read from ``config.py``'s comments); a bare
 command (no gin file, no binding) does not quietly start a long run of the built-in defaults but
 lists ``configs/*.gin`` and exits 2 (``--defaults`` runs them on purpose); a finished run ends
 with a line naming ``report.md``, the plots, ``export/`` and ``summary.json``.
@@ -43,8 +43,8 @@ from typing import Any
 
 import gin
 
-from jaxrl_orch import config_help
-from jaxrl_orch.config import TrainConfig, load_config
+from jaxrl_orch.config import listing
+from jaxrl_orch.config.train import TrainConfig, load_config
 from jaxrl_orch.paths import as_path
 
 DEFAULT_COMMAND = (
@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run TrainConfig's built-in defaults without a gin file, on purpose",
     )
     roles = p.add_argument_group(
-        "processes (DESIGN.md section 8; python -m jaxrl_orch.launch_local sets these)",
+        "processes (DESIGN.md section 8; python -m jaxrl_orch.distributed.launch_local sets these)",
         "TrainConfig.trainer_processes (P) and engine_replicas (R) name the layout; process K < P "
         "trains (0 also runs the orchestrator), P <= K < P + R serves as replica K - P.",
     )
@@ -112,18 +112,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def no_gin_file_message() -> str:
     """What the command says when run bare: what it would have run, and what to run instead."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    default_gin = config_help.CONFIGS_DIR / "reverse_text.gin"
+    default_gin = listing.CONFIGS_DIR / "reverse_text.gin"
     # The exact documented command from the repository root; a path that works from elsewhere.
     command = DEFAULT_COMMAND
     if default_gin.is_file():
-        command = command.replace("configs/reverse_text.gin", config_help.shown(default_gin))
+        command = command.replace("configs/reverse_text.gin", listing.shown(default_gin))
     return "\n".join(
         [
             "error: no --gin_file given. Without one this would run TrainConfig's built-in",
             f"defaults ({defaults['sft_steps']} SFT steps, then {defaults['rl_steps']} RL steps) "
             "into --workdir; refusing to start that by accident.",
             "",
-            *config_help.configs_help(),
+            *listing.configs_help(),
             "",
             "Run the documented default:",
             f"  {command}",
@@ -154,7 +154,7 @@ def outputs_line(workdir: str | Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list_config:
-        print(config_help.format_config_listing())
+        print(listing.format_config_listing())
         return 0
     # A bare command would quietly start a long run of defaults; bindings alone are a deliberate
     # choice (the end-to-end tests run that way), as is --defaults.
@@ -170,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load_config(args.gin_file, args.gin_param)
-        from jaxrl_orch.experiment import Experiment  # heavy imports (jax) only after config checks
-        from jaxrl_orch.group import join_group, resolve_role
+        from jaxrl_orch.distributed.group import join_group, resolve_role
+        from jaxrl_orch.run.experiment import (
+            Experiment,  # heavy imports (jax) only after config checks
+        )
 
         role = resolve_role(cfg.trainer_processes, cfg.engine_replicas, args.process_index)
         addresses = tuple(a for a in args.engine_addresses.split(",") if a)

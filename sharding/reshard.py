@@ -111,7 +111,7 @@ def _astype_all(xs: list[jax.Array], dt: np.dtype) -> list[jax.Array]:
     return [x.astype(dt) for x in xs]
 
 
-# The source-side cast as a program of its own: ``python -m jaxrl_orch.aot`` lowers it to size
+# The source-side cast as a program of its own: ``python -m jaxrl_orch.tools.aot`` lowers it to size
 # the trainer-to-engine move (``cast_program.lower(leaves, dtype).compile()``).
 cast_program = _astype_all
 

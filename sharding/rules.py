@@ -70,7 +70,7 @@ TRAINER_RULES: tuple[Rule, ...] = (
 # cache shards its kv heads over tp; when they do not divide tp (Qwen2.5: 2 kv heads on tp 4)
 # it shards its slots instead ("cache_batch", listed after "kv_heads" so it only takes tp when
 # the heads could not): each chip then holds and attends a quarter of the slots, where a
-# head-dim split would all-gather the cache every step (measured by python -m jaxrl_orch.aot on
+# head-dim split would all-gather the cache every step (measured by jaxrl-aot on
 # v5e: 3.4 GB of temporaries per chip vs 1.0 GB) and replication would hold it four times.
 DECODE_RULES: tuple[Rule, ...] = (
     ("batch", None),

@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from jaxrl_orch.group import (
+from jaxrl_orch.distributed.group import (
     CHECKPOINT,
     STOP,
     TRAIN,

@@ -1,4 +1,4 @@
-"""``python -m jaxrl_orch.aot``: the TPU configs fit (deviceless compile for v5e / v6e), the
+"""``python -m jaxrl_orch.tools.aot``: the TPU configs fit (deviceless compile for v5e / v6e), the
 report's contract, and the errors and exit codes.
 
 The two shipped TPU configs take minutes each to compile for TPU on 2 CPU cores, so when
@@ -22,14 +22,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxrl_orch import aot, aot_report
 from jaxrl_orch.models.configs import get_config
+from jaxrl_orch.tools import aot, aot_report
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"v5e": "configs/tpu_v5e_8.gin", "v6e": "configs/tpu_v6e_8.gin"}
 _OUT = Path(tempfile.mkdtemp(prefix="aot_test_"))
 _script = " && ".join(
-    f"{sys.executable} -m jaxrl_orch.aot --gin_file={cfg} --json > {_OUT / name}.json "
+    f"{sys.executable} -m jaxrl_orch.tools.aot --gin_file={cfg} --json > {_OUT / name}.json "
     f"2> {_OUT / name}.err; echo $? > {_OUT / name}.rc; true"
     for name, cfg in CONFIGS.items()
 )

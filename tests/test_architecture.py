@@ -5,6 +5,7 @@ downwards; sharding/ knows nothing of models or RL; inference/ knows nothing of 
 algorithms/ are pure.
 """
 
+import ast
 import os
 import shutil
 import subprocess
@@ -42,11 +43,22 @@ PLANTS = {
     "no engine, trainer": ("orchestrator/gate.py", "import jax"),
     # a helper module reaching for a component
     "helpers hold no component": (
-        "orchestrator/step_ledger.py",
+        "orchestrator/ledger.py",
         "from jaxrl_orch.orchestrator import gate",
     ),
-    # config climbing above the orchestrator
-    "layering": ("config.py", "from jaxrl_orch.orchestrator import loop"),
+    # the settings climbing above the orchestrator
+    "layering": ("config/train.py", "from jaxrl_orch.orchestrator import loop"),
+    # the mesh layer learning about models
+    "sharding knows nothing": ("../sharding/rules.py", "from jaxrl_orch.models import configs"),
+    # the engine reaching for a loss
+    "inference knows nothing": (
+        "inference/sampling.py",
+        "from jaxrl_orch.algorithms import losses",
+    ),
+    # a loss holding optimizer state
+    "algorithms are pure": ("algorithms/losses.py", "import optax"),
+    # a replica reaching for the trainer
+    "replicas' protocol": ("distributed/protocol.py", "from jaxrl_orch.trainer import step"),
 }
 
 
@@ -86,3 +98,55 @@ def test_ruff_is_clean():
             timeout=120,
         )
         assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_every_contract_has_a_plant():
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    names = [c["name"] for c in contracts["contracts"]]
+    planted = {n for n in names for key in PLANTS if key in n}
+    assert planted == set(names)
+
+
+def _sources() -> list[Path]:
+    return sorted(p for d in ("jaxrl_orch", "sharding") for p in (ROOT / d).rglob("*.py"))
+
+
+def test_top_level_holds_only_the_bottom_layer_and_the_entry_point():
+    modules = sorted(p.name for p in (ROOT / "jaxrl_orch").glob("*.py"))
+    assert len(modules) <= 8, modules
+
+
+def test_modules_stay_small_by_design():
+    """Under 400 lines each, without packing lines to get there."""
+    for path in _sources():
+        text = path.read_text()
+        assert len(text.splitlines()) <= 400, path
+        assert "fmt: skip" not in text and "fmt: off" not in text, path
+
+
+def _functions(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield node
+
+
+def test_functions_stay_short_and_constructors_narrow():
+    """No function over 80 lines; no ``__init__`` over 10 parameters (self not counted)."""
+    long, wide = [], []
+    for path in _sources():
+        for fn in _functions(ast.parse(path.read_text())):
+            where = f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}"
+            if fn.end_lineno - fn.lineno + 1 > 80:
+                long.append(where)
+            a = fn.args
+            n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) - 1
+            if fn.name == "__init__" and n > 10:
+                wide.append(f"{where} ({n} parameters)")
+    assert not long, long
+    assert not wide, wide
+
+
+def test_no_untyped_experiment_object():
+    for path in _sources():
+        text = path.read_text()
+        assert "exp: Any" not in text and ": Any = exp" not in text, path

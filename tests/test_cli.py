@@ -1,7 +1,7 @@
 """The command's first contact with a newcomer: ``--help``, ``--list_config``, the bare command,
 and the closing line naming a run's outputs.
 
-Nothing here builds a model or runs jax: ``jaxrl_orch.experiment`` is replaced by a module that
+Nothing here builds a model or runs jax: ``jaxrl_orch.run.experiment`` is replaced by a module that
 fails to import (the paths that must stop before any work) or by a fake ``Experiment`` (the
 paths that must go on to run), so only argument and config parsing are real.
 """
@@ -21,8 +21,9 @@ from pathlib import Path
 import gin
 import pytest
 
-from jaxrl_orch import config_help, train
-from jaxrl_orch.config import TrainConfig
+from jaxrl_orch import train
+from jaxrl_orch.config import listing
+from jaxrl_orch.config.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTED = (
@@ -40,7 +41,7 @@ def _clean_gin():
 @pytest.fixture
 def no_run(monkeypatch):
     """Any attempt to build the experiment fails the test with an ImportError."""
-    monkeypatch.setitem(sys.modules, "jaxrl_orch.experiment", None)
+    monkeypatch.setitem(sys.modules, "jaxrl_orch.run.experiment", None)
 
 
 def _entries(listing: str) -> dict[str, list[str]]:
@@ -66,7 +67,7 @@ def _entries(listing: str) -> dict[str, list[str]]:
 def _source_comments() -> tuple[dict[str, str], dict[str, str]]:
     """An independent reading of config.py (plain regexes on its lines): trailing comments, and
     the comment block directly above each field."""
-    lines = (ROOT / "jaxrl_orch" / "config.py").read_text().splitlines()
+    lines = (ROOT / "jaxrl_orch" / "config" / "train.py").read_text().splitlines()
     trailing, above = {}, {}
     for i, line in enumerate(lines):
         m = re.match(r"^    (\w+): [^=]+ = .*?  # (.*)$", line)
@@ -145,19 +146,19 @@ class _ToyPlus(_Toy):
 
 
 def test_listing_follows_the_dataclass_so_a_new_field_is_listed():
-    entries = _entries(config_help.format_config_listing(_ToyPlus))
+    entries = _entries(listing.format_config_listing(_ToyPlus))
     assert entries["alpha"] == ["  alpha: int = 1", "the alpha"]
     assert entries["<above>alpha"] == ["a heading"]
     assert entries["beta"] == ["  beta: str | None = None"] and entries["<above>beta"] == []
     assert entries["gamma"] == ["  gamma: tuple[int, ...] = (1, 2)"]
     assert entries["<above>gamma"] == ["gamma, documented", "over two lines"]
     assert entries["delta"] == ["  delta: float = 0.5", "added later"]  # the subclass's field
-    assert "_ToyPlus: 4 settings" in config_help.format_config_listing(_ToyPlus)
+    assert "_ToyPlus: 4 settings" in listing.format_config_listing(_ToyPlus)
 
 
 def test_listing_without_source_still_has_every_field():
     made = dataclasses.make_dataclass("NoSource", [("x", int, dataclasses.field(default=3))])
-    assert _entries(config_help.format_config_listing(made)) == {
+    assert _entries(listing.format_config_listing(made)) == {
         "x": ["  x: int = 3"],
         "<above>x": [],
     }
@@ -189,7 +190,7 @@ def test_bare_command_lists_configs_and_the_default_command_and_exits_2(
 
 
 def test_bare_command_without_a_configs_dir_still_gives_the_command(no_run, capsys, monkeypatch):
-    monkeypatch.setattr(config_help, "CONFIGS_DIR", Path("/nonexistent/configs"))
+    monkeypatch.setattr(listing, "CONFIGS_DIR", Path("/nonexistent/configs"))
     assert train.main([]) == 2
     err = capsys.readouterr().err
     assert "(no gin files at /nonexistent/configs" in err
@@ -202,7 +203,7 @@ def test_configs_help_summarises_each_file_by_its_first_sentence(tmp_path):
     )
     (tmp_path / "a.gin").write_text("X.y = 2  # no leading comment\n")
     (tmp_path / "notes.txt").write_text("# not a config\n")
-    lines = config_help.configs_help(tmp_path)
+    lines = listing.configs_help(tmp_path)
     assert lines[1:] == [
         f"  {tmp_path / 'a.gin'}",
         f"  {tmp_path / 'b.gin'}",
@@ -247,9 +248,9 @@ class _FakeExperiment:
 @pytest.fixture
 def fake_run(monkeypatch):
     _FakeExperiment.made = []
-    module = types.ModuleType("jaxrl_orch.experiment")
+    module = types.ModuleType("jaxrl_orch.run.experiment")
     module.Experiment = _FakeExperiment
-    monkeypatch.setitem(sys.modules, "jaxrl_orch.experiment", module)
+    monkeypatch.setitem(sys.modules, "jaxrl_orch.run.experiment", module)
     return _FakeExperiment.made
 
 
@@ -334,9 +335,9 @@ class _FullDiskExperiment(_FakeExperiment):
 
 
 def test_a_full_disk_ends_the_command_with_one_line_and_exit_1(monkeypatch, capsys, tmp_path):
-    module = types.ModuleType("jaxrl_orch.experiment")
+    module = types.ModuleType("jaxrl_orch.run.experiment")
     module.Experiment = _FullDiskExperiment
-    monkeypatch.setitem(sys.modules, "jaxrl_orch.experiment", module)
+    monkeypatch.setitem(sys.modules, "jaxrl_orch.run.experiment", module)
     assert train.main(["--gin_param=TrainConfig.rl_steps = 3", f"--workdir={tmp_path}"]) == 1
     err = capsys.readouterr().err
     assert err.splitlines() == [

@@ -54,7 +54,7 @@ def test_stage_schedules_sft_anneals_rl_warms_up_then_holds():
     import gin
 
     from jaxrl_orch.build.parts import optim_config
-    from jaxrl_orch.config import TrainConfig
+    from jaxrl_orch.config.train import TrainConfig
     from jaxrl_orch.trainer.step import make_schedule
 
     gin.clear_config()  # bindings parsed by earlier tests would apply to TrainConfig(...) too
@@ -88,9 +88,9 @@ def test_model_config_limits_logits_to_the_tokenizers_ids():
 def test_a_text_file_dataset_is_split_or_paired_with_an_eval_file(tmp_path):
     import gin
 
-    from jaxrl_orch.config import TrainConfig
+    from jaxrl_orch.config.train import TrainConfig
     from jaxrl_orch.data.sources import text_split_of
-    from jaxrl_orch.experiment import Experiment
+    from jaxrl_orch.run.experiment import Experiment
 
     gin.clear_config()
     lines = [f"the harbour painted {i} walls" for i in range(120)]
@@ -117,7 +117,7 @@ def test_a_text_file_dataset_is_split_or_paired_with_an_eval_file(tmp_path):
 
 
 def test_a_gin_import_registers_a_user_env_for_the_command(tmp_path, monkeypatch):
-    from jaxrl_orch.experiment import Experiment
+    from jaxrl_orch.run.experiment import Experiment
 
     (tmp_path / "shout_env.py").write_text(
         "from jaxrl_orch.envs.base import SingleTurnEnv, register_env\n"
@@ -155,9 +155,9 @@ def test_probe_settings_restrict_the_prompts_and_reuse_another_runs_warm_up(tmp_
     import numpy as np
     from flax import nnx
 
-    from jaxrl_orch.config import TrainConfig
-    from jaxrl_orch.experiment import Experiment
-    from jaxrl_orch.orchestrator.writers import JsonlWriter
+    from jaxrl_orch.config.train import TrainConfig
+    from jaxrl_orch.orchestrator.metrics.writers import JsonlWriter
+    from jaxrl_orch.run.experiment import Experiment
 
     gin.clear_config()
     small = dict(
@@ -201,8 +201,8 @@ def test_loss_settings_reach_the_rl_step(tmp_path):
     recomputed old log-probs is a TrainConfig setting, and a contradicting norm is refused."""
     import gin
 
-    from jaxrl_orch.config import TrainConfig
-    from jaxrl_orch.experiment import Experiment
+    from jaxrl_orch.config.train import TrainConfig
+    from jaxrl_orch.run.experiment import Experiment
 
     gin.clear_config()
     small = dict(sft_steps=0, trainer_mesh=(("fsdp", 1),), decode_mesh=(("tp", 1),))
@@ -227,7 +227,7 @@ def test_loss_settings_reach_the_rl_step(tmp_path):
 
 
 def test_a_refused_config_leaves_no_bindings_behind():
-    from jaxrl_orch.config import TrainConfig
+    from jaxrl_orch.config.train import TrainConfig
 
     with pytest.raises(ValueError, match="after_warmup"):
         load_config([], ["TrainConfig.rl_steps = 7", "TrainConfig.after_warmup = 'dpo'"])
@@ -244,8 +244,8 @@ def test_one_over_long_line_anywhere_fails_before_any_work_naming_it(tmp_path):
     the engine's prefill limit; the error names the file, the line and the limit."""
     import gin
 
-    from jaxrl_orch.config import TrainConfig
-    from jaxrl_orch.experiment import Experiment
+    from jaxrl_orch.config.train import TrainConfig
+    from jaxrl_orch.run.experiment import Experiment
 
     gin.clear_config()
     lines = [f"sentence number {i} is short" for i in range(300)]

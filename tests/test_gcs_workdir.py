@@ -17,9 +17,9 @@ import pytest
 from gcs_emulator import BUCKET, Emulator
 from test_train_e2e import TINY, _env
 
-from jaxrl_orch.history import read_rows, trim_for_rl
 from jaxrl_orch.orchestrator.store import RolloutStore
 from jaxrl_orch.paths import JsonlAppender, as_path, copy_tree, is_url, write_atomic
+from jaxrl_orch.run.history import read_rows, trim_for_rl
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_newest_intact
 from jaxrl_orch.types import Rollout
 

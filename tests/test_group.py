@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxrl_orch.group import resolve_role
-from jaxrl_orch.launch_local import free_ports
+from jaxrl_orch.distributed.group import resolve_role
+from jaxrl_orch.distributed.launch_local import free_ports
 
 WORKER = Path(__file__).parent / "group_worker.py"
 

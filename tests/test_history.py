@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jaxrl_orch.history import (
+from jaxrl_orch.run.history import (
     BeforeRLRecorder,
     read_rows,
     rl_evals,

@@ -1,4 +1,4 @@
-"""``python -m jaxrl_orch.launch_local`` and the train command's process flags: bad input is
+"""``jaxrl-launch-local`` and the train command's process flags: bad input is
 refused before anything starts, naming the bad value (the runs are in test_multiprocess_e2e)."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from jaxrl_orch import launch_local, train
+from jaxrl_orch import train
+from jaxrl_orch.distributed import launch_local
 
 
 @pytest.mark.parametrize(

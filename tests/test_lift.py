@@ -1,10 +1,10 @@
-"""``python -m jaxrl_orch.lift``: the controls' commands, and the table and plot it writes."""
+"""``python -m jaxrl_orch.tools.lift``: the controls' commands, and the table and plot it writes."""
 
 from __future__ import annotations
 
 import json
 
-from jaxrl_orch import lift
+from jaxrl_orch.tools import lift
 
 
 def _write_run(wd, before, after, word_order, full, evals):

@@ -1,4 +1,4 @@
-"""End-to-end: multi-process runs (DESIGN.md section 8), started by ``jaxrl_orch.launch_local``.
+"""End-to-end: multi-process runs (DESIGN.md section 8), started by ``jaxrl-launch-local``.
 
 A trainer group of 2 processes (``jax.distributed`` on 127.0.0.1, 2 fake CPU devices each)
 and 2 engine replicas (own processes, gRPC, weights pulled with ``jax.experimental.transfer``)
@@ -59,7 +59,7 @@ def _launch(workdir: Path, *extra: str, replicas: int = 2, trainers: int = 2, **
     cmd = [
         sys.executable,
         "-m",
-        "jaxrl_orch.launch_local",
+        "jaxrl_orch.distributed.launch_local",
         f"--trainer_processes={trainers}",
         f"--engine_replicas={replicas}",
         "--devices_per_process=2",

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxrl_orch.build.overlap import OverlapSchedule
 from jaxrl_orch.inference.driver import InferenceDriver
-from jaxrl_orch.overlap import OverlapSchedule
 from jaxrl_orch.types import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent / "inference"))

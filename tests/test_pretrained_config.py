@@ -44,7 +44,7 @@ def test_one_binding_names_the_checkpoint_for_weights_and_tokenizer():
 
 
 def test_the_placeholder_fails_naming_the_path():
-    from jaxrl_orch.experiment import Experiment
+    from jaxrl_orch.run.experiment import Experiment
 
     cfg = load_config([CONFIG], [])
     with pytest.raises(ValueError, match=f"{PLACEHOLDER}.*neither 'byte'|{PLACEHOLDER}.*exist"):
@@ -54,10 +54,10 @@ def test_the_placeholder_fails_naming_the_path():
 def test_validates_against_a_qwen_style_checkpoint(tmp_path):
     from flax import nnx
 
-    from jaxrl_orch.experiment import Experiment
     from jaxrl_orch.models.configs import ModelConfig
     from jaxrl_orch.models.hf_import import save_hf_checkpoint
     from jaxrl_orch.models.transformer import Transformer
+    from jaxrl_orch.run.experiment import Experiment
 
     ckpt = write_qwen_tokenizer(tmp_path / "ckpt")
     shape = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)

@@ -17,12 +17,12 @@ from flax import nnx
 from tiny_tokenizers import write_bpe
 from toy_rl import toy_config
 
-from jaxrl_orch.config import TrainConfig
-from jaxrl_orch.experiment import Experiment
+from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.models.hf_import import load_hf_checkpoint, save_hf_checkpoint
 from jaxrl_orch.models.transformer import Transformer
-from jaxrl_orch.orchestrator.writers import JsonlWriter
+from jaxrl_orch.orchestrator.metrics.writers import JsonlWriter
+from jaxrl_orch.run.experiment import Experiment
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""jaxrl_orch.report: plots and report.md from a synthetic workdir."""
+"""jaxrl_orch.tools.report: plots and report.md from a synthetic workdir."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import matplotlib.image as mpimg
 import pytest
 
-from jaxrl_orch import report
-from jaxrl_orch.report import main, read_metrics, write_report
+from jaxrl_orch.tools import report
+from jaxrl_orch.tools.report import main, read_metrics, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -177,7 +177,7 @@ def test_bad_line_names_file_and_line(tmp_path):
 def test_cli_writes_report(tmp_path):
     workdir = _write_workdir(tmp_path, timeline=False)
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxrl_orch.report", str(workdir)],
+        [sys.executable, "-m", "jaxrl_orch.tools.report", str(workdir)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -383,6 +383,6 @@ def test_cli_bad_workdir_is_one_line_exit_2(tmp_path, capsys, case):
     assert exc.value.code == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith("python -m jaxrl_orch.report: error: ") and named in err
+    assert err.startswith("python -m jaxrl_orch.tools.report: error: ") and named in err
     assert "expected a finished run directory holding summary.json and metrics.jsonl" in err
     assert not (workdir / "report.md").exists()

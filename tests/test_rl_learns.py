@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from toy_rl import toy_config
 
-from jaxrl_orch.experiment import Experiment
+from jaxrl_orch.run.experiment import Experiment
 
 pytestmark = pytest.mark.slow
 

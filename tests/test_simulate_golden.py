@@ -1,4 +1,4 @@
-"""The orchestrator's behaviour, pinned: ``python -m jaxrl_orch.simulate --json`` prints exactly
+"""The orchestrator's behaviour, pinned: ``jaxrl-simulate --json`` prints exactly
 what it printed before the wiring was restructured, for S = 0, 1, 2 with ``admit``, ``drop`` and
 ``pace`` under fixed and lognormal latency (a fixed seed). The outputs in
 ``golden/simulate.jsonl`` were recorded from commit 051007a; a refactor that changes admission,
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl_orch import simulate
+from jaxrl_orch.tools import simulate
 
 CASES = [json.loads(x) for x in (Path(__file__).parent / "golden" / "simulate.jsonl").open()]
 

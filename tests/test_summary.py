@@ -2,7 +2,13 @@
 
 from types import SimpleNamespace
 
-from jaxrl_orch.summary import eval_line, eval_summary, first_eval, merge_evals, train_reward_ends
+from jaxrl_orch.run.summary import (
+    eval_line,
+    eval_summary,
+    first_eval,
+    merge_evals,
+    train_reward_ends,
+)
 
 
 def _evals():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import string
 from typing import Any
 
-from jaxrl_orch.config import TrainConfig
+from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.envs.base import SingleTurnEnv, register_env
 
 NEW_TOKENS = 12

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_orch.algorithms.losses import PolicyLossConfig
-from jaxrl_orch.config import TrainConfig
+from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.models.configs import ModelConfig
 from jaxrl_orch.trainer.step import StepConfig
 

@@ -28,7 +28,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxrl_orch.orchestrator.dispatcher import (
+from jaxrl_orch.config.orchestrator import OrchestratorConfig
+from jaxrl_orch.orchestrator.dispatcher.dispatch import (
     DispatchConfig,
     EvalPlan,
     GateHooks,
@@ -42,7 +43,6 @@ from jaxrl_orch.orchestrator.loop import Orchestrator
 from jaxrl_orch.orchestrator.store import RolloutStore
 from jaxrl_orch.orchestrator.train_sink import TrainSink
 from jaxrl_orch.orchestrator.watcher import WeightWatcher
-from jaxrl_orch.settings import OrchestratorConfig
 from jaxrl_orch.types import (
     Environment,
     InferencePool,

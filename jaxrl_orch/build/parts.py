@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxrl_orch.config import TrainConfig
+from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.data.sources import DatasetSource, make_source, text_file_path
 from jaxrl_orch.models.configs import ModelConfig, get_config
 from jaxrl_orch.models.hf_import import config_from_hf
@@ -90,7 +90,7 @@ def build_placement(cfg: TrainConfig, n_devices: int, devices: Any = None) -> tu
     """(colocated, decode mesh, trainer mesh): with one device (or ``colocated``) engine and
     trainer share every device; otherwise they split them (trainer fsdp, decode tp) unless the
     config names both meshes. An impossible shape fails here, naming it. ``devices``: default
-    ``jax.devices()``; ``python -m jaxrl_orch.aot`` passes a TPU topology's."""
+    ``jax.devices()``; ``python -m jaxrl_orch.tools.aot`` passes a TPU topology's."""
     colocated = (n_devices == 1) if cfg.colocated is None else cfg.colocated
     half = n_devices if colocated else n_devices // 2
     trainer_shape = dict(cfg.trainer_mesh) or {"fsdp": half}

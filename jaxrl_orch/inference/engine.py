@@ -40,7 +40,7 @@ Sharding and dtype: params (in ``param_dtype``, default the compute dtype: bf16 
 cache and prefix are placed with ``sharding.rules.resolve_shardings`` under ``DECODE_RULES`` on
 the ``("tp",)`` mesh (1 device by default); per-slot vectors are replicated. Hot paths use
 ``nnx.split`` + ``jax.jit`` with explicit out shardings and donate the decode state;
-``python -m jaxrl_orch.aot`` lowers ``prefill_program`` / ``generate_program`` against
+``python -m jaxrl_orch.tools.aot`` lowers ``prefill_program`` / ``generate_program`` against
 ``abstract_params`` / ``abstract_decode_state``. Drivers call this engine from one thread; it
 holds no locks and never blocks on anything but the device.
 """

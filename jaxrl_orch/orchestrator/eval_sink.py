@@ -35,7 +35,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxrl_orch.orchestrator.step_stats import behaviour_shares
+from jaxrl_orch.orchestrator.stats import behaviour_shares
 from jaxrl_orch.types import Episode, EvalBatch, Rollout, has_nonfinite_reward
 
 

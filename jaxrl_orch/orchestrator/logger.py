@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxrl_orch.orchestrator.writers import clean_metrics
+from jaxrl_orch.orchestrator.metrics.writers import clean_metrics
 from jaxrl_orch.types import MetricsWriter
 
 

@@ -35,10 +35,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxrl_orch.orchestrator.dispatcher import RolloutDispatcher
+from jaxrl_orch.config.orchestrator import OrchestratorConfig
+from jaxrl_orch.orchestrator.dispatcher.dispatch import RolloutDispatcher
 from jaxrl_orch.orchestrator.eval_sink import EvalSink
 from jaxrl_orch.orchestrator.faults import FaultLog, LoopWatchdog, warn
 from jaxrl_orch.orchestrator.gate import StalenessGate
+from jaxrl_orch.orchestrator.ledger import StepLedger, StepRecord, drop_stale, stamp_ages
 from jaxrl_orch.orchestrator.logger import PeriodicLogger
 from jaxrl_orch.orchestrator.progress import (
     Progress,
@@ -47,11 +49,9 @@ from jaxrl_orch.orchestrator.progress import (
     next_episode,
     waiting_on,
 )
-from jaxrl_orch.orchestrator.step_ledger import StepLedger, StepRecord, drop_stale, stamp_ages
 from jaxrl_orch.orchestrator.store import RolloutStore
 from jaxrl_orch.orchestrator.train_sink import TrainSink
 from jaxrl_orch.orchestrator.watcher import WeightWatcher
-from jaxrl_orch.settings import OrchestratorConfig
 from jaxrl_orch.types import EvalBatch, MetricsWriter, PolicyHandle, Rollout, TrainBatch, Trainer
 
 

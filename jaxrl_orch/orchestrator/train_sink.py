@@ -64,7 +64,7 @@ import numpy as np
 from jaxrl_orch.algorithms.advantages import NonFiniteRewardError, get_algorithm
 from jaxrl_orch.algorithms.filters import Filter, apply_filters, flag
 from jaxrl_orch.orchestrator.samples import GroupArrays, group_to_samples, trace_to_sample
-from jaxrl_orch.orchestrator.step_stats import window_stats
+from jaxrl_orch.orchestrator.stats import window_stats
 from jaxrl_orch.types import Algorithm, Episode, Rollout, Sample, TrainBatch
 
 # How many recent cohorts ``trained_rollouts`` keeps. The loop persists ``TrainBatch.trained``

@@ -12,7 +12,7 @@ Invariants:
 - A loop with no timers and nothing ready is deadlocked; ``select`` raises ``SimulationDeadlock``
   rather than hanging forever.
 
-Used by ``jaxrl_orch.simulate`` and by tests. Components never import it: they only read
+Used by ``jaxrl_orch.tools.simulate`` and by tests. Components never import it: they only read
 ``loop.time()`` through the clock callable they are given.
 """
 

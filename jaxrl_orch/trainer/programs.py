@@ -1,7 +1,7 @@
 """What a trainer compiles, without allocating: shapes, shardings, optimizer and the jitted step.
 
 ``build_programs`` is shared by ``trainer.Trainer`` (which then allocates onto the shardings) and
-``python -m jaxrl_orch.aot`` (which lowers ``step_fn`` against the abstract arrays deviceless for
+``jaxrl-aot`` (which lowers ``step_fn`` against the abstract arrays deviceless for
 a TPU topology). ``splash_specs`` resolves the PartitionSpecs splash attention runs under.
 """
 
@@ -21,7 +21,7 @@ from sharding.rules import TRAINER_RULES, Rules, logical_to_mesh_spec, resolve_s
 
 @dataclasses.dataclass(frozen=True)
 class TrainPrograms:
-    """What a trainer compiles, built without allocating anything (``python -m jaxrl_orch.aot``
+    """What a trainer compiles, built without allocating anything (``jaxrl-aot``
     lowers ``step_fn`` against ``abstract_params`` / ``abstract_opt_state`` deviceless)."""
 
     graphdef: Any

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxrl_orch.build.accel import accel_model_config, engine_param_dtype
-from jaxrl_orch.config import TrainConfig
+from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.models.transformer import ModelConfig, Transformer
 

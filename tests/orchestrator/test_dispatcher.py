@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxrl_orch.orchestrator.dispatcher import (
+from jaxrl_orch.orchestrator.dispatcher.dispatch import (
     DispatchConfig,
     EvalPlan,
     GateHooks,
@@ -693,7 +693,7 @@ def _seeded_run(request_seed, *, pool_size=3, max_inflight=4, groups=4, restore=
 
 
 def test_every_rollout_gets_its_own_seed_from_its_place_in_the_run():
-    from jaxrl_orch.orchestrator.dispatch_settings import rollout_seed
+    from jaxrl_orch.orchestrator.dispatcher.settings import rollout_seed
 
     train, evals, state = _seeded_run(7)
     by_prompt: dict[int, list[int]] = {}

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from jaxrl_orch.orchestrator.eager import start_eagerly
+from jaxrl_orch.orchestrator.dispatcher.eager import start_eagerly
 
 
 def run(coro_fn):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxrl_orch.orchestrator.logger import LagMonitor, PeriodicLogger
-from jaxrl_orch.orchestrator.writers import (
+from jaxrl_orch.orchestrator.metrics.writers import (
     ConsoleWriter,
     JsonlWriter,
     ProgressWriter,

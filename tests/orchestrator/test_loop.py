@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 from jaxrl_orch.build.orchestrator import Telemetry, build_orchestrator
+from jaxrl_orch.config.orchestrator import OrchestratorConfig
 from jaxrl_orch.orchestrator.gate import ResumeBurstError
 from jaxrl_orch.orchestrator.loop import EmptyBatchError
 from jaxrl_orch.orchestrator.progress import PipelineStallError
 from jaxrl_orch.orchestrator.vclock import run_virtual
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher, WatcherStallError
-from jaxrl_orch.settings import OrchestratorConfig
-from jaxrl_orch.simulate import Scenario, SimEngine, SimEnv, SimSource, SimTrainer, simulate
+from jaxrl_orch.tools.simulate import Scenario, SimEngine, SimEnv, SimSource, SimTrainer, simulate
 from jaxrl_orch.types import PolicyHandle, SamplingParams
 
 

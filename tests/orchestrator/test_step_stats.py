@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxrl_orch.orchestrator.samples import trace_to_sample
-from jaxrl_orch.orchestrator.step_stats import head_versions, summaries
+from jaxrl_orch.orchestrator.stats import head_versions, summaries
 from jaxrl_orch.types import NO_VERSION, Rollout
 
 

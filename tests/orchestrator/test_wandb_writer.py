@@ -19,7 +19,7 @@ import zlib
 
 import pytest
 
-from jaxrl_orch.orchestrator.wandb_writer import STEP_KEY, WandbWriter
+from jaxrl_orch.orchestrator.metrics.wandb import STEP_KEY, WandbWriter
 from jaxrl_orch.types import MetricsWriter
 
 _BLOCK = 32 * 1024

@@ -34,7 +34,7 @@ def make_engine():
 
 
 async def _main(max_queued: int) -> None:
-    from jaxrl_orch.remote.server import ReplicaServer
+    from jaxrl_orch.distributed.server import ReplicaServer
 
     server = ReplicaServer(make_engine(), address="127.0.0.1:0", replica=1, max_queued=max_queued)
     task = asyncio.create_task(server.serve())

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from jaxrl_orch.remote.client import ReplicaLost, WeightPullError
-from jaxrl_orch.remote.pool import RemotePool
+from jaxrl_orch.distributed.client import ReplicaLost, WeightPullError
+from jaxrl_orch.distributed.pool import RemotePool
 from jaxrl_orch.types import Completion, SamplingParams
 
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from jaxrl_orch.remote import protocol
+from jaxrl_orch.distributed import protocol
 from jaxrl_orch.types import Completion, SamplingParams
 
 

@@ -24,10 +24,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from replica_main import make_engine
 
+from jaxrl_orch.distributed.client import RemoteEngineClient, ReplicaLost, WeightPullError
+from jaxrl_orch.distributed.server import spec_to_json
+from jaxrl_orch.distributed.transfer import WeightOffer, local_layout
 from jaxrl_orch.inference.driver import InferenceDriver
-from jaxrl_orch.remote.client import RemoteEngineClient, ReplicaLost, WeightPullError
-from jaxrl_orch.remote.server import spec_to_json
-from jaxrl_orch.remote.weights import WeightOffer, local_layout
 from jaxrl_orch.types import SamplingParams
 from sharding.reshard import reshard
 

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from jaxrl_orch.remote.client import RemoteEngineClient, ReplicaLost
-from jaxrl_orch.remote.server import ReplicaServer
+from jaxrl_orch.distributed.client import RemoteEngineClient, ReplicaLost
+from jaxrl_orch.distributed.server import ReplicaServer
 from jaxrl_orch.types import Completion, SamplingParams
 
 pytestmark = pytest.mark.timeout(60)

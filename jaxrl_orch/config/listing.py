@@ -29,7 +29,7 @@ import textwrap
 import tokenize
 from pathlib import Path
 
-CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 WIDTH = 100
 
 
@@ -87,7 +87,7 @@ def _default(field: dataclasses.Field) -> str:
 def field_docs(cls: type | None = None) -> list[FieldDoc]:
     """One entry per field of ``cls`` (default ``TrainConfig``), in declaration order."""
     if cls is None:
-        from jaxrl_orch.config import TrainConfig
+        from jaxrl_orch.config.train import TrainConfig
 
         cls = TrainConfig
     comments: dict[str, tuple[str | None, tuple[str, ...]]] = {}

@@ -14,14 +14,14 @@ import os
 from typing import Any
 
 from jaxrl_orch.build.orchestrator import Telemetry
-from jaxrl_orch.history import BeforeRLRecorder
-from jaxrl_orch.orchestrator.writers import (
+from jaxrl_orch.orchestrator.metrics.writers import (
     ConsoleWriter,
     JsonlWriter,
     ProgressWriter,
     TensorBoardWriter,
 )
 from jaxrl_orch.paths import is_url
+from jaxrl_orch.run.history import BeforeRLRecorder
 
 CONSOLE_KEYS = (
     "train/reward_mean",
@@ -50,7 +50,7 @@ def rl_telemetry(exp: Any, driver: Any, trainer: Any, start_step: int) -> Teleme
         BeforeRLRecorder(wd / "eval_before_rl.json", exp.env.name, exp.sampled_eval),
     ]
     if cfg.wandb_project is not None:
-        from jaxrl_orch.orchestrator.wandb_writer import WandbWriter
+        from jaxrl_orch.orchestrator.metrics.wandb import WandbWriter
 
         writers.append(
             WandbWriter(

@@ -29,8 +29,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxrl_orch.remote.client import RemoteEngineClient, ReplicaLost, WeightPullError
-from jaxrl_orch.remote.weights import WeightOffer
+from jaxrl_orch.distributed.client import RemoteEngineClient, ReplicaLost, WeightPullError
+from jaxrl_orch.distributed.transfer import WeightOffer
 from jaxrl_orch.types import Completion, SamplingParams
 
 FIRST_LOAD_EXTRA_S = 900.0  # a replica's first load also compiles its engine (warm-up)

@@ -30,7 +30,7 @@ from typing import Any
 from etils import epath
 
 from jaxrl_orch.paths import Pathish, as_path, write_atomic
-from jaxrl_orch.summary import eval_summary, first_eval, train_reward_ends
+from jaxrl_orch.run.summary import eval_summary, first_eval, train_reward_ends
 
 Row = dict[str, Any]
 

@@ -1,6 +1,6 @@
-"""``python -m jaxrl_orch.launch_local``: a whole multi-process run on one machine (like torchrun).
+"""``jaxrl-launch-local``: a whole multi-process run on one machine (like torchrun).
 
-    python -m jaxrl_orch.launch_local --trainer_processes=2 --engine_replicas=2 \\
+    python -m jaxrl_orch.distributed.launch_local --trainer_processes=2 --engine_replicas=2 \\
         --gin_file=configs/reverse_text.gin [--gin_param=...] --workdir=runs/multi
 
 What it owns: the processes of one run on this machine. It picks free loopback ports (the
@@ -66,7 +66,7 @@ def _die_with_parent() -> None:
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
-        prog="python -m jaxrl_orch.launch_local",
+        prog="python -m jaxrl_orch.distributed.launch_local",
         description="Start every process of a multi-process run on this machine.",
         epilog="Other flags (--gin_file, --gin_param, --workdir, ...) go to every process's "
         "python -m jaxrl_orch.train.",

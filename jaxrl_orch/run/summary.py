@@ -1,7 +1,7 @@
 """The end-of-stage summary as pure functions of what the run measured (no I/O, no JAX).
 
 What it owns: turning eval batches and step records into the ``summary.json`` keys that the
-report, ``python -m jaxrl_orch.lift`` and users read: the greedy and sampled eval curves, their
+report, ``jaxrl-lift`` and users read: the greedy and sampled eval curves, their
 first and last values, the behaviour shares per eval (``{"greedy"|"sampled": {step: {behaviour:
 share}}}``), train-reward endpoints and the age histogram; and the one-line console summary of
 an eval. The RL stage (``experiment.py``) and the imitation control (``control.py``) both summarise

@@ -30,16 +30,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxrl_orch.build.engines import to_engine
-from jaxrl_orch.group import CHECKPOINT, STOP, TRAIN, Channel, EngineStager, Role
+from jaxrl_orch.build.overlap import OverlapSchedule
+from jaxrl_orch.build.weights import WeightPath
+from jaxrl_orch.distributed.group import CHECKPOINT, STOP, TRAIN, Channel, EngineStager, Role
+from jaxrl_orch.distributed.pool import RemotePool
+from jaxrl_orch.distributed.server import ReplicaServer
+from jaxrl_orch.distributed.transfer import WeightOffer
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
-from jaxrl_orch.orchestrator.writers import stage
-from jaxrl_orch.overlap import OverlapSchedule
-from jaxrl_orch.remote.pool import RemotePool
-from jaxrl_orch.remote.server import ReplicaServer
-from jaxrl_orch.remote.weights import WeightOffer
+from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.trainer.checkpoint import save_trainer
-from jaxrl_orch.weights import WeightPath
 from sharding.mesh import make_meshes
 
 

@@ -1,4 +1,4 @@
-"""What ``python -m jaxrl_orch.aot`` reports: chip figures, analytic costs, the fit verdict.
+"""What ``python -m jaxrl_orch.tools.aot`` reports: chip figures, analytic costs, the fit verdict.
 
 Owns the published per-chip figures of the TPUs the tool compiles for (``CHIPS``), the analytic
 FLOP / byte model of each program (``model_costs``: XLA's cost analysis counts a loop body

@@ -376,7 +376,7 @@ def write_report(workdir: str | Path) -> dict[str, dict]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m jaxrl_orch.report",
+        prog="python -m jaxrl_orch.tools.report",
         description="Plot metrics.jsonl/summary.json of a run directory and write report.md.",
     )
     p.add_argument("workdir", help="finished run directory (summary.json, metrics.jsonl)")

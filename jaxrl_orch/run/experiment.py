@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxrl_orch import roles
+from jaxrl_orch.build import roles
 from jaxrl_orch.build.accel import accel_model_config, engine_model_config, step_config
 from jaxrl_orch.build.checks import check_examples
 from jaxrl_orch.build.engines import (
@@ -62,27 +62,27 @@ from jaxrl_orch.build.parts import (
     model_config,
     optim_config,
 )
-from jaxrl_orch.config import TrainConfig
-from jaxrl_orch.control import run_imitation
+from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.distributed.group import Role, resolve_role
 from jaxrl_orch.envs.base import AtTemperature, make_env
 from jaxrl_orch.envs.demonstrator import MixedDemonstrator
-from jaxrl_orch.group import Role, resolve_role
-from jaxrl_orch.history import rl_summary, trim_for_rl
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.models.hf_import import export_hf_dir, load_hf_checkpoint
 from jaxrl_orch.models.tokenizer import load_tokenizer, tokenizer_json_path
-from jaxrl_orch.orchestrator.dispatcher import EvalPlan
+from jaxrl_orch.orchestrator.dispatcher.dispatch import EvalPlan
 from jaxrl_orch.orchestrator.loop import Orchestrator
-from jaxrl_orch.orchestrator.writers import JsonlWriter, stage
+from jaxrl_orch.orchestrator.metrics.writers import JsonlWriter, stage
 from jaxrl_orch.paths import as_path, copy_tree, is_url
-from jaxrl_orch.report import write_report
-from jaxrl_orch.summary import eval_line, merge_evals
-from jaxrl_orch.telemetry import rl_telemetry
+from jaxrl_orch.run.control import run_imitation
+from jaxrl_orch.run.history import rl_summary, trim_for_rl
+from jaxrl_orch.run.summary import eval_line, merge_evals
+from jaxrl_orch.run.telemetry import rl_telemetry
+from jaxrl_orch.run.warmup import run_warmup
+from jaxrl_orch.tools.report import write_report
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
 from jaxrl_orch.trainer.sft import sft_sample
 from jaxrl_orch.trainer.trainer import Trainer
 from jaxrl_orch.types import PolicyHandle, Sample, SamplingParams
-from jaxrl_orch.warmup import run_warmup
 
 TOKENIZER_SIDECARS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 

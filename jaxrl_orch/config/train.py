@@ -16,7 +16,7 @@ from pathlib import Path
 
 import gin
 
-from jaxrl_orch.settings import AGE_POLICIES, OrchestratorConfig
+from jaxrl_orch.config.orchestrator import AGE_POLICIES, OrchestratorConfig
 
 DTYPES = ("float32", "bfloat16")
 
@@ -95,10 +95,10 @@ class TrainConfig:
     # (SPMD over one mesh spanning them; process 0 also runs the orchestrator) ...
     trainer_processes: int = 1
     # ... and this many engine replicas, each its own process serving over gRPC; 0: the
-    # engine lives in the trainer's process (python -m jaxrl_orch.launch_local starts both)
+    # engine lives in the trainer's process (jaxrl-launch-local starts both)
     engine_replicas: int = 0
     weight_pull_timeout_s: float = 120.0  # a replica's pull of a new version longer: it fails
-    # accelerator path: precision, kernels, memory (python -m jaxrl_orch.aot checks the fit)
+    # accelerator path: precision, kernels, memory (python -m jaxrl_orch.tools.aot checks the fit)
     compute_dtype: str = "auto"  # matmuls, activations; "auto": bfloat16 on TPU/GPU, else float32
     param_dtype: str = "float32"  # the trainer's master weights and Adam moments (or "bfloat16")
     engine_param_dtype: str | None = None  # the engine's copy of the weights; None: its compute

@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from jaxrl_orch.remote import protocol
+from jaxrl_orch.distributed import protocol
 from jaxrl_orch.types import Completion, SamplingParams
 
 # Details grpc gives a call whose server process died or shut down under it.

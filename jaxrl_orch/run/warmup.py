@@ -22,9 +22,14 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
-from jaxrl_orch.history import trim_for_sft
-from jaxrl_orch.orchestrator.writers import ConsoleWriter, JsonlWriter, ProgressWriter, stage
+from jaxrl_orch.orchestrator.metrics.writers import (
+    ConsoleWriter,
+    JsonlWriter,
+    ProgressWriter,
+    stage,
+)
 from jaxrl_orch.paths import as_path, copy_tree
+from jaxrl_orch.run.history import trim_for_sft
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
 from jaxrl_orch.trainer.sft import run_sft
 

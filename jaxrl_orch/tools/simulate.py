@@ -1,4 +1,4 @@
-"""``python -m jaxrl_orch.simulate``: the real orchestrator against a simulated engine and trainer.
+"""``jaxrl-simulate``: the real orchestrator against a simulated engine and trainer.
 
 The planning tool: pick the staleness bound, concurrency and age policy before spending
 accelerator hours. Everything that decides what data gets trained on is the real code (the
@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 
 from jaxrl_orch.build.orchestrator import Telemetry, build_orchestrator
+from jaxrl_orch.config.orchestrator import AGE_POLICIES, OrchestratorConfig
 from jaxrl_orch.orchestrator.vclock import run_virtual
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
-from jaxrl_orch.settings import AGE_POLICIES, OrchestratorConfig
 from jaxrl_orch.types import (
     Completion,
     PolicyHandle,
@@ -281,7 +281,7 @@ def simulate(sc: Scenario) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m jaxrl_orch.simulate",
+        prog="python -m jaxrl_orch.tools.simulate",
         description="Run the real orchestrator against a simulated engine and trainer on a "
         "virtual clock, to choose max_staleness, concurrency and the age policy.",
     )

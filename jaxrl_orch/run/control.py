@@ -31,8 +31,8 @@ from jaxrl_orch.envs.base import AtTemperature
 from jaxrl_orch.inference.client import EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.orchestrator.eval_sink import eval_metrics
-from jaxrl_orch.orchestrator.writers import ConsoleWriter, JsonlWriter
-from jaxrl_orch.summary import eval_summary
+from jaxrl_orch.orchestrator.metrics.writers import ConsoleWriter, JsonlWriter
+from jaxrl_orch.run.summary import eval_summary
 from jaxrl_orch.trainer.sft import run_sft
 from jaxrl_orch.types import SamplingParams
 

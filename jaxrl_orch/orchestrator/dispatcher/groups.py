@@ -47,7 +47,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from jaxrl_orch.orchestrator.eager import start_eagerly
+from jaxrl_orch.orchestrator.dispatcher.eager import start_eagerly
 from jaxrl_orch.types import (
     Environment,
     EnvTimeout,

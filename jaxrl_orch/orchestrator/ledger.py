@@ -18,7 +18,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from jaxrl_orch.orchestrator.step_stats import head_versions, summaries
+from jaxrl_orch.orchestrator.stats import head_versions, summaries
 from jaxrl_orch.types import Rollout, TrainBatch
 
 

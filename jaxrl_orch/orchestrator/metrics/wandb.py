@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxrl_orch.orchestrator.writers import clean_metrics
+from jaxrl_orch.orchestrator.metrics.writers import clean_metrics
 
 STEP_KEY = "step"
 MODES = (None, "online", "offline", "disabled")

@@ -46,9 +46,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_orch.distributed import protocol
+from jaxrl_orch.distributed import transfer as remote_weights
 from jaxrl_orch.inference.driver import InferenceDriver
-from jaxrl_orch.remote import protocol
-from jaxrl_orch.remote import weights as remote_weights
 from sharding.reshard import reshard
 
 

@@ -1,6 +1,6 @@
-"""``python -m jaxrl_orch.lift``: the RL demo with its controls, as plain commands, and one table.
+"""``jaxrl-lift``: the RL demo with its controls, as plain commands, and one table.
 
-    python -m jaxrl_orch.lift --workdir=runs/lift [--gin_file=configs/reverse_text.gin]
+    python -m jaxrl_orch.tools.lift --workdir=runs/lift [--gin_file=configs/reverse_text.gin]
         [--seeds 0 1 2] [--gin_param=...]
 
 What it owns: running the embedded demo and the controls that say what its lift is made of,
@@ -199,7 +199,7 @@ def plot(runs: dict[str, Path], out: Path) -> bool:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m jaxrl_orch.lift",
+        prog="python -m jaxrl_orch.tools.lift",
         description="Run the RL demo over seeds plus its controls; write one table and plot.",
     )
     p.add_argument("--workdir", default="runs/lift")

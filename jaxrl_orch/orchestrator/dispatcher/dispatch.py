@@ -63,8 +63,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxrl_orch.orchestrator.dispatch_groups import Flights, Group
-from jaxrl_orch.orchestrator.dispatch_settings import (
+from jaxrl_orch.orchestrator.dispatcher.groups import Flights, Group
+from jaxrl_orch.orchestrator.dispatcher.settings import (
     DispatchConfig,
     EvalPlan,
     GateHooks,

@@ -1,4 +1,4 @@
-"""``python -m jaxrl_orch.aot``: does a config fit its TPU slice? Compiled here, no TPU needed.
+"""``jaxrl-aot``: does a config fit its TPU slice? Compiled here, no TPU needed.
 
 What it owns: building, from a gin config, the programs a run compiles -- the RL train step on
 the trainer mesh, the engine's prefill and decode step (``steps_per_call`` steps of every slot)
@@ -42,16 +42,16 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxrl_orch import aot_report  # noqa: E402
 from jaxrl_orch.build.accel import (  # noqa: E402
     accel_model_config,
     engine_model_config,
     step_config,
 )
 from jaxrl_orch.build.parts import build_placement, model_config, optim_config  # noqa: E402
-from jaxrl_orch.config import TrainConfig, load_config  # noqa: E402
+from jaxrl_orch.config.train import TrainConfig, load_config  # noqa: E402
 from jaxrl_orch.inference.engine import DecodeEngine  # noqa: E402
 from jaxrl_orch.models.tokenizer import load_tokenizer  # noqa: E402
+from jaxrl_orch.tools import aot_report  # noqa: E402
 from jaxrl_orch.trainer import step as step_lib  # noqa: E402
 from jaxrl_orch.trainer.programs import build_programs  # noqa: E402
 from sharding.reshard import cast_program  # noqa: E402
@@ -198,7 +198,7 @@ def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], d
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m jaxrl_orch.aot",
+        prog="python -m jaxrl_orch.tools.aot",
         description="Compile a config's programs for a TPU topology without a TPU; report "
         "per-chip memory, FLOPs, bytes and roofline time; exit 1 if a program does not fit.",
     )
