@@ -49,7 +49,7 @@ def main() -> None:
     from jaxrl_orch.algorithms.packing import pack_samples
     from jaxrl_orch.models.configs import ModelConfig
     from jaxrl_orch.trainer import step as step_lib
-    from jaxrl_orch.trainer.trainer import Trainer
+    from jaxrl_orch.trainer.trainer import RowLayout, Trainer
     from jaxrl_orch.types import Sample
 
     base = ModelConfig(
@@ -99,7 +99,7 @@ def main() -> None:
     trainers, memory, first = {}, {}, {}
     for name, (cfg, chunk) in variants.items():
         step = step_lib.StepConfig(chunk_rows=args.rows, logprob_chunk=chunk)
-        tr = Trainer(cfg, mesh, row_len=n, step=step, optim=optim, seed=0)
+        tr = Trainer(cfg, mesh, rows=RowLayout(row_len=n), step=step, optim=optim, seed=0)
         ma = tr._step_fn.lower(tr.params, tr.opt_state, arrays, tr.rng, None).compile()
         ma = ma.memory_analysis()
         memory[name] = (

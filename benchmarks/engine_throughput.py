@@ -48,6 +48,7 @@ from jaxrl_orch.build import accel
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
+from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.models.transformer import get_config
 from jaxrl_orch.types import SamplingParams
 
@@ -210,13 +211,13 @@ def main() -> None:
     # What a run builds: the attention TrainConfig resolves for this backend (build/accel.py).
     run_cfg = TrainConfig(attention=args.attention, compute_dtype=args.compute_dtype)
     cfg = accel.accel_model_config(get_config(model), run_cfg)
-    engine = DecodeEngine(
-        cfg,
+    limits = EngineLimits(
         max_concurrent_decodes=slots,
         max_target_length=64 + max_new,
         max_prefill_length=64,
         steps_per_call=args.steps_per_call,
     )
+    engine = DecodeEngine(cfg, limits=limits)
     params = engine.load_params(seed=0)
     warm_up(engine, params)
     work = workload(prompts, group, max_new)

@@ -3,7 +3,7 @@
 What it measures: the wall-clock cost per rollout of the real orchestrator path with an engine
 and a trainer that take no time, against a bare asyncio baseline timed in the same process,
 interleaved, best of ``--repeats`` each (the machine is shared and noisy, so only the ratio
-means anything). Goal (issue #2): ratio <= 3.
+means anything). Target: ratio <= 3.
 
 Orchestrator side: ``simulate.run_scenario`` on a real asyncio event loop (not the virtual
 clock) with S=1, ``--batch-size`` rollouts per step (64) in groups of ``--group-size`` (8), 2B

@@ -44,7 +44,9 @@ from jax import monitoring  # noqa: E402
 
 from jaxrl_orch.build.overlap import probe_steps  # noqa: E402
 from jaxrl_orch.config.train import TrainConfig  # noqa: E402
-from jaxrl_orch.run.experiment import Experiment  # noqa: E402
+from jaxrl_orch.distributed.group import resolve_role  # noqa: E402
+from jaxrl_orch.run import stages  # noqa: E402
+from jaxrl_orch.run.stop import StopFlag  # noqa: E402
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles: list[float] = []  # wall-clock end time of every backend compile in this process
@@ -103,15 +105,14 @@ def run_once(
         row_len=256,
     )
     cfg = TrainConfig(**{**settings, **overrides})
-    exp = Experiment(cfg, workdir)
-    exp.validate()
+    parts = stages.prepare(cfg, workdir, resolve_role(1, 0, None))
     traced: dict = {}
     tracer = threading.Thread(
         target=_profile_steps, args=(workdir, warmup, steps, profile, traced), daemon=True
     )
     if profile:
         tracer.start()
-    summary = exp.run()
+    summary = stages.run(parts, StopFlag(parts.role))
     if profile:
         tracer.join()  # the trace is written once stop_trace returns
     # A step's timeline is written as its own line after the step's line: merge by step.

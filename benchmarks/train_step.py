@@ -75,7 +75,7 @@ def main() -> None:
     from jaxrl_orch.config.train import TrainConfig
     from jaxrl_orch.models.transformer import get_config
     from jaxrl_orch.trainer import step as step_lib
-    from jaxrl_orch.trainer.trainer import Trainer
+    from jaxrl_orch.trainer.trainer import RowLayout, Trainer
     from jaxrl_orch.types import Sample
 
     cfg = get_config(args.model)
@@ -110,7 +110,7 @@ def main() -> None:
     trainer = Trainer(
         cfg,
         mesh,
-        row_len=args.row_len,
+        rows=RowLayout(row_len=args.row_len),
         step=step_lib.StepConfig(chunk_rows=args.chunk_rows, loss=loss_cfg),
         optim=optim,
     )

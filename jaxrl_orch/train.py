@@ -30,6 +30,7 @@ with a line naming ``report.md``, the plots, ``export/`` and ``summary.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import json
@@ -38,6 +39,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -170,71 +172,90 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load_config(args.gin_file, args.gin_param)
-        from jaxrl_orch.distributed.group import join_group, resolve_role
-        from jaxrl_orch.run.experiment import (
-            Experiment,  # heavy imports (jax) only after config checks
-        )
+        # Heavy imports (jax) only after the config checks.
+        from jaxrl_orch.run import stages
 
-        role = resolve_role(cfg.trainer_processes, cfg.engine_replicas, args.process_index)
-        addresses = tuple(a for a in args.engine_addresses.split(",") if a)
-        if cfg.engine_replicas and len(addresses) != cfg.engine_replicas:
-            raise ValueError(
-                f"--engine_addresses names {len(addresses)} replicas ({args.engine_addresses!r}); "
-                f"the config has engine_replicas={cfg.engine_replicas}"
-            )
-        role = join_group(role, args.coordinator_address)  # before any JAX computation
-        if role.kind != "single":
-            print(f"[process {role.process_index}] {role.describe()}", flush=True)
-        exp = Experiment(cfg, as_path(args.workdir), role, addresses)  # gs:// stays a URL
-        exp.validate()
+        parts = _prepare(stages, cfg, args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    stop_requested = {"signal": None}
+    from jaxrl_orch.run.stop import StopFlag
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        if stop_requested["signal"] is not None:
-            # A second signal: no drain. Metrics rows are flushed as written and checkpoints
-            # are committed atomically, so the last committed checkpoint is what resumes.
-            print(
-                f"\n{signal.Signals(signum).name} again: exiting now without the drain; the same "
-                "command resumes from the last checkpoint",
-                file=sys.stderr,
-            )
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(128 + signum)
-        stop_requested["signal"] = signum
-        print(
-            f"\n{signal.Signals(signum).name}: draining (at most drain_timeout_s="
-            f"{cfg.drain_timeout_s:g}s), then a checkpoint; send it again to exit at once",
-            file=sys.stderr,
-        )
-        exp.request_stop()
-
-    # Restored afterwards: main() is also called in-process (tests, the console script).
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stop = StopFlag(parts.role)
     try:
-        exp.write_config(gin.config_str())
-        t0 = time.time()
-        summary = exp.run()
-        summary["wall_seconds"] = time.time() - t0
-        summary["stopped_by_signal"] = stop_requested["signal"]
-        exp.finish(summary)
+        with _signals_stop(stop, cfg.drain_timeout_s):
+            summary = _run(stages, parts, stop)
     except Exception as exc:
         storage = storage_error(exc)
         if storage is None:
             raise
         print(f"error: {storage}", file=sys.stderr)
         return 1
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if not exp.role.leader:
+    if not parts.role.leader:
         return 0  # the leader reports the run
     print(json.dumps({k: summary[k] for k in _HEADLINE if k in summary}))
     print(outputs_line(args.workdir))
     return 0
+
+
+def _prepare(stages: Any, cfg: TrainConfig, args: argparse.Namespace) -> Any:
+    """This process's role (joining the trainer group's cluster first), then the run's parts."""
+    from jaxrl_orch.distributed.group import join_group, resolve_role
+
+    role = resolve_role(cfg.trainer_processes, cfg.engine_replicas, args.process_index)
+    addresses = tuple(a for a in args.engine_addresses.split(",") if a)
+    if cfg.engine_replicas and len(addresses) != cfg.engine_replicas:
+        raise ValueError(
+            f"--engine_addresses names {len(addresses)} replicas ({args.engine_addresses!r}); "
+            f"the config has engine_replicas={cfg.engine_replicas}"
+        )
+    role = join_group(role, args.coordinator_address)  # before any JAX computation
+    if role.kind != "single":
+        print(f"[process {role.process_index}] {role.describe()}", flush=True)
+    return stages.prepare(cfg, as_path(args.workdir), role, addresses)  # gs:// stays a URL
+
+
+def _run(stages: Any, parts: Any, stop: Any) -> dict[str, Any]:
+    stages.write_config(parts, gin.config_str())
+    t0 = time.time()
+    summary = stages.run(parts, stop)
+    summary["wall_seconds"] = time.time() - t0
+    summary["stopped_by_signal"] = stop.signal
+    stages.finish(parts, summary)
+    return summary
+
+
+@contextlib.contextmanager
+def _signals_stop(stop: Any, drain_timeout_s: float) -> Iterator[None]:
+    """SIGTERM / Ctrl-C set ``stop`` (drain, checkpoint, exit 0); a second one exits at once.
+    The previous handlers come back afterwards: ``main`` also runs in-process (tests)."""
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            # No drain. Metrics rows are flushed as written and checkpoints are committed
+            # atomically, so the last committed checkpoint is what resumes.
+            print(
+                f"\n{name} again: exiting now without the drain; the same command resumes "
+                "from the last checkpoint",
+                file=sys.stderr,
+            )
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        print(
+            f"\n{name}: draining (at most drain_timeout_s={drain_timeout_s:g}s), then a "
+            "checkpoint; send it again to exit at once",
+            file=sys.stderr,
+        )
+        stop.set(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 _TENSORSTORE_ERRNO = re.compile(r"(os_error_code='(\d+)')")

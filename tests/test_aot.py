@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.tools import aot, aot_report
 
@@ -102,10 +103,12 @@ class _FakeCompiled:
 
     def memory_analysis(self):
         return SimpleNamespace(
-            argument_size_in_bytes=10**9, output_size_in_bytes=10**9,
-            alias_size_in_bytes=10**9, temp_size_in_bytes=self.temp,
+            argument_size_in_bytes=10**9,
+            output_size_in_bytes=10**9,
+            alias_size_in_bytes=10**9,
+            temp_size_in_bytes=self.temp,
             generated_code_size_in_bytes=0,
-        )  # fmt: skip
+        )
 
     def cost_analysis(self):
         return {"flops": 1e12, "bytes accessed": 1e9}
@@ -119,8 +122,16 @@ def test_a_program_that_does_not_fit_exits_1_naming_it(monkeypatch, capsys):
         aot.Compiled("train_step", _FakeCompiled(15 * 10**9), 4, model),
         aot.Compiled("decode_step", _FakeCompiled(10**9), 4, model),
     ]
-    info = {"model": "m", "trainer_mesh": {}, "decode_mesh": {}, "decode_mesh_size": 4,
-            "train_rows": 1, "row_len": 1, "decode_slots": 8, "steps_per_call": 2}  # fmt: skip
+    info = {
+        "model": "m",
+        "trainer_mesh": {},
+        "decode_mesh": {},
+        "decode_mesh_size": 4,
+        "train_rows": 1,
+        "row_len": 1,
+        "decode_slots": 8,
+        "steps_per_call": 2,
+    }
     monkeypatch.setattr(aot, "compile_all", lambda cfg, devices: (progs, info))
     rc = aot.main(["--gin_file=configs/tpu_v5e_8.gin", "--json"])
     out, err = capsys.readouterr()
@@ -137,17 +148,15 @@ def test_a_program_that_does_not_fit_exits_1_naming_it(monkeypatch, capsys):
 def test_model_costs_count_what_the_model_computes():
     """Analytic FLOPs: 2 per matmul weight per token, x3 for forward + backward, +1 with remat."""
     m = get_config("qwen2.5-0.5b")
-    cfg = SimpleNamespace(
-        row_len=128, ppo_epochs=1, recompute_old_logprobs=None, kl_beta=0.0,
-        max_target_length=256, steps_per_call=2, decode_slots=4,
-    )  # fmt: skip
-    c = aot_report.model_costs(m, cfg, rows=2)
+    cfg = SimpleNamespace(row_len=128, ppo_epochs=1, recompute_old_logprobs=None, kl_beta=0.0)
+    limits = EngineLimits(max_concurrent_decodes=4, max_target_length=256, steps_per_call=2)
+    c = aot_report.model_costs(m, cfg, rows=2, limits=limits)
     tokens = 2 * 128
     attn = 2 * m.n_heads * m.head_dim * 128 * 128 * 2 * m.n_layers
     assert c["train_step"]["flops"] == 3 * (2 * m.num_params * tokens + attn)
     import dataclasses
 
-    remat = aot_report.model_costs(dataclasses.replace(m, remat="full"), cfg, rows=2)
+    remat = aot_report.model_costs(dataclasses.replace(m, remat="full"), cfg, 2, limits)
     assert remat["train_step"]["flops"] == 4 / 3 * c["train_step"]["flops"]
     # Decoding reads every weight once per step, plus the cache.
     assert c["decode_step"]["bytes"] >= 2 * m.num_params * 4

@@ -1,9 +1,9 @@
 """The command's first contact with a newcomer: ``--help``, ``--list_config``, the bare command,
 and the closing line naming a run's outputs.
 
-Nothing here builds a model or runs jax: ``jaxrl_orch.run.experiment`` is replaced by a module that
-fails to import (the paths that must stop before any work) or by a fake ``Experiment`` (the
-paths that must go on to run), so only argument and config parsing are real.
+Nothing here builds a model or runs jax: ``jaxrl_orch.run.stages`` is replaced by a module that
+fails to import (the paths that must stop before any work) or by fake stages (the paths that
+must go on to run), so only argument and config parsing are real.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import gin
 import pytest
@@ -38,10 +39,20 @@ def _clean_gin():
     gin.clear_config()  # bindings made through main() must not leak into other tests
 
 
+def _replace_stages(monkeypatch, module: types.ModuleType | None) -> None:
+    import jaxrl_orch.run as run_package
+
+    monkeypatch.setitem(sys.modules, "jaxrl_orch.run.stages", module)
+    if module is None:
+        monkeypatch.delattr(run_package, "stages", raising=False)
+    else:
+        monkeypatch.setattr(run_package, "stages", module, raising=False)
+
+
 @pytest.fixture
 def no_run(monkeypatch):
-    """Any attempt to build the experiment fails the test with an ImportError."""
-    monkeypatch.setitem(sys.modules, "jaxrl_orch.run.experiment", None)
+    """Any attempt to build the run fails the test with an ImportError."""
+    _replace_stages(monkeypatch, None)
 
 
 def _entries(listing: str) -> dict[str, list[str]]:
@@ -217,41 +228,44 @@ def test_defaults_with_a_gin_file_is_refused_naming_both(no_run, capsys):
     assert "--defaults" in err and "configs/reverse_text.gin" in err
 
 
-# --- runs that go ahead, with a fake Experiment -------------------------------------------------
+# --- runs that go ahead, with fake stages ----------------------------------------------------
 
 
-class _FakeExperiment:
-    made: list[_FakeExperiment] = []
+@dataclasses.dataclass
+class _FakeParts:
+    cfg: TrainConfig
+    workdir: Path
+    role: Any
 
-    def __init__(self, cfg: TrainConfig, workdir: Path, role, engine_addresses=()):
-        self.cfg, self.workdir, self.role = cfg, workdir, role
-        _FakeExperiment.made.append(self)
 
-    def validate(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
+def _fake_stages(run: Any = None) -> types.ModuleType:
+    """The stages module's four functions, recording what ``prepare`` was given."""
+    module = types.ModuleType("jaxrl_orch.run.stages")
+    module.made = []
 
-    def write_config(self, text: str) -> None:
-        (self.workdir / "config.gin").write_text(text)
+    def prepare(cfg, workdir, role, engine_addresses=()):
+        module.made.append(_FakeParts(cfg, workdir, role))
+        workdir.mkdir(parents=True, exist_ok=True)
+        return module.made[-1]
 
-    def request_stop(self) -> None:
-        pass
+    def write_config(parts, text):
+        (parts.workdir / "config.gin").write_text(text)
 
-    def run(self) -> dict:
-        return {"rl_steps": self.cfg.rl_steps}
+    def finish(parts, summary):
+        (parts.workdir / "summary.json").write_text("{}")
+        (parts.workdir / "report.md").write_text("# report")
+        (parts.workdir / "reward.png").write_bytes(b"")
 
-    def finish(self, summary: dict) -> None:
-        (self.workdir / "summary.json").write_text("{}")
-        (self.workdir / "report.md").write_text("# report")
-        (self.workdir / "reward.png").write_bytes(b"")
+    module.prepare, module.write_config, module.finish = prepare, write_config, finish
+    module.run = run or (lambda parts, stop: {"rl_steps": parts.cfg.rl_steps})
+    return module
 
 
 @pytest.fixture
 def fake_run(monkeypatch):
-    _FakeExperiment.made = []
-    module = types.ModuleType("jaxrl_orch.run.experiment")
-    module.Experiment = _FakeExperiment
-    monkeypatch.setitem(sys.modules, "jaxrl_orch.run.experiment", module)
-    return _FakeExperiment.made
+    module = _fake_stages()
+    _replace_stages(monkeypatch, module)
+    return module.made
 
 
 @pytest.mark.parametrize(
@@ -268,8 +282,8 @@ def test_defaults_or_bindings_run_and_end_with_the_outputs_line(
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     wd = tmp_path / "run"
     assert train.main([*argv, f"--workdir={wd}"]) == 0
-    [exp] = fake_run
-    assert exp.cfg.rl_steps == rl_steps and exp.workdir == wd
+    [parts] = fake_run
+    assert parts.cfg.rl_steps == rl_steps and parts.workdir == wd
     out = capsys.readouterr().out.splitlines()
     assert json.loads(out[-2])["rl_steps"] == rl_steps  # the headline, then the closing line
     assert out[-1] == train.outputs_line(wd)
@@ -326,18 +340,15 @@ def test_storage_errors_anywhere_in_the_chain_become_one_line_naming_the_path():
     assert train.storage_error(FileNotFoundError(errno.ENOENT, "gone", "/x")) is None
 
 
-class _FullDiskExperiment(_FakeExperiment):
-    def run(self) -> dict:
-        try:
-            raise OSError(errno.ENOSPC, "No space left on device", str(self.workdir / "ckpt"))
-        except OSError as exc:
-            raise RuntimeError("checkpoint failed on the trainer thread") from exc
+def _full_disk(parts, stop) -> dict:
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device", str(parts.workdir / "ckpt"))
+    except OSError as exc:
+        raise RuntimeError("checkpoint failed on the trainer thread") from exc
 
 
 def test_a_full_disk_ends_the_command_with_one_line_and_exit_1(monkeypatch, capsys, tmp_path):
-    module = types.ModuleType("jaxrl_orch.run.experiment")
-    module.Experiment = _FullDiskExperiment
-    monkeypatch.setitem(sys.modules, "jaxrl_orch.run.experiment", module)
+    _replace_stages(monkeypatch, _fake_stages(run=_full_disk))
     assert train.main(["--gin_param=TrainConfig.rl_steps = 3", f"--workdir={tmp_path}"]) == 1
     err = capsys.readouterr().err
     assert err.splitlines() == [

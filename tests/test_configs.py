@@ -87,37 +87,35 @@ def test_model_config_limits_logits_to_the_tokenizers_ids():
 
 def test_a_text_file_dataset_is_split_or_paired_with_an_eval_file(tmp_path):
     import gin
+    from support.runs import prepare
 
     from jaxrl_orch.config.train import TrainConfig
     from jaxrl_orch.data.sources import text_split_of
-    from jaxrl_orch.run.experiment import Experiment
 
     gin.clear_config()
     lines = [f"the harbour painted {i} walls" for i in range(120)]
     corpus = tmp_path / "mine.txt"
     corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    exp = Experiment(TrainConfig(dataset=f"text:{corpus}"), tmp_path / "a")
-    exp.validate()
-    held_out = [exp.eval_source.next_example()["text"] for _ in range(len(exp.eval_source))]
+    data = prepare(TrainConfig(dataset=f"text:{corpus}"), tmp_path / "a").data
+    held_out = [data.eval.next_example()["text"] for _ in range(len(data.eval))]
     assert held_out and all(text_split_of(t) == "eval" for t in held_out)
-    assert len(exp.train_source) + len(exp.eval_source) == 120
+    assert len(data.train) + len(data.eval) == 120
 
     other = tmp_path / "eval.txt"
     other.write_text("one held out sentence\nand a second one\n", encoding="utf-8")
-    exp = Experiment(TrainConfig(dataset=str(corpus), eval_dataset=str(other)), tmp_path / "b")
-    exp.validate()
-    assert len(exp.eval_source) == len(exp.sampled_eval_source) == 2  # the whole eval file
-    assert len(exp.train_source) == len(exp.sft_source) == 120  # all of it trains now
+    data = prepare(TrainConfig(dataset=str(corpus), eval_dataset=str(other)), tmp_path / "b").data
+    assert len(data.eval) == len(data.sampled_eval) == 2  # the whole eval file
+    assert len(data.train) == len(data.sft) == 120  # all of it trains now
 
     leaky = tmp_path / "leaky.txt"
     leaky.write_text("a fresh sentence\nthe harbour painted 7 walls\n", encoding="utf-8")
-    exp = Experiment(TrainConfig(dataset=str(corpus), eval_dataset=str(leaky)), tmp_path / "c")
+    cfg = TrainConfig(dataset=str(corpus), eval_dataset=str(leaky))
     with pytest.raises(ValueError, match="1 of 2 lines of eval_dataset .*'the harbour painted 7"):
-        exp.validate()
+        prepare(cfg, tmp_path / "c")
 
 
 def test_a_gin_import_registers_a_user_env_for_the_command(tmp_path, monkeypatch):
-    from jaxrl_orch.run.experiment import Experiment
+    from support.runs import prepare
 
     (tmp_path / "shout_env.py").write_text(
         "from jaxrl_orch.envs.base import SingleTurnEnv, register_env\n"
@@ -140,12 +138,11 @@ def test_a_gin_import_registers_a_user_env_for_the_command(tmp_path, monkeypatch
     )
     # The default's mixed demonstrator names reverse-text behaviours this env does not offer.
     with pytest.raises(ValueError, match="env 'shout' offers no worse behaviours.*demonstrations"):
-        Experiment(load_config([str(gin_file)], []), tmp_path / "run").validate()
+        prepare(load_config([str(gin_file)], []), tmp_path / "run")
     cfg = load_config([str(gin_file)], ["TrainConfig.demonstrations = ()"])
-    exp = Experiment(cfg, tmp_path / "run")
-    exp.validate()
-    assert type(exp.env).__name__ == "Shout" and exp.env.instruction == "Reverse:"
-    prompt = exp.tokenizer.decode(exp.env.prompt_ids({"text": "abc"}))
+    parts = prepare(cfg, tmp_path / "run")
+    assert type(parts.env).__name__ == "Shout" and parts.env.instruction == "Reverse:"
+    prompt = parts.tokenizer.decode(parts.env.prompt_ids({"text": "abc"}))
     assert "Shout: abc" in prompt
 
 
@@ -154,35 +151,28 @@ def test_probe_settings_restrict_the_prompts_and_reuse_another_runs_warm_up(tmp_
     import jax
     import numpy as np
     from flax import nnx
+    from support.runs import prepare, warmup
 
     from jaxrl_orch.config.train import TrainConfig
-    from jaxrl_orch.orchestrator.metrics.writers import JsonlWriter
-    from jaxrl_orch.run.experiment import Experiment
 
     gin.clear_config()
     small = dict(
         sft_steps=2, sft_batch_size=4, trainer_mesh=(("fsdp", 1),), decode_mesh=(("tp", 1),)
     )
-    first = Experiment(TrainConfig(**small, seed=3), tmp_path / "first")
-    first.validate()
-    writer = JsonlWriter(tmp_path / "m1.jsonl")
-    warm, info = first.sft(writer)
-    writer.close()
+    first = prepare(TrainConfig(**small, seed=3), tmp_path / "first")
+    warm, info = warmup(first, tmp_path / "m1.jsonl")
     assert "sft_restored" not in info
 
-    probe = Experiment(
+    probe = prepare(
         TrainConfig(
             **{**small, "sft_steps": 5}, warmup_from=str(tmp_path / "first"), rl_prompt_pool=3
         ),
         tmp_path / "probe",
     )
-    probe.validate()
-    assert len(probe.train_source) == 3
-    drawn = {probe.train_source.next_example()["text"] for _ in range(12)}
+    assert len(probe.data.train) == 3
+    drawn = {probe.data.train.next_example()["text"] for _ in range(12)}
     assert len(drawn) == 3  # four epochs over the same three prompts
-    writer = JsonlWriter(tmp_path / "m2.jsonl")
-    params, info = probe.sft(writer)
-    writer.close()
+    params, info = warmup(probe, tmp_path / "m2.jsonl")
     assert info["sft_restored"] == 1.0  # the copied warm-up, not two fresh SFT steps
     assert info["sft_steps"] == 2.0
     a, b = nnx.to_pure_dict(warm), nnx.to_pure_dict(params)
@@ -191,18 +181,20 @@ def test_probe_settings_restrict_the_prompts_and_reuse_another_runs_warm_up(tmp_
     assert (tmp_path / "probe" / "sft").is_dir()  # copied: the probe's workdir stands alone
 
     with pytest.raises(ValueError, match="has no sft/ checkpoint directory"):
-        Experiment(TrainConfig(**small, warmup_from=str(tmp_path)), tmp_path / "x").validate()
+        prepare(TrainConfig(**small, warmup_from=str(tmp_path)), tmp_path / "x")
     with pytest.raises(ValueError, match="rl_prompt_pool 10000000 exceeds the"):
-        Experiment(TrainConfig(**small, rl_prompt_pool=10_000_000), tmp_path / "y").validate()
+        prepare(TrainConfig(**small, rl_prompt_pool=10_000_000), tmp_path / "y")
 
 
 def test_loss_settings_reach_the_rl_step(tmp_path):
     """dr_grpo trains with Dr. GRPO's constant normalisation (the generation budget), TIS with
     recomputed old log-probs is a TrainConfig setting, and a contradicting norm is refused."""
     import gin
+    from support.runs import prepare
 
+    from jaxrl_orch.build.accel import step_config
+    from jaxrl_orch.build.engines import recompute_old_logprobs
     from jaxrl_orch.config.train import TrainConfig
-    from jaxrl_orch.run.experiment import Experiment
 
     gin.clear_config()
     small = dict(sft_steps=0, trainer_mesh=(("fsdp", 1),), decode_mesh=(("tp", 1),))
@@ -213,9 +205,10 @@ def test_loss_settings_reach_the_rl_step(tmp_path):
     }
     steps = {}
     for name, kw in cases.items():
-        exp = Experiment(TrainConfig(**small, **kw), tmp_path / name)
-        exp.validate()
-        steps[name] = exp.make_trainer("rl", 1e-4).step_cfg
+        parts = prepare(TrainConfig(**small, **kw), tmp_path / name)
+        # The built-in engine reports behaviour log-probs: the run's recompute decision for it.
+        recompute = recompute_old_logprobs(parts.cfg, engine_logprobs=True)
+        steps[name] = step_config(parts.cfg, "rl", recompute=recompute)
     assert steps["grpo"].loss.norm == "token" and steps["grpo"].loss.norm_constant is None
     assert steps["dr"].loss.norm == "constant" and steps["dr"].loss.norm_constant == 40.0
     assert not steps["grpo"].recompute_old_logprobs
@@ -243,9 +236,9 @@ def test_one_over_long_line_anywhere_fails_before_any_work_naming_it(tmp_path):
     """Every example is checked, warm-up samples against row_len and RL / eval prompts against
     the engine's prefill limit; the error names the file, the line and the limit."""
     import gin
+    from support.runs import prepare
 
     from jaxrl_orch.config.train import TrainConfig
-    from jaxrl_orch.run.experiment import Experiment
 
     gin.clear_config()
     lines = [f"sentence number {i} is short" for i in range(300)]
@@ -258,7 +251,7 @@ def test_one_over_long_line_anywhere_fails_before_any_work_naming_it(tmp_path):
     def fails(match, **kw):
         cfg = TrainConfig(**{**base, **kw})
         with pytest.raises(ValueError, match=match):
-            Experiment(cfg, tmp_path / "run").validate()
+            prepare(cfg, tmp_path / "run")
 
     corpus, ok_eval = f"text:{tmp_path / 'corpus.txt'}", f"text:{tmp_path / 'ok_eval.txt'}"
     fails(

@@ -44,29 +44,28 @@ def test_one_binding_names_the_checkpoint_for_weights_and_tokenizer():
 
 
 def test_the_placeholder_fails_naming_the_path():
-    from jaxrl_orch.run.experiment import Experiment
+    from support.runs import prepare
 
     cfg = load_config([CONFIG], [])
     with pytest.raises(ValueError, match=f"{PLACEHOLDER}.*neither 'byte'|{PLACEHOLDER}.*exist"):
-        Experiment(cfg, Path("unused"))
+        prepare(cfg, Path("unused"))
 
 
 def test_validates_against_a_qwen_style_checkpoint(tmp_path):
     from flax import nnx
+    from support.runs import prepare
 
     from jaxrl_orch.models.configs import ModelConfig
     from jaxrl_orch.models.hf_import import save_hf_checkpoint
     from jaxrl_orch.models.transformer import Transformer
-    from jaxrl_orch.run.experiment import Experiment
 
     ckpt = write_qwen_tokenizer(tmp_path / "ckpt")
     shape = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
     model = ModelConfig(vocab_size=320, qkv_bias=True, max_seq_len=512, **shape)
     save_hf_checkpoint(Transformer(model, rngs=nnx.Rngs(0)), model, ckpt)
     cfg = load_config([CONFIG], [f"CHECKPOINT = '{ckpt}'"])
-    exp = Experiment(cfg, tmp_path / "run")
-    exp.validate()  # every bundled prompt, rendered with the checkpoint's template, fits
-    assert exp.tokenizer.chat_template_origin == str(ckpt / "tokenizer_config.json")
-    assert exp.env.instruction == "Reverse in <answer></answer>:"
-    prompt = exp.env.prompt_text({"text": "hello world"})
+    parts = prepare(cfg, tmp_path / "run")  # every bundled prompt, templated, fits
+    assert parts.tokenizer.chat_template_origin == str(ckpt / "tokenizer_config.json")
+    assert parts.env.instruction == "Reverse in <answer></answer>:"
+    prompt = parts.env.prompt_text({"text": "hello world"})
     assert prompt.startswith("<|im_start|>system\nYou are Qwen")  # the template's system turn

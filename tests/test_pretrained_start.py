@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from support.runs import prepare, run, warmup
 from tiny_tokenizers import write_bpe
 from toy_rl import toy_config
 
@@ -21,8 +22,7 @@ from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.models.hf_import import load_hf_checkpoint, save_hf_checkpoint
 from jaxrl_orch.models.transformer import Transformer
-from jaxrl_orch.orchestrator.metrics.writers import JsonlWriter
-from jaxrl_orch.run.experiment import Experiment
+from jaxrl_orch.run import warmup as warmup_stage
 
 pytestmark = pytest.mark.slow
 
@@ -41,24 +41,22 @@ def _cfg(model: str) -> TrainConfig:
     )
 
 
-def test_run_starts_from_an_hf_checkpoint_and_exports_the_trained_policy(tmp_path):
+def test_run_starts_from_an_hf_checkpoint_and_exports_the_trained_policy(tmp_path, monkeypatch):
     preset = get_config("tiny-byte")
     source = Transformer(preset, rngs=nnx.Rngs(7))
     save_hf_checkpoint(source, preset, tmp_path / "hf")
     start = _leaves(nnx.state(source))
 
-    exp = Experiment(_cfg(str(tmp_path / "hf")), tmp_path / "run")
-    exp.validate()
-    assert exp.model_cfg.d_model == preset.d_model and exp.model_cfg.output_vocab is not None
-    writer = JsonlWriter(tmp_path / "sft_metrics.jsonl")
-    params, _ = exp.sft(writer)  # sft_steps = 0: the RL stage starts from these
-    writer.close()
+    parts = prepare(_cfg(str(tmp_path / "hf")), tmp_path / "run")
+    assert parts.model_cfg.d_model == preset.d_model and parts.model_cfg.output_vocab is not None
+    # sft_steps = 0: the RL stage starts from these
+    params, _ = warmup(parts, tmp_path / "sft_metrics.jsonl")
     got = _leaves(params)
     assert got.keys() == start.keys()
     for k in start:
         np.testing.assert_array_equal(got[k], start[k], err_msg=k)
 
-    summary = exp.run()
+    summary = run(parts)
     assert summary["rl_steps"] == 2
     assert summary["export_dir"] == str(tmp_path / "run" / "export")
     config, model = load_hf_checkpoint(summary["export_dir"])
@@ -73,12 +71,10 @@ def test_run_starts_from_an_hf_checkpoint_and_exports_the_trained_policy(tmp_pat
     assert not (tmp_path / "run" / "export.tmp").exists()
 
     # A resumed run restores its own checkpoint; it never goes back to the HF weights.
-    again = Experiment(_cfg(str(tmp_path / "hf")), tmp_path / "run")
-    again.validate()
-    again.pretrained = lambda: pytest.fail("a resumed run must not reload the HF weights")
-    writer = JsonlWriter(tmp_path / "sft_metrics2.jsonl")
-    again.sft(writer)
-    writer.close()
+    again = prepare(_cfg(str(tmp_path / "hf")), tmp_path / "run")
+    refuse = lambda _parts: pytest.fail("a resumed run must not reload the HF weights")
+    monkeypatch.setattr(warmup_stage, "pretrained_params", refuse)
+    warmup(again, tmp_path / "sft_metrics2.jsonl")
 
 
 def test_the_export_carries_the_runs_own_tokenizer(tmp_path):
@@ -86,11 +82,10 @@ def test_the_export_carries_the_runs_own_tokenizer(tmp_path):
     save_hf_checkpoint(Transformer(preset, rngs=nnx.Rngs(1)), preset, tmp_path / "hf")
     write_bpe(tmp_path / "hf")
     hf = str(tmp_path / "hf")
-    exp = Experiment(dataclasses.replace(_cfg(hf), tokenizer=hf, rl_steps=1), tmp_path / "run")
-    exp.validate()
+    parts = prepare(dataclasses.replace(_cfg(hf), tokenizer=hf, rl_steps=1), tmp_path / "run")
     # The BPE's ids limit the logits, not the byte tokenizer's.
-    assert exp.model_cfg.output_vocab == exp.tokenizer.output_vocab_size <= 320
-    exp.run()
+    assert parts.model_cfg.output_vocab == parts.tokenizer.output_vocab_size <= 320
+    run(parts)
     exported = tmp_path / "run" / "export" / "tokenizer.json"
     assert exported.read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
 
@@ -105,10 +100,10 @@ def test_the_export_carries_the_runs_own_tokenizer(tmp_path):
 )
 def test_bad_model_names_fail_before_any_work(tmp_path, model, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
-        Experiment(_cfg(model), tmp_path)
+        prepare(_cfg(model), tmp_path)
 
 
 def test_a_directory_without_config_json_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="without config.json"):
-        Experiment(_cfg(str(tmp_path / "empty")), tmp_path / "run")
+        prepare(_cfg(str(tmp_path / "empty")), tmp_path / "run")

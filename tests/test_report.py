@@ -1,4 +1,5 @@
-"""jaxrl_orch.tools.report: plots and report.md from a synthetic workdir."""
+"""jaxrl_orch.tools.report (reading in report_data, figures in plots): plots and report.md from a
+synthetic workdir."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from pathlib import Path
 import matplotlib.image as mpimg
 import pytest
 
-from jaxrl_orch.tools import report
-from jaxrl_orch.tools.report import main, read_metrics, write_report
+from jaxrl_orch.tools import plots
+from jaxrl_orch.tools.report import main, write_report
+from jaxrl_orch.tools.report_data import read_metrics, split_records
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -202,16 +204,16 @@ _KEY_LIKE = re.compile(r"/|_s\b|_mean\b|max_staleness|word_order|no_tags")
 
 
 def test_timeline_draws_generate_and_train_as_parallel_lanes_not_stacked():
-    # As older runs wrote them: the step's orch line, then a kind-less timing line for that step.
+    # Lines without a kind: the step's orch line, then a timing line for that step.
     train = [
         {"step": 1, "orch/step_s": 2.0, "train/reward_mean": 0.1},
         {"step": 1, "time/generate_s": 1.5, "time/train_s": 1.25, "time/transfer_s": 0.25},
         {"step": 2, "orch/step_s": 1.75},
         {"step": 2, "time/generate_s": 1.0, "time/train_s": 1.5, "time/idle_s": 0.0},
-        # An older run's step without timing keys: no bars, no crash.
+        # A step without timing keys: no bars, no crash.
         {"step": 3, "orch/step_s": 3.0},
     ]
-    fig = report._plot_timeline(train)
+    fig = plots.timeline(train)
     gen, trn, xfer = (_bars(fig, w) for w in ("generation", "training", "weight transfer"))
     assert [r.get_width() for r in gen] == [1.5, 1.0]
     assert [r.get_width() for r in trn] == [1.25, 1.5]
@@ -245,26 +247,26 @@ def test_reward_legend_names_greedy_and_temperature_in_words():
         {"step": 1, "kind": "train", "train/reward_mean": 0.1},
         {"step": 0, "kind": "eval", **evals},
     ]
-    fig = report._plot_reward(records, {})
+    fig = plots.reward(records, {})
     labels = ["eval T=0.7", "eval T=1", "eval greedy", "train reward (sampled)"]
     assert sorted(_legend(fig)) == labels
     styles = {ln.get_label(): ln.get_linestyle() for ln in fig.axes[0].lines}
     assert styles["eval greedy"] == "-" and styles["eval T=1"] == "--"
-    # Several envs: each curve also names its env; the legacy sampled key takes the summary's T.
+    # Several envs: each curve also names its env; a sampled key without T takes the summary's.
     records[1] = {
         "step": 0,
         "eval/arithmetic/reward_mean": 0.3,
         "eval/reverse_text/reward_mean": 0.2,
         "eval/reverse_text/sampled_reward_mean": 0.1,
     }
-    assert sorted(_legend(report._plot_reward(records, {"eval_temperature": 1.0}))) == [
+    assert sorted(_legend(plots.reward(records, {"eval_temperature": 1.0}))) == [
         "eval T=1, reverse_text",
         "eval greedy, arithmetic",
         "eval greedy, reverse_text",
         "train reward (sampled)",
     ]
-    legacy = [{"step": 0, "eval/reverse_text/sampled_reward_mean": 0.1}]
-    assert _legend(report._plot_reward(legacy, {})) == ["eval sampled"]
+    no_t = [{"step": 0, "eval/reverse_text/sampled_reward_mean": 0.1}]
+    assert _legend(plots.reward(no_t, {})) == ["eval sampled"]
 
 
 def test_no_plot_legend_shows_a_metric_key(tmp_path):
@@ -272,12 +274,12 @@ def test_no_plot_legend_shows_a_metric_key(tmp_path):
     summary = json.loads((workdir / "summary.json").read_text())
     summary["behaviour"] = _BEHAVIOUR
     records = read_metrics(workdir / "metrics.jsonl")
-    _, rest, _, train = report._split(records)
+    _, rest, _, train = split_records(records)
     figs = [
-        report._plot_reward(rest, summary),
-        report._plot_age_hist(summary),
-        report._plot_timeline(train),
-        report._plot_behaviour(summary),
+        plots.reward(rest, summary),
+        plots.age_hist(summary),
+        plots.timeline(train),
+        plots.behaviour(summary),
     ]
     for fig in figs:
         labels = _legend(fig)
@@ -334,7 +336,7 @@ def test_behaviour_table_and_plot(tmp_path):
         "| 5 | 50.0% | 40.0% | 40.0% | 40.0% | 5.0% | 10.0% | 5.0% | 10.0% |",
         "| 10 (final) | 90.0% | 80.0% | 5.0% | 10.0% | 0.0% | 5.0% | 5.0% | 5.0% |",
     ]
-    fig = report._plot_behaviour(json.loads((workdir / "summary.json").read_text()))
+    fig = plots.behaviour(json.loads((workdir / "summary.json").read_text()))
     lines = {ln.get_label(): ln for ln in fig.axes[0].lines}
     assert len(lines) == 8
     full_g, full_s = lines["full reversal, greedy"], lines["full reversal, sampled T=1"]

@@ -16,9 +16,8 @@ import json
 
 import numpy as np
 import pytest
+from support.runs import prepare, run
 from toy_rl import toy_config
-
-from jaxrl_orch.run.experiment import Experiment
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +25,7 @@ pytestmark = pytest.mark.slow
 def test_grpo_raises_a_learnable_reward_from_scratch(tmp_path):
     # Random init (sft_steps = 0): everything the policy gains here comes from RL.
     cfg = toy_config(rl_steps=20, rl_learning_rate=3e-3)
-    exp = Experiment(cfg, tmp_path)
-    exp.validate()
-    summary = exp.run()
+    summary = run(prepare(cfg, tmp_path))
     assert summary["rl_steps"] == 20
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     reward = [r["train/reward_mean"] for r in rows if "train/reward_mean" in r]

@@ -1,8 +1,7 @@
-"""The orchestrator's behaviour, pinned: ``jaxrl-simulate --json`` prints exactly
-what it printed before the wiring was restructured, for S = 0, 1, 2 with ``admit``, ``drop`` and
-``pace`` under fixed and lognormal latency (a fixed seed). The outputs in
-``golden/simulate.jsonl`` were recorded from commit 051007a; a refactor that changes admission,
-shipping, ages or drops changes one of these strings."""
+"""The orchestrator's behaviour, pinned: ``jaxrl-simulate --json`` prints exactly the recorded
+output, for S = 0, 1, 2 with ``admit``, ``drop`` and ``pace`` under fixed and lognormal latency
+(a fixed seed). A change to the wiring must leave ``golden/simulate.jsonl`` as it is; one that
+changes admission, shipping, ages or drops changes one of these strings."""
 
 from __future__ import annotations
 

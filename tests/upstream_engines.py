@@ -9,7 +9,8 @@ here: ``ResultTokens`` carries only token, validity and length columns, and
 decode_state)`` no version. The sampler is the engine's own (fixed at construction).
 
 ``TrainConfig.engine = 'upstream_engines:UpstreamShapedEngine'`` (with ``tests/`` on the path)
-plugs it into a run as a user would plug in theirs.
+plugs it into a run as a user would plug in theirs: the run calls it as a plug-in engine factory,
+``(model_config, mesh=..., limits=EngineLimits(...), tokenizer=..., seed=...)``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl_orch.inference.engine import DecodeEngine
+from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.types import SamplingParams
 
 
@@ -66,8 +68,15 @@ def upstream_result(ours: Any) -> ResultTokens:
 class UpstreamShapedEngine:
     """See the module docstring. Samples at ``temperature`` whatever a request asks for."""
 
-    def __init__(self, model_config: Any, *, temperature: float = 1.0, **kwargs: Any) -> None:
-        self._inner = DecodeEngine(model_config, **kwargs)
+    def __init__(
+        self,
+        model_config: Any,
+        *,
+        limits: EngineLimits = EngineLimits(),
+        temperature: float = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        self._inner = DecodeEngine(model_config, limits=limits, **kwargs)
         self.param_shardings = self._inner.param_shardings
         self.temperature = temperature
         self.max_concurrent_decodes = self._inner.max_concurrent_decodes

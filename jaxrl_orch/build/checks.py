@@ -1,8 +1,8 @@
 """Every example checked before the first step: each RL prompt and each warm-up sample fits.
 
-What it owns: ``check_examples(exp)``, called by ``Experiment.validate``. It reads every example
-of the warm-up source (prompt + demonstration + EOS within ``row_len``), the RL train source
-and both held-out sources (prompt within the engine's prefill limit and, with
+What it owns: ``check_examples(parts, max_prefill)``, called by ``build.run.build_run``. It
+reads every example of the warm-up source (prompt + demonstration + EOS within ``row_len``), the
+RL train source and both held-out sources (prompt within the engine's prefill limit and, with
 ``max_new_tokens``, within ``row_len``): reading one decodes it, so a record that does not
 decode fails here too. The first example that does not fit fails naming where it is (file
 and line for a text file, index and dataset otherwise), its token count, the limit and the
@@ -17,7 +17,10 @@ limit are tokenized. Environments that cannot render a prompt as text are tokeni
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxrl_orch.build.run import RunParts
 
 
 def where(source: Any, i: int) -> str:
@@ -53,29 +56,29 @@ def check_fits(
     return tokenized
 
 
-def check_examples(exp: Any) -> None:
-    """See the module docstring (``exp``: the ``Experiment`` being validated)."""
-    cfg, env = exp.cfg, exp.env
+def check_examples(parts: RunParts, max_prefill: int) -> None:
+    """See the module docstring (``max_prefill``: the engine's prompt limit)."""
+    cfg, env, data = parts.cfg, parts.env, parts.data
     text_of = getattr(env, "prompt_text", None)
     if cfg.sft_steps:
 
         def sample_text(ex: dict[str, Any]) -> str:
-            return text_of(ex) + exp.demonstrator.completion(ex)
+            return text_of(ex) + parts.demonstrator.completion(ex)
 
         check_fits(
-            exp.sft_source,
-            measure=lambda ex: len(exp.sft_sample(ex)),
+            data.sft,
+            measure=lambda ex: len(parts.sft_sample(ex)),
             limit=cfg.row_len,
             what="a warm-up sample (prompt + demonstration + EOS)",
             fix="raise TrainConfig.row_len, shorten TrainConfig.instruction or drop the example",
             text_of=None if text_of is None else sample_text,
         )
-    limit = min(exp.max_prefill, cfg.row_len - cfg.max_new_tokens)
+    limit = min(max_prefill, cfg.row_len - cfg.max_new_tokens)
     why = (
-        f"the engine's prefill limit {exp.max_prefill} (max_target_length // 2) and row_len "
+        f"the engine's prefill limit {max_prefill} (max_target_length // 2) and row_len "
         f"{cfg.row_len} - max_new_tokens {cfg.max_new_tokens}"
     )
-    for name, source in (("RL", exp.train_source), ("eval", exp.eval_source)):
+    for name, source in (("RL", data.train), ("eval", data.eval)):
         check_fits(
             source,
             measure=lambda ex: len(env.prompt_ids(ex)),

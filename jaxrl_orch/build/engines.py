@@ -1,10 +1,13 @@
-"""Which decoding engine the run uses: the built-in one, or a user's JetStream-shaped engine.
+"""Which decoding engine the run uses, built in one place for the run and for ``jaxrl-aot``.
 
-What it owns: ``engine_factory(spec)`` resolves ``TrainConfig.engine``: ``"builtin"`` is
+What it owns: ``build_engine(cfg, model_cfg, mesh, tokenizer)``, the one engine builder: the
+engine's limits from ``engine_limits(cfg)`` (slots, cache length, the prefill limit, decode steps
+per call: the only place they are read from the settings), its dtypes from ``accel``.
+``engine_factory(spec)`` resolves ``TrainConfig.engine``: ``"builtin"`` is
 ``inference.engine.DecodeEngine``; ``"package.module:callable"`` names a factory called with
-the same arguments (``model_config`` positionally; ``mesh``, ``max_concurrent_decodes``,
-``max_target_length``, ``max_prefill_length``, ``steps_per_call``, ``tokenizer``, ``seed`` by
-keyword) that returns an engine with JetStream's method shape (``prefill``, ``insert``,
+the same arguments (``model_config`` positionally; ``mesh``, ``limits`` (an ``EngineLimits``),
+``tokenizer``, ``seed`` by keyword) that returns an engine with JetStream's method shape
+(``prefill``, ``insert``,
 ``generate``, ``init_decode_state``, ``max_concurrent_decodes``, ``max_prefill_length``) plus
 ``param_shardings`` (where the trainer's weights are resharded to). Upstream JetStream's
 results carry no log-probs or versions; ``reports_logprobs(engine)`` says whether an engine's
@@ -13,20 +16,60 @@ have the trainer recompute the behaviour log-probs instead (``recompute_old_logp
 ``to_engine(params, engine)`` moves the trainer's weights onto the engine's shardings, cast to
 its weight dtype on the way (``engine.param_dtype``: bf16 on TPU/GPU for the built-in one).
 
-A bad spec fails in ``Experiment.validate``, naming the value and the allowed forms.
+A bad spec fails in ``build.run.build_run``, naming the value and the allowed forms.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from jaxrl_orch.build.accel import engine_model_config
+from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.inference.engine import DecodeEngine
+from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.inference.requests import accepts
+from jaxrl_orch.models.configs import ModelConfig
 from jaxrl_orch.plugins import load_factory
 from sharding.reshard import reshard
 
 REQUIRED = ("prefill", "insert", "generate", "init_decode_state", "param_shardings")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltEngine:
+    """An engine and what the run must know of it: whether it reports behaviour log-probs,
+    and so whether the trainer recomputes them (``recompute_old_logprobs``)."""
+
+    engine: Any
+    logprobs: bool
+    recompute: bool
+
+
+def engine_limits(cfg: TrainConfig) -> EngineLimits:
+    return EngineLimits(
+        max_concurrent_decodes=cfg.decode_slots,
+        max_target_length=cfg.max_target_length,
+        steps_per_call=cfg.steps_per_call,
+    )
+
+
+def build_engine(
+    cfg: TrainConfig, model_cfg: ModelConfig, mesh: Any, tokenizer: Any, backend: str | None = None
+) -> BuiltEngine:
+    """The engine of ``TrainConfig.engine`` on ``mesh`` with the run's limits and dtypes
+    (``backend``: the one compiled for, default this process's)."""
+    engine_cfg = engine_model_config(model_cfg, cfg, backend)
+    extra = {"param_dtype": engine_cfg.param_dtype} if cfg.engine == "builtin" else {}
+    factory = engine_factory(cfg.engine)
+    limits = engine_limits(cfg)
+    engine = factory(
+        engine_cfg, **extra, mesh=mesh, limits=limits, tokenizer=tokenizer, seed=cfg.seed
+    )
+    check_engine(engine, cfg.engine)
+    logprobs = reports_logprobs(engine)
+    return BuiltEngine(engine, logprobs, recompute_old_logprobs(cfg, logprobs))
 
 
 def engine_factory(spec: str) -> Callable[..., Any]:

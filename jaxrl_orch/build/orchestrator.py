@@ -1,9 +1,10 @@
 """build_orchestrator: the orchestrator's components, built and wired in one place.
 
 What it owns: constructing the gate, dispatcher, train and eval sinks, weight watcher, rollout
-store and periodic logger from the loop's settings (``settings.OrchestratorConfig``) and the
-parts the caller built (the inference pool, environments, sources, trainer, version source,
-reload function, writers), and wiring them together by constructor arguments and callbacks:
+store and periodic logger from the loop's settings (``config.orchestrator.OrchestratorConfig``)
+and the parts the caller built (the inference pool, environments, sources, trainer, version
+source, reload function, writers), wiring them together by constructor arguments and
+callbacks, and handing them to the loop as one ``LoopParts`` with the caller's ``StepHooks``:
 
 - gate <- dispatcher: ``GateHooks(capacity, on_admit, on_finish)`` (train rollouts only); a
   resumed run's gate is recovered by its rule (``gate.resume``) and checks the first step;
@@ -40,8 +41,9 @@ from jaxrl_orch.orchestrator.faults import FaultLog, LoopWatchdog
 from jaxrl_orch.orchestrator.gate import StalenessGate
 from jaxrl_orch.orchestrator.logger import PeriodicLogger
 from jaxrl_orch.orchestrator.loop import Orchestrator
+from jaxrl_orch.orchestrator.parts import LoopParts, StepHooks
 from jaxrl_orch.orchestrator.store import RolloutStore
-from jaxrl_orch.orchestrator.train_sink import TrainSink
+from jaxrl_orch.orchestrator.train_sink import TrainSink, TrainSinkConfig
 from jaxrl_orch.orchestrator.watcher import WeightWatcher
 from jaxrl_orch.types import (
     Environment,
@@ -86,74 +88,102 @@ def build_orchestrator(
     step_metrics: Callable[[int, dict[str, float]], dict[str, float] | None] | None = None,
     sink_kwargs: Mapping[str, Any] | None = None,
 ) -> Orchestrator:
-    cfg = config
-    start_step = policy.version + 1
-    gate = StalenessGate(cfg.max_staleness, cfg.batch_size, cfg.max_concurrent)
-    if start_step > 1:
-        gate.resume(policy.version, recover=cfg.recover_gate_on_resume)
+    """The orchestrator for ``config``, its components built from the caller's parts and wired
+    (the module docstring lists the wiring). ``sink_kwargs`` are ``TrainSinkConfig`` fields
+    (``dynamic_sampling``, ``engine_logprobs``)."""
+    gate = _gate(config, policy)
     eval_plan = eval_plan or EvalPlan()
-    eval_slots = eval_plan.num_examples if eval_plan.sources else 0
     dispatcher = RolloutDispatcher(
         pool,
         envs,
         source,
         policy,
-        DispatchConfig(
-            max_inflight=cfg.max_concurrent + eval_slots,
-            group_size=cfg.group_size,
-            sampling=sampling,
-            env_timeout_s=cfg.env_timeout_s,
-            request_seed=cfg.request_seed,
-        ),
+        _dispatch_config(config, sampling, eval_plan),
         gate=GateHooks(gate.capacity, gate.on_admit, gate.on_finish),
         eval_plan=eval_plan,
         clock=clock,
     )
-
-    def on_discard(n: int) -> None:
-        # Slots the sink gave back may be all the dispatcher is waiting for.
-        gate.on_discard(n)
-        dispatcher.notify()
-
-    train_sink = TrainSink(
-        cfg.group_size,
-        cfg.batch_size,
-        algorithm,
-        first_step=start_step,
-        auto_batch=False,
-        batch_order="oldest" if cfg.age_policy == "pace" else "arrival",
-        on_discard=on_discard,
-        **dict(sink_kwargs or {}),
-    )
+    train_sink = _train_sink(config, policy, algorithm, gate, dispatcher, sink_kwargs)
     eval_sink = EvalSink()
     watcher = WeightWatcher(version_source, reload_fn, policy, observers=[gate], clock=clock)
     t = telemetry
     faults = FaultLog(os.path.join(t.store_dir, "errors.jsonl") if t.store_dir else None)
-    watchdog = LoopWatchdog(cfg.loop_block_warn_s) if cfg.loop_block_warn_s else None
-    sources = [dispatcher, gate, train_sink, eval_sink, watcher, faults, *t.gauge_sources]
-    logger = PeriodicLogger(
-        [*sources, *([watchdog] if watchdog else [])],
-        list(t.gauge_writers),
-        interval_s=t.log_interval_s,
-        clock=clock,
-        # Gauge rows carry the last trained step, so they line up with the step rows.
-        step_fn=lambda: policy.version,
-    )
-    return Orchestrator(
-        cfg,
-        policy,
+    watchdog = LoopWatchdog(config.loop_block_warn_s) if config.loop_block_warn_s else None
+    gauged = [dispatcher, gate, train_sink, eval_sink, watcher, faults, *t.gauge_sources]
+    parts = LoopParts(
         gate=gate,
         dispatcher=dispatcher,
         train_sink=train_sink,
         eval_sink=eval_sink,
         watcher=watcher,
-        logger=logger,
-        trainer=trainer,
+        logger=_logger(policy, t, clock, [*gauged, *([watchdog] if watchdog else [])]),
         store=RolloutStore(t.store_dir) if t.store_dir else None,
-        writers=t.writers,
-        clock=clock,
-        on_step=on_step,
-        step_metrics=step_metrics,
         faults=faults,
         watchdog=watchdog,
+    )
+    return Orchestrator(
+        config,
+        policy,
+        parts,
+        trainer=trainer,
+        writers=t.writers,
+        clock=clock,
+        hooks=StepHooks(on_step=on_step, step_metrics=step_metrics),
+    )
+
+
+def _gate(config: OrchestratorConfig, policy: PolicyHandle) -> StalenessGate:
+    """The admission gate; a resumed run's is recovered by its rule and checks the first step."""
+    gate = StalenessGate(config.max_staleness, config.batch_size, config.max_concurrent)
+    if policy.version > 0:
+        gate.resume(policy.version, recover=config.recover_gate_on_resume)
+    return gate
+
+
+def _dispatch_config(
+    config: OrchestratorConfig, sampling: SamplingParams, eval_plan: EvalPlan
+) -> DispatchConfig:
+    # Eval rollouts get permits of their own on top of the train ones the gate bounds.
+    eval_slots = eval_plan.num_examples if eval_plan.sources else 0
+    return DispatchConfig(
+        max_inflight=config.max_concurrent + eval_slots,
+        group_size=config.group_size,
+        sampling=sampling,
+        env_timeout_s=config.env_timeout_s,
+        request_seed=config.request_seed,
+    )
+
+
+def _train_sink(
+    config: OrchestratorConfig,
+    policy: PolicyHandle,
+    algorithm: Any,
+    gate: StalenessGate,
+    dispatcher: RolloutDispatcher,
+    sink_kwargs: Mapping[str, Any] | None,
+) -> TrainSink:
+    def on_discard(n: int) -> None:
+        # Slots the sink gave back may be all the dispatcher is waiting for.
+        gate.on_discard(n)
+        dispatcher.notify()
+
+    settings = TrainSinkConfig(
+        group_size=config.group_size,
+        batch_size=config.batch_size,
+        batch_order="oldest" if config.age_policy == "pace" else "arrival",
+        **dict(sink_kwargs or {}),
+    )
+    return TrainSink(settings, algorithm, first_step=policy.version + 1, on_discard=on_discard)
+
+
+def _logger(
+    policy: PolicyHandle, telemetry: Telemetry, clock: Callable[[], float], sources: list[Any]
+) -> PeriodicLogger:
+    return PeriodicLogger(
+        sources,
+        list(telemetry.gauge_writers),
+        interval_s=telemetry.log_interval_s,
+        clock=clock,
+        # Gauge rows carry the last trained step, so they line up with the step rows.
+        step_fn=lambda: policy.version,
     )

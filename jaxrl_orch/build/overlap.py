@@ -19,8 +19,9 @@ A step period is the time from one train step's start to the next one's: in a st
 exactly the run's time per step. Measured on the trainer's worker thread (``training()`` wraps
 each step); the engine's driver waits on ``engine_may_run`` between calls.
 
-Who uses it: ``roles.engine_side`` builds it for an engine in the trainer's process (replicas on
-other hosts never share the trainer's cores) and ``TrainConfig.overlap`` names the mode.
+Who uses it: ``schedule_for(cfg, colocated)`` is the one place that decides between synchronous,
+overlapped and measured, for an engine in the trainer's process (``sides.InProcessSide``;
+replicas on other hosts never share the trainer's cores); ``TrainConfig.overlap`` names the mode.
 """
 
 from __future__ import annotations
@@ -32,12 +33,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from jaxrl_orch.orchestrator.metrics.writers import stage
+
 MODES = ("auto", "overlapped", "sliced")
-
-
-def probe_steps(settle: int = 1, probe: int = 2) -> int:
-    """Train steps an ``auto`` probe spans: from the next one on, the decision holds."""
-    return settle + 2 * probe + 1
 
 
 class OverlapSchedule:
@@ -49,6 +47,7 @@ class OverlapSchedule:
         settle: int = 1,
         announce: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        synchronous: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"overlap must be one of {MODES}, got {mode!r}")
@@ -64,6 +63,8 @@ class OverlapSchedule:
         self._seen = 0  # step periods observed so far
         self._periods: dict[str, list[float]] = {"overlapped": [], "sliced": []}
         self.decision: dict[str, Any] | None = None if mode == "auto" else {"mode": mode}
+        if synchronous:
+            self.decision = {"mode": "synchronous"}
 
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:
@@ -111,3 +112,19 @@ class OverlapSchedule:
             else "overlapping generation and training is faster: kept"
         )
         self._announce(f"{verdict} (overlapped {over:.2f} s/step, time-sliced {sliced:.2f})")
+
+
+def schedule_for(max_staleness: int, mode: str, colocated: bool, backend: str) -> OverlapSchedule:
+    """S = 0 is synchronous: the engine never waits, nothing to time. ``auto`` measures only
+    where engine and trainer share cores (a CPU host, or one set of devices); separate chips
+    always overlap."""
+    if max_staleness == 0:
+        return OverlapSchedule("overlapped", synchronous=True)
+    if mode == "auto" and not (colocated or backend == "cpu"):
+        mode = "overlapped"
+    return OverlapSchedule(mode, announce=lambda line: stage("overlap", line))
+
+
+def probe_steps(settle: int = 1, probe: int = 2) -> int:
+    """Train steps an ``auto`` probe spans: from the next one on, the decision holds."""
+    return settle + 2 * probe + 1

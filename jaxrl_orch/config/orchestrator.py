@@ -1,10 +1,15 @@
-"""Settings of the orchestrator's loop, as data: importable from ``config.py`` without climbing.
+"""Settings of the orchestrator's loop, as data: importable from ``config/train.py`` without
+climbing.
 
 What it owns: ``OrchestratorConfig`` (the loop's own settings: step target, batch and group
-sizes, the staleness bound S, concurrency, the observed-age policy, the version hold, eval
-cadence, timeouts) and ``AGE_POLICIES``, with their validation. ``TrainConfig`` (``config.py``)
+sizes, the staleness bound S, concurrency, the observed-age policy, eval cadence, timeouts) and
+``AGE_POLICIES``, with their validation and defaults. ``TrainConfig`` (``config/train.py``)
 composes it from its flat gin fields (``TrainConfig.orchestrator``), so a user still binds
 ``TrainConfig.max_staleness = 2``; the orchestrator gets only this, never the root config.
+
+Invariants: a built ``OrchestratorConfig`` is valid and fully resolved (``max_concurrent`` is
+an int: its default is derived here and nowhere else). S bounds both the admission gate and the
+version hold (batch ``step`` ships once the trainer has published ``step - 1 - S``).
 
 Pure dataclasses: no JAX, no asyncio, no imports of the package beyond the standard library.
 """
@@ -23,19 +28,17 @@ class OrchestratorConfig:
     max_steps: int
     batch_size: int  # rollouts per training batch (B)
     group_size: int
-    max_staleness: int = 1  # S: the admission gate's bound, in policy versions
-    max_concurrent: int = 64  # in-flight train rollouts (dispatcher permits and gate)
+    max_staleness: int = 1  # S: the admission gate's bound and the version hold's, in versions
+    # In-flight train rollouts (dispatcher permits and gate). None: (S + 1) * B, the most the
+    # gate can ever admit ahead of the trainer, so concurrency never binds before staleness.
+    max_concurrent: int | None = None
     age_policy: str = "admit"
-    max_lag: int | None = None  # version hold; None means max_staleness
     empty_batch_limit: int = 10
     eval_every: int | None = None
     eval_at_start: bool = True
-    bench: bool = False
-    poll_s: float = 0.5
     # No progress (no rollout landed, no step shipped or trained) for this long raises
     # PipelineStallError naming what the pipeline waits on; None disables (the simulator).
     stall_timeout_s: float | None = 600.0
-    shutdown_timeout_s: float = 30.0
     env_timeout_s: float | None = 600.0  # a rollout running longer is cancelled (an error)
     drain_timeout_s: float = 60.0  # after SIGTERM: in-flight work past it is cancelled
     loop_block_warn_s: float | None = 2.0  # event-loop stalls longer are reported by name
@@ -46,10 +49,14 @@ class OrchestratorConfig:
     def __post_init__(self) -> None:
         if self.age_policy not in AGE_POLICIES:
             raise ValueError(f"age_policy must be one of {AGE_POLICIES}, got {self.age_policy!r}")
-        for name in ("max_steps", "batch_size", "group_size", "max_concurrent"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness!r}")
+        for name in ("max_steps", "batch_size", "group_size"):
+            _check_positive_int(name, getattr(self, name))
+        if self.max_concurrent is None:
+            # Frozen: the one place the default is resolved writes it through object.
+            object.__setattr__(self, "max_concurrent", (self.max_staleness + 1) * self.batch_size)
+        _check_positive_int("max_concurrent", self.max_concurrent)
         if self.batch_size % self.group_size:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of group_size "
@@ -64,11 +71,8 @@ class OrchestratorConfig:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0 seconds (or None to disable), got {v!r}")
-        if self.max_staleness < 0 or (self.max_lag is not None and self.max_lag < 0):
-            raise ValueError(
-                f"max_staleness and max_lag must be >= 0, got {self.max_staleness}, {self.max_lag}"
-            )
 
-    @property
-    def lag(self) -> int:
-        return self.max_staleness if self.max_lag is None else self.max_lag
+
+def _check_positive_int(name: str, v: object) -> None:
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")

@@ -98,6 +98,7 @@ class TrainConfig:
     # engine lives in the trainer's process (jaxrl-launch-local starts both)
     engine_replicas: int = 0
     weight_pull_timeout_s: float = 120.0  # a replica's pull of a new version longer: it fails
+    replica_request_timeout_s: float = 600.0  # one generate request to a replica longer: an error
     # accelerator path: precision, kernels, memory (python -m jaxrl_orch.tools.aot checks the fit)
     compute_dtype: str = "auto"  # matmuls, activations; "auto": bfloat16 on TPU/GPU, else float32
     param_dtype: str = "float32"  # the trainer's master weights and Adam moments (or "bfloat16")
@@ -197,11 +198,11 @@ class TrainConfig:
                 "TrainConfig.after_warmup='sft' (the imitation control) runs in one process; "
                 f"set engine_replicas = 0 (got {self.engine_replicas})"
             )
-        if not self.weight_pull_timeout_s > 0:
-            raise ValueError(
-                f"TrainConfig.weight_pull_timeout_s must be > 0 seconds, got "
-                f"{self.weight_pull_timeout_s}"
-            )
+        for name in ("weight_pull_timeout_s", "replica_request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(
+                    f"TrainConfig.{name} must be > 0 seconds, got {getattr(self, name)}"
+                )
         names = ("sft_steps", "max_staleness", "rl_warmup_steps", "sft_warmup_steps")
         for name in (*names, "engine_replicas"):
             if getattr(self, name) < 0:

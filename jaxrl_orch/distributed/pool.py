@@ -45,6 +45,7 @@ class RemotePool:
         request_timeout_s: float,
         pull_timeout_s: float,
         probe_interval_s: float = 1.0,
+        layout: dict | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("RemotePool needs at least one replica address")
@@ -53,7 +54,7 @@ class RemotePool:
             for i, a in enumerate(addresses)
         ]
         self.offer = offer
-        self.layout: dict | None = None  # how offers are laid out, when not the replicas' own
+        self.layout = layout  # how offers are laid out, when not the replicas' own
         self.pull_timeout_s = pull_timeout_s
         self.probe_interval_s = probe_interval_s
         self.live: set[int] = set()

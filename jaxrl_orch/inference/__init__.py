@@ -3,6 +3,7 @@
 - ``engine_api``: ``ResultTokens`` / ``SlotData`` and the ``Engine`` Protocol the driver drives.
 - ``sampling``: per-slot temperature / top-k / top-p sampling with behavior log-probs (jnp).
 - ``decode_state``: the decode state's layout and pure slot operations (insert, move, narrow).
+- ``limits``: ``EngineLimits``, the slot / length / step limits an engine is built with.
 - ``engine``: ``DecodeEngine``, the Transformer behind the Engine methods on a decode mesh.
 - ``driver``: ``InferenceDriver``, slots, prefix sharing, param hot-swap, one loop thread.
 - ``client``: ``EngineClient`` / ``ClientPool``, the ``types.InferenceClient`` / ``InferencePool``.

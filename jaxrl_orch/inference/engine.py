@@ -6,6 +6,12 @@ state (layout and slot operations in ``decode_state``) and three jitted programs
 decode steps for every slot in one ``lax.scan``, one host round trip), plus
 ``move_slot`` for drivers that narrow the decode width.
 
+Construction: ``DecodeEngine(config, *, mesh, limits=EngineLimits(...), decode_widths,
+cache_dtype, param_dtype, tokenizer, seed)``. ``limits`` (``inference/limits.py``) fixes every
+shape: slots, cache length, prefill limit, steps per call, stop ids per slot; the engine exposes
+them under JetStream's names (``max_concurrent_decodes``, ``max_prefill_length``,
+``max_target_length``, ``steps_per_call``, ``max_stop_tokens``), read-only.
+
 Decode width: a step's cost is nearly proportional to the slots it runs (measured 2.9 / 6.3 /
 11.4 / 16.5 ms per step at 4 / 8 / 16 / 32 slots of small-byte), so ``generate(..., width=w)``
 runs only slots ``[0, w)`` for w in ``decode_widths`` (default: the slot count and its halvings
@@ -60,6 +66,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_orch.inference import decode_state as dstate  # the JetStream args are named decode_state
 from jaxrl_orch.inference.engine_api import ResultTokens
+from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.inference.sampling import row_keys, sample_tokens
 from jaxrl_orch.models.tokenizer import ByteTokenizer
 from jaxrl_orch.models.transformer import (
@@ -80,33 +87,16 @@ class DecodeEngine:
         config: ModelConfig,
         *,
         mesh: Mesh | None = None,
-        max_concurrent_decodes: int = 8,
-        max_target_length: int = 256,
-        max_prefill_length: int | None = None,
-        steps_per_call: int = 4,
-        max_stop_tokens: int = 4,
+        limits: EngineLimits = EngineLimits(),
         decode_widths: Sequence[int] | None = None,
         cache_dtype: Any = None,
         param_dtype: Any = None,
         tokenizer: Any = None,
         seed: int = 0,
     ) -> None:
-        max_prefill_length = max_prefill_length or max_target_length // 2
-        for name, value in (
-            ("max_concurrent_decodes", max_concurrent_decodes),
-            ("max_target_length", max_target_length),
-            ("max_prefill_length", max_prefill_length),
-            ("steps_per_call", steps_per_call),
-            ("max_stop_tokens", max_stop_tokens),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if max_prefill_length > max_target_length:
-            raise ValueError(
-                f"max_prefill_length={max_prefill_length} must be <= "
-                f"max_target_length={max_target_length} (the prompt has to fit the cache)"
-            )
-        widths = dstate.check_widths(decode_widths, max_concurrent_decodes)
+        self.limits = limits
+        slots = limits.max_concurrent_decodes
+        widths = dstate.check_widths(decode_widths, slots)
         if mesh is None:
             mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
         if "tp" not in mesh.axis_names:
@@ -115,11 +105,6 @@ class DecodeEngine:
         self.param_dtype = jnp.dtype(param_dtype or config.dtype)
         self.config = config = dataclasses.replace(config, param_dtype=self.param_dtype)
         self._mesh = mesh
-        self._slots = max_concurrent_decodes
-        self.max_target_length = max_target_length
-        self._max_prefill = max_prefill_length
-        self.steps_per_call = steps_per_call
-        self.max_stop_tokens = max_stop_tokens
         self.decode_widths = widths
         self.cache_dtype = jnp.dtype(cache_dtype or config.dtype)
         self._tokenizer = tokenizer
@@ -131,7 +116,7 @@ class DecodeEngine:
             logical_specs(abstract_state), mesh, DECODE_RULES, shapes=_shapes(abstract_state)
         )
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        self._cache_shardings = self._cache_sharding(max_target_length, max_concurrent_decodes)
+        self._cache_shardings = self._cache_sharding(limits.max_target_length, slots)
         self._state_shardings = {
             **{k: self._replicated for k in dstate.STATE_KEYS},
             "cache": self._cache_shardings,
@@ -148,11 +133,15 @@ class DecodeEngine:
     # ------------------------------------------------------------------ JetStream properties
 
     # JetStream's read-only properties.
-    max_concurrent_decodes = property(lambda self: self._slots)
-    max_prefill_length = property(lambda self: self._max_prefill)
+    max_concurrent_decodes = property(lambda self: self.limits.max_concurrent_decodes)
+    max_prefill_length = property(lambda self: self.limits.max_prefill_length)
     samples_per_slot = property(lambda self: 1)
     mesh = property(lambda self: self._mesh)
     colocated_cpus = property(lambda self: None)
+    # The other limits, read by drivers and tools under their JetStream-era names.
+    max_target_length = property(lambda self: self.limits.max_target_length)
+    steps_per_call = property(lambda self: self.limits.steps_per_call)
+    max_stop_tokens = property(lambda self: self.limits.max_stop_tokens)
 
     def get_tokenizer(self) -> Any:
         if self._tokenizer is None and self.config.vocab_size == ByteTokenizer().vocab_size:
@@ -192,8 +181,9 @@ class DecodeEngine:
         return abstract_arrays(jax.eval_shape(self._build_state), self._state_shardings)
 
     def _build_state(self) -> dict[str, Any]:
-        args = (self._slots, self.max_target_length, self.cache_dtype, self.max_stop_tokens)
-        return dstate.build(self.config, *args, self._seed)
+        lim = self.limits
+        args = (lim.max_concurrent_decodes, lim.max_target_length, self.cache_dtype)
+        return dstate.build(self.config, *args, lim.max_stop_tokens, self._seed)
 
     def init_decode_state(self) -> dict[str, Any]:
         if self._init_state_fn is None:  # compiled once: a driver restart must not recompile
@@ -214,9 +204,9 @@ class DecodeEngine:
             raise NotImplementedError("DecodeEngine.prefill does not extend an existing_prefix")
         tokens = np.asarray(padded_tokens, dtype=np.int32).reshape(-1)
         length = tokens.shape[0]
-        if length > self._max_prefill:
+        if length > self.max_prefill_length:
             raise ValueError(
-                f"padded_tokens has {length} tokens; max_prefill_length={self._max_prefill}"
+                f"padded_tokens has {length} tokens; max_prefill_length={self.max_prefill_length}"
             )
         if not 1 <= true_length <= length:
             raise ValueError(f"true_length must be in [1, {length}], got {true_length}")
@@ -250,8 +240,8 @@ class DecodeEngine:
         sampling: SamplingParams | None = None,
     ) -> dict[str, Any]:
         """Put ``prefix`` into ``slot`` with its own ``sampling`` (default: SamplingParams())."""
-        if not 0 <= slot < self._slots:
-            raise ValueError(f"slot must be in [0, {self._slots}), got {slot}")
+        if not 0 <= slot < self.max_concurrent_decodes:
+            raise ValueError(f"slot must be in [0, {self.max_concurrent_decodes}), got {slot}")
         fields = dstate.slot_fields(prefix, sampling or SamplingParams(), self.max_stop_tokens)
         length = jax.tree.leaves(prefix["cache"])[0].shape[-2]
         fn = self._insert_fns.get(length)
@@ -265,8 +255,10 @@ class DecodeEngine:
         """Move the request in slot ``src`` (KV rows and per-slot fields) to slot ``dst``;
         ``src`` becomes inactive. Lets a driver pack running requests below a narrower width."""
         for name, slot in (("src", src), ("dst", dst)):
-            if not 0 <= slot < self._slots:
-                raise ValueError(f"{name} slot must be in [0, {self._slots}), got {slot}")
+            if not 0 <= slot < self.max_concurrent_decodes:
+                raise ValueError(
+                    f"{name} slot must be in [0, {self.max_concurrent_decodes}), got {slot}"
+                )
         return self._move_fn(decode_state, np.int32(src), np.int32(dst))
 
     # ------------------------------------------------------------------ generate
@@ -285,7 +277,7 @@ class DecodeEngine:
         result has ``width`` rows; a driver narrows the width only once every running request
         sits below it (``move_slot``).
         """
-        width = self._slots if width is None else width
+        width = self.max_concurrent_decodes if width is None else width
         state, data = self.generate_program(width)(params, decode_state, np.int32(version))
         k = self.steps_per_call
         return state, ResultTokens(
@@ -317,7 +309,7 @@ class DecodeEngine:
         self, params: Any, full: dict[str, Any], version: jax.Array, *, width: int
     ) -> tuple[dict[str, Any], jax.Array]:
         state, data = self._decode_steps(params, dstate.head(full, width), version)
-        if width == self._slots:  # head() of every slot is the state itself: no copy
+        if width == self.max_concurrent_decodes:  # every slot: the state itself, no copy
             return state, data
         return dstate.put_head(full, state), data
 

@@ -15,7 +15,7 @@ Protocol (driven by the orchestrator's main loop):
 
 Metrics per batch (``eval/<env>/...``): ``rollouts`` (n), ``errors`` (rollouts with an error),
 ``nonfinite_rewards``, and over the scored rollouts (no error, finite reward): ``reward_mean``,
-``reward_std``, ``pass_rate`` (fraction with ``reward >= pass_threshold``) and
+``reward_std``, ``pass_rate`` (fraction with ``reward >= PASS_THRESHOLD``, a full score) and
 ``model_tokens_mean``, plus ``behaviour/<name>`` for every per-rollout metric an env labels
 that way (one-hot labels, so the mean is that behaviour's share of the scored answers).
 Errored rollouts are kept out of the reward statistics and reported in ``errors`` instead, so
@@ -31,12 +31,14 @@ never imports another orchestrator component and never writes metrics itself.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import numpy as np
 
 from jaxrl_orch.orchestrator.stats import behaviour_shares
 from jaxrl_orch.types import Episode, EvalBatch, Rollout, has_nonfinite_reward
+
+# An eval rollout passes when its reward reaches this: a full score.
+PASS_THRESHOLD = 1.0
 
 
 class _Expectation:
@@ -51,7 +53,9 @@ class _Expectation:
         return self.n - len(self.rollouts)
 
 
-def eval_metrics(env: str, rollouts: list[Rollout], pass_threshold: float) -> dict[str, float]:
+def eval_metrics(
+    env: str, rollouts: list[Rollout], pass_threshold: float = PASS_THRESHOLD
+) -> dict[str, float]:
     """The per-env summary of one evaluation (see the module docstring for the keys)."""
     p = f"eval/{env}/"
     errors = sum(r.has_error for r in rollouts)
@@ -70,8 +74,7 @@ def eval_metrics(env: str, rollouts: list[Rollout], pass_threshold: float) -> di
 
 
 class EvalSink:
-    def __init__(self, *, pass_threshold: float | Mapping[str, float] = 1.0) -> None:
-        self.pass_threshold = pass_threshold
+    def __init__(self) -> None:
         self._open: dict[tuple[int, str], _Expectation] = {}
         self._running = False
         self._batches = 0
@@ -84,17 +87,6 @@ class EvalSink:
     def stop(self) -> None:
         self._running = False
 
-    def threshold_for(self, env: str) -> float:
-        if not isinstance(self.pass_threshold, Mapping):
-            return float(self.pass_threshold)
-        try:
-            return float(self.pass_threshold[env])
-        except KeyError:
-            raise ValueError(
-                f"no pass_threshold configured for env {env!r}; "
-                f"known: {sorted(self.pass_threshold)}"
-            ) from None
-
     def expect(self, step: int, env: str, n: int) -> None:
         """Announce that eval step ``step`` will produce ``n`` rollouts of ``env``."""
         if n < 1:
@@ -102,7 +94,6 @@ class EvalSink:
         key = (int(step), env)
         if key in self._open:
             raise ValueError(f"eval of env {env!r} at step {step} is already expected")
-        self.threshold_for(env)  # fail at scheduling time, not when the results arrive
         self._open[key] = _Expectation(int(step), env, int(n))
 
     def add(self, episode: Episode) -> EvalBatch | None:
@@ -134,7 +125,7 @@ class EvalSink:
             step=exp.step,
             env=exp.env,
             rollouts=exp.rollouts,
-            metrics=eval_metrics(exp.env, exp.rollouts, self.threshold_for(exp.env)),
+            metrics=eval_metrics(exp.env, exp.rollouts),
         )
 
     def _find(self, episode: Episode) -> _Expectation:

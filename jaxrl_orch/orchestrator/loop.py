@@ -3,20 +3,22 @@
 What it owns: running the components, the main loop that routes finished episodes and ships
 training batches, the drain, a bounded shutdown, and ``state()`` / ``restore()``; the step rows
 are the ``StepLedger``'s (one per step, once trained). It builds nothing: ``build_orchestrator``
-(``build/orchestrator.py``) builds and wires the components; the caller creates the shared
+(``build/orchestrator.py``) builds and wires the components and hands them over as
+``parts.LoopParts``, with the caller's ``parts.StepHooks``; the caller creates the shared
 ``PolicyHandle``, whose version (the trainer's) fixes the first step.
 
 Shipping batch ``step`` (1-based; after it trains, the trainer publishes version ``step``):
 1. drain instead once ``step > max_steps``;
-2. version hold (prime-rl): wait until ``policy.version >= step - 1 - max_lag`` (``bench``
-   bypasses it); a hold parked longer than ``stall_timeout_s`` raises ``WatcherStallError``;
+2. version hold (prime-rl): wait until ``policy.version >= step - 1 - max_staleness``; a hold
+   parked longer than ``stall_timeout_s`` raises ``WatcherStallError``;
 3. observed-age policy (DESIGN.md section 4): ``pace`` also waits until no train rollout still
    in flight started before version ``step - max_staleness`` (it would land too late to be
    trained within the bound), and batches take the oldest heads first;
-4. take the batch from the sink; an empty one counts towards the empty-batch guard;
-5. stamp ``off_policy_steps = (step - 1) - head_version`` on live-policy rollouts; ``drop``
-   discards rollouts past the bound here and cancels in-flight ones that can no longer make it;
-6. persist the trained rollouts, then ship, then ``step += 1``.
+4. take the batch from the sink; ``drop`` discards its rollouts past the bound, and a batch
+   left empty is not shipped but counts towards the empty-batch guard;
+5. stamp ``off_policy_steps = (step - 1) - head_version`` on live-policy rollouts;
+6. persist the trained rollouts, then ship, then ``step += 1``; ``drop`` then cancels in-flight
+   rollouts that can no longer make it within the bound.
 
 Bounded: nothing moving for ``stall_timeout_s`` raises ``PipelineStallError`` (``progress``);
 a SIGTERM drain past ``drain_timeout_s`` cancels what is in flight; error rollouts are
@@ -36,12 +38,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxrl_orch.config.orchestrator import OrchestratorConfig
-from jaxrl_orch.orchestrator.dispatcher.dispatch import RolloutDispatcher
-from jaxrl_orch.orchestrator.eval_sink import EvalSink
-from jaxrl_orch.orchestrator.faults import FaultLog, LoopWatchdog, warn
-from jaxrl_orch.orchestrator.gate import StalenessGate
+from jaxrl_orch.orchestrator.faults import warn
 from jaxrl_orch.orchestrator.ledger import StepLedger, StepRecord, drop_stale, stamp_ages
-from jaxrl_orch.orchestrator.logger import PeriodicLogger
+from jaxrl_orch.orchestrator.parts import LoopParts, StepHooks
 from jaxrl_orch.orchestrator.progress import (
     Progress,
     check_resume_state,
@@ -49,10 +48,13 @@ from jaxrl_orch.orchestrator.progress import (
     next_episode,
     waiting_on,
 )
-from jaxrl_orch.orchestrator.store import RolloutStore
-from jaxrl_orch.orchestrator.train_sink import TrainSink
-from jaxrl_orch.orchestrator.watcher import WeightWatcher
 from jaxrl_orch.types import EvalBatch, MetricsWriter, PolicyHandle, Rollout, TrainBatch, Trainer
+
+# How long the main loop waits for an episode before it rechecks the drain, the ledger and the
+# background tasks; an episode landing or a new policy version wakes it sooner.
+POLL_S = 0.5
+# Each component's stop() at shutdown: everything that matters is already on disk by then.
+SHUTDOWN_TIMEOUT_S = 30.0
 
 
 class EmptyBatchError(RuntimeError):
@@ -66,32 +68,25 @@ class Orchestrator:
         self,
         config: OrchestratorConfig,
         policy: PolicyHandle,
+        parts: LoopParts,
         *,
-        gate: StalenessGate,
-        dispatcher: RolloutDispatcher,
-        train_sink: TrainSink,
-        eval_sink: EvalSink,
-        watcher: WeightWatcher,
-        logger: PeriodicLogger,
         trainer: Trainer,
-        store: RolloutStore | None = None,
         writers: Sequence[MetricsWriter] = (),
         clock: Callable[[], float] = time.monotonic,
-        on_step: Callable[[int, dict[str, Any]], Any] | None = None,
-        step_metrics: Callable[[int, dict[str, float]], dict[str, float] | None] | None = None,
-        faults: FaultLog | None = None,
-        watchdog: LoopWatchdog | None = None,
+        hooks: StepHooks = StepHooks(),
     ) -> None:
         self.config = config
         self.clock = clock
         self.trainer = trainer
-        self.on_step = on_step
+        self.on_step = hooks.on_step
         # Versions count finished optimizer steps, so a run resumed before step k holds k - 1.
         self.policy = policy
         self.step = self.start_step = policy.version + 1
         self.resumed = self.start_step > 1
-        self.gate, self.dispatcher, self.watcher, self.logger = gate, dispatcher, watcher, logger
-        self.train_sink, self.eval_sink, self.store = train_sink, eval_sink, store
+        self.gate, self.dispatcher, self.watcher = parts.gate, parts.dispatcher, parts.watcher
+        self.train_sink, self.eval_sink = parts.train_sink, parts.eval_sink
+        self.logger, self.store = parts.logger, parts.store
+        self.faults, self.watchdog = parts.faults, parts.watchdog
         # Per-step and per-eval metrics go here; periodic gauge snapshots go to gauge_writers.
         self.writers = list(writers)
         self.stopped = asyncio.Event()
@@ -102,10 +97,9 @@ class Orchestrator:
         self._tasks: list[asyncio.Task] = []
         self._failed: asyncio.Task | None = None
         # One row per step, written once trained (``step_metrics``) or at ship time.
-        self.ledger = StepLedger(clock, self.write_metrics, step_metrics)
+        self.ledger = StepLedger(clock, self.write_metrics, hooks.step_metrics)
         self._last_shipped_step = self.start_step - 1
         self._final_eval_due = False
-        self.faults, self.watchdog = faults or FaultLog(), watchdog
         self.progress = Progress(clock, config.stall_timeout_s, self._waiting_on)
         self._drain_deadline: float | None = None
         self.abandoned = False  # the drain deadline passed: in-flight work was cancelled
@@ -150,7 +144,7 @@ class Orchestrator:
 
     async def shutdown(self) -> None:
         self.ledger.flush(final=True)
-        timeout = self.config.shutdown_timeout_s
+        timeout = SHUTDOWN_TIMEOUT_S
         stops = (
             self.dispatcher.stop,
             self.watcher.stop,
@@ -191,7 +185,7 @@ class Orchestrator:
             episode = (
                 q.get_nowait()
                 if q.qsize()
-                else await next_episode(self.dispatcher.out_q, self.policy, self.config.poll_s)
+                else await next_episode(self.dispatcher.out_q, self.policy, POLL_S)
             )
             while episode is not None:
                 self._route(episode)
@@ -216,7 +210,7 @@ class Orchestrator:
             return False
         return (
             self.step > cfg.max_steps
-            or (not cfg.bench and self.policy.version < self.step - 1 - cfg.lag)
+            or self.policy.version < self.step - 1 - cfg.max_staleness
             or self.train_sink.ready_count >= cfg.batch_size
         )
 
@@ -255,7 +249,7 @@ class Orchestrator:
         if self.eval_sink.pending() and not self.abandoned:
             return False
         # The trainer must have finished what was shipped: the final state matches the data.
-        if not self.config.bench and self.policy.version < self._last_shipped_step:
+        if self.policy.version < self._last_shipped_step:
             return False
         if self._final_eval_due:
             # Evaluate the final weights, not whatever version was live when the drain began.
@@ -298,8 +292,8 @@ class Orchestrator:
             if self.step > cfg.max_steps:
                 self._begin_final_drain()
                 return
-            required = self.step - 1 - cfg.lag
-            if not cfg.bench and self.policy.version < required:
+            required = self.step - 1 - cfg.max_staleness
+            if self.policy.version < required:
                 # Checked before the batch is even full: a stalled trainer also closes the gate,
                 # so the batch may never fill. Parks the main loop (the dispatcher keeps
                 # generating into out_q); a hold that outlasts stall_timeout_s raises
@@ -381,12 +375,13 @@ class Orchestrator:
     def restore(self, state: Mapping[str, Any]) -> None:
         """The mirror of ``state()``, before ``start()``, on an orchestrator built for the
         restored trainer (``start_step`` = its version + 1). The saved loop may have shipped
-        up to ``lag + 1`` steps the trainer had not trained yet: those batches are regenerated
-        (their prompts are not replayed), so a saved step outside ``[start_step, start_step +
-        lag + 1]`` means the checkpoint's parts disagree and fails. The gate's saved counters
-        are not copied: the constructor already recovered it by its rule (``gate.resume``), so
-        the first step after a resume admits at most ``(S + 1) * B``."""
-        check_resume_state(state, self.step, self.policy.version, self.config.lag)
+        up to ``S + 1`` steps the trainer had not trained yet (S = ``max_staleness``, the
+        hold's bound): those batches are regenerated (their prompts are not replayed), so a
+        saved step outside ``[start_step, start_step + S + 1]`` means the checkpoint's parts
+        disagree and fails. The gate's saved counters are not copied: ``build_orchestrator``
+        already recovered it by its rule (``gate.resume``), so the first step after a resume
+        admits at most ``(S + 1) * B``."""
+        check_resume_state(state, self.step, self.policy.version, self.config.max_staleness)
         # Lifetime counters come back; batches are numbered from the trainer's step.
         self.train_sink.restore({**state["train_sink"], "step": self.step})
         self.dispatcher.restore(state["dispatcher"])

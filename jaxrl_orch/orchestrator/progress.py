@@ -58,14 +58,17 @@ class Progress:
             )
 
 
-def check_resume_state(state: Mapping[str, Any], step: int, version: int, lag: int) -> None:
+def check_resume_state(
+    state: Mapping[str, Any], step: int, version: int, max_staleness: int
+) -> None:
     """A saved orchestrator state fits a loop resuming at ``step`` (trainer at ``version``):
-    the saved loop shipped at most ``lag + 1`` steps the trainer had not trained."""
+    the version hold let the saved loop ship at most ``max_staleness + 1`` steps the trainer
+    had not trained."""
     missing = {"step", "gate", "train_sink", "dispatcher"} - set(state)
     if missing:
         raise ValueError(f"orchestrator state lacks {sorted(missing)}; got {sorted(state)}")
     saved, lo = int(state["step"]), step
-    hi = lo + lag + 1
+    hi = lo + max_staleness + 1
     if not lo <= saved <= hi or int(state["gate"]["version"]) > version:
         raise ValueError(
             f"orchestrator state is for step {saved} (gate version {state['gate']['version']})"

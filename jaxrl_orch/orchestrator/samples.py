@@ -30,17 +30,15 @@ import numpy as np
 from jaxrl_orch.types import NO_VERSION, Rollout, Sample
 
 
-def trace_to_sample(rollout: Rollout, temperature: float | None = None) -> Sample:
+def trace_to_sample(rollout: Rollout) -> Sample:
     """One rollout trace -> one ``Sample`` (advantages zero until the group is scored).
 
     Non-model tokens get log-prob 0 and version ``NO_VERSION`` whatever the trace says.
-    ``temperature`` overrides the rollout's recorded one. Raises ``ValueError`` for a trace
-    whose fields have different lengths.
+    Raises ``ValueError`` for a trace whose fields have different lengths.
     """
     rollout.validate_trace()
     mask = np.asarray(rollout.loss_mask, dtype=bool)
     n = mask.shape[0]
-    temp = rollout.temperature if temperature is None else temperature
     return Sample(
         token_ids=np.asarray(rollout.token_ids, dtype=np.int32).reshape(n),
         loss_mask=mask,
@@ -48,7 +46,7 @@ def trace_to_sample(rollout: Rollout, temperature: float | None = None) -> Sampl
             np.float32
         ),
         advantages=np.zeros(n, np.float32),
-        temperatures=np.full(n, temp, np.float32),
+        temperatures=np.full(n, rollout.temperature, np.float32),
         versions=np.where(
             mask, np.asarray(rollout.versions, np.int64).reshape(n), NO_VERSION
         ).astype(np.int32),
@@ -75,9 +73,7 @@ class GroupArrays:
         np.multiply(per_token, self.loss_mask, out=self.advantages)
 
 
-def group_to_samples(
-    rollouts: Sequence[Rollout], temperature: float | None = None
-) -> GroupArrays | None:
+def group_to_samples(rollouts: Sequence[Rollout]) -> GroupArrays | None:
     """Give every rollout in ``rollouts`` its one ``Sample`` (``rollout.samples``), converting
     the group in one pass. Returns the shared buffers, or None when some trace could not be
     converted with the others: then the caller converts per rollout (``trace_to_sample``)."""
@@ -96,7 +92,7 @@ def group_to_samples(
         mask += r.loss_mask
         lps += r.logprobs
         vers += r.versions
-        temps.append(r.temperature if temperature is None else temperature)
+        temps.append(r.temperature)
     total = len(toks)
     try:
         tok_a = np.array(toks, np.int32)

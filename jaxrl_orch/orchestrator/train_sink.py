@@ -1,16 +1,17 @@
 """TrainSink: finished train episodes -> tokenized, scored, filtered ``TrainBatch``es.
 
-What it owns: everything between "a rollout finished" and "a batch is ready to ship":
+What it owns: everything between "a rollout finished" and "a batch is ready to ship", set by
+``TrainSinkConfig``:
 
 1. Tokenize. When its group is complete, each rollout's trace becomes one ``Sample`` (token
    ids as sampled, the loss mask, behavior log-probs and versions on model tokens, the
-   temperature fanned out to every token), the whole group in one vectorised pass
-   (``samples.group_to_samples``). A group of at least ``offload_min_tokens`` tokens is
+   sampling temperature fanned out to every token), the whole group in one vectorised pass
+   (``samples.group_to_samples``). A group of at least ``OFFLOAD_MIN_TOKENS`` tokens is
    converted on a worker thread (``asyncio.to_thread``) so the event loop keeps dispatching;
-   a smaller one inline, because the thread hop (a wake-up, a GIL hand-off and a loop turn)
-   costs the loop more than converting a few thousand tokens does. Errored and untrainable
-   rollouts are not tokenized; a rollout whose trace is misaligned is turned into an error
-   rollout (``capture_error``), the deliberate fault tolerance DESIGN.md section 7 allows.
+   a smaller one inline, because the thread hop costs the loop more than converting a few
+   thousand tokens does. Errored and untrainable rollouts are not tokenized; a rollout whose
+   trace is misaligned is turned into an error rollout (``capture_error``), the deliberate
+   fault tolerance DESIGN.md section 7 allows.
 2. Group. Rollouts are held until all ``group_size`` rollouts of their ``group_id`` (errored
    ones included: the dispatcher emits every rollout it started) have arrived.
 3. Score. Errored/untrainable rollouts are dropped; the survivors' rewards go through the
@@ -20,22 +21,20 @@ What it owns: everything between "a rollout finished" and "a batch is ready to s
    non-finite behavior log-prob is flagged ``non_finite_logprob`` the same way, unless
    ``engine_logprobs=False`` (an engine that reports none: the trainer recomputes them). Each
    survivor's advantage is written to ``rollout.advantage`` and onto its loss-masked tokens.
-   The baseline is the whole surviving group, including rollouts the pre-filters then reject.
 4. Filter. With ``dynamic_sampling`` (DAPO) a group whose surviving rewards are all equal (no
    signal) is flagged ``zero_variance`` and dropped; the batch waits for more groups, so it
-   still holds ``batch_size`` rollouts that carry signal. Then the ``pre_filters`` run on the
-   group's remaining rollouts, and clean ones join the ready list (FIFO).
-5. Batch. As soon as ``batch_size`` clean rollouts are ready, the oldest ``batch_size`` form a
-   cohort; ``post_filters`` run on it and the survivors' samples are the batch payload (a
-   post-filter can make a batch smaller than ``batch_size``). Extra ready rollouts wait for the
-   next batch, so one group may straddle two batches.
+   still holds ``batch_size`` rollouts that carry signal. The group's other survivors join
+   the ready list (FIFO). Clean arrivals that never reach it are reported (``on_discard``), so
+   the admission gate can admit replacements.
+5. Batch. Once ``batch_size`` clean rollouts are ready, the loop takes a batch
+   (``take_batch``): ``batch_size`` of them, first in arrival order or, for the ``pace``
+   policy, oldest head version first. Extra ready rollouts wait for the next batch, so one
+   group may straddle two batches.
 
 Two lists are kept apart: the observation window (every rollout of every group completed since
 the previous batch, errored and filtered too: ``TrainBatch.rollouts``, for metrics) and the
-cohort (the clean rollouts trained on: their samples are ``TrainBatch.samples``; the rollouts
-themselves via ``trained_rollouts(step)``, for the rollout store). If the post-filters leave no
-samples, the returned batch is empty, the window is kept for the next batch, and the step
-counter does not advance (the loop's empty-batch guard skips it).
+cohort (the clean rollouts trained on: ``TrainBatch.trained``, whose samples are
+``TrainBatch.samples``).
 
 Batch metrics (``train/...``): ``reward_mean``/``reward_std`` (window, non-errored, finite),
 ``batch_reward_mean`` (cohort), ``errors``, ``untrainable``, ``filtered``, ``filtered/<reason>``,
@@ -45,95 +44,85 @@ signal / groups seen in the window; absent if the window completed no group),
 (the window's share of each behaviour its env labels, over scored rollouts).
 
 Who drives it: the orchestrator's main loop calls ``await add(episode)`` for every train
-episode. Invariants: a rollout is in at most one batch; nothing with an error, a flag or a
-non-finite reward is ever in ``samples``. It never imports another orchestrator component and
-never writes metrics itself (the logger pulls ``gauges()``). Pending work is not checkpointed:
-``state()`` holds only the step and lifetime counters; rollouts in flight are regenerated.
+episode and ``take_batch()`` when it may ship. Invariants: a rollout is in at most one batch;
+nothing with an error, a flag or a non-finite reward is ever in ``samples``. It never imports
+another orchestrator component and never writes metrics itself (the logger pulls ``gauges()``).
+Pending work is not checkpointed: ``state()`` holds only the step and lifetime counters;
+rollouts in flight are regenerated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from jaxrl_orch.algorithms.advantages import NonFiniteRewardError, get_algorithm
-from jaxrl_orch.algorithms.filters import Filter, apply_filters, flag
 from jaxrl_orch.orchestrator.samples import GroupArrays, group_to_samples, trace_to_sample
 from jaxrl_orch.orchestrator.stats import window_stats
 from jaxrl_orch.types import Algorithm, Episode, Rollout, Sample, TrainBatch
 
-# How many recent cohorts ``trained_rollouts`` keeps. The loop persists ``TrainBatch.trained``
-# itself, so this is for inspection only; every cohort kept holds a batch of rollouts and their
-# sample arrays alive (and, long-lived, they make the garbage collector's full passes frequent).
-_COHORT_HISTORY = 2
 _BATCH_ORDERS = ("arrival", "oldest")
+# A group with at least this many tokens is converted on a worker thread: below it, the thread
+# hop (a wake-up, a GIL hand-off and a loop turn) costs the event loop more than converting.
+OFFLOAD_MIN_TOKENS = 4096
+# Rewards closer than this count as equal: such a group carries no signal.
+ZERO_VARIANCE_ATOL = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSinkConfig:
+    """The sink's settings. ``group_size``: rollouts per prompt group; ``batch_size``: clean
+    rollouts per batch; ``dynamic_sampling``: drop groups without reward variance (DAPO);
+    ``engine_logprobs``: the engine reports behavior log-probs, so a non-finite one flags its
+    rollout (False: the trainer recomputes them); ``batch_order``: which ready rollouts a batch
+    takes first, ``arrival`` (FIFO) or ``oldest`` (lowest head version: the ``pace`` policy)."""
+
+    group_size: int
+    batch_size: int
+    dynamic_sampling: bool = True
+    engine_logprobs: bool = True
+    batch_order: str = "arrival"
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "batch_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.batch_order not in _BATCH_ORDERS:
+            raise ValueError(
+                f"batch_order must be one of {_BATCH_ORDERS}, got {self.batch_order!r}"
+            )
 
 
 class TrainSink:
     def __init__(
         self,
-        group_size: int | Mapping[str, int],
-        batch_size: int,
+        config: TrainSinkConfig,
         algorithm: Algorithm | str = "grpo",
         *,
-        pre_filters: Sequence[Filter] = (),
-        post_filters: Sequence[Filter] = (),
-        temperature: float | None = None,
-        dynamic_sampling: bool = True,
-        zero_variance_atol: float = 1e-6,
         first_step: int = 1,
-        auto_batch: bool = True,
-        batch_order: str = "arrival",
         on_discard: Callable[[int], None] | None = None,
-        offload_min_tokens: int = 4096,
-        engine_logprobs: bool = True,
     ) -> None:
-        sizes = group_size.values() if isinstance(group_size, Mapping) else [group_size]
-        if not sizes or any(int(g) < 1 for g in sizes):
-            raise ValueError(
-                f"group_size must be >= 1 (or a mapping env -> >= 1), got {group_size!r}"
-            )
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1 rollouts, got {batch_size!r}")
-        if temperature is not None and not (temperature >= 0 and math.isfinite(temperature)):
-            raise ValueError(
-                f"temperature must be None or a finite value >= 0, got {temperature!r}"
-            )
-        if batch_order not in _BATCH_ORDERS:
-            raise ValueError(f"batch_order must be one of {_BATCH_ORDERS}, got {batch_order!r}")
-        self.auto_batch = auto_batch
-        self.batch_order = batch_order
-        self._on_discard = on_discard
-        if offload_min_tokens < 0:
-            raise ValueError(f"offload_min_tokens must be >= 0, got {offload_min_tokens!r}")
-        self.offload_min_tokens = offload_min_tokens
-        self.engine_logprobs = engine_logprobs
-        # Groups in a row that contributed nothing trainable (the loop's empty-batch guard).
-        self.consecutive_empty_groups = 0
-        self.group_size = group_size
-        self._fixed_group_size = 0 if isinstance(group_size, Mapping) else int(group_size)
-        self.batch_size = int(batch_size)
+        self.config = config
+        self.group_size, self.batch_size = config.group_size, config.batch_size
         self.algorithm: Algorithm = (
             get_algorithm(algorithm) if isinstance(algorithm, str) else algorithm
         )
-        self.pre_filters = tuple(pre_filters)
-        self.post_filters = tuple(post_filters)
-        self.temperature = temperature
-        self.dynamic_sampling = dynamic_sampling
-        self.zero_variance_atol = zero_variance_atol
-
+        self._on_discard = on_discard
+        # Groups in a row that contributed nothing trainable (the loop's empty-batch guard).
+        self.consecutive_empty_groups = 0
         self._pending: dict[int, list[Rollout]] = {}
         self._ready: deque[Rollout] = deque()
         self._window: list[Rollout] = []
         self._window_counts: dict[str, int] = defaultdict(int)
         self._window_groups = 0
         self._window_signal = 0
-        self._cohorts: dict[int, list[Rollout]] = {}
         self._step = int(first_step)
         self._running = False
         self._totals: dict[str, float] = defaultdict(float)
@@ -149,26 +138,16 @@ class TrainSink:
 
     @property
     def step(self) -> int:
-        """Step number the next non-empty batch will carry."""
+        """Step number the next batch will carry."""
         return self._step
-
-    def group_size_for(self, env: str) -> int:
-        if not isinstance(self.group_size, Mapping):
-            return int(self.group_size)
-        try:
-            return int(self.group_size[env])
-        except KeyError:
-            raise ValueError(
-                f"no group size configured for env {env!r}; known envs: {sorted(self.group_size)}"
-            ) from None
 
     # ------------------------------------------------------------------ intake
 
-    async def add(self, episode: Episode) -> TrainBatch | None:
-        """Take one finished train episode; return a batch when ``batch_size`` are ready."""
+    async def add(self, episode: Episode) -> None:
+        """Take one finished train episode; the loop takes batches (``take_batch``)."""
         if not episode:
             raise ValueError("episode must hold at least one rollout, got an empty list")
-        pending = self._pending
+        pending, size = self._pending, self.group_size
         full: list[int] = []
         for r in episode:
             if r.is_eval:
@@ -180,7 +159,6 @@ class TrainSink:
             if group is None:
                 group = pending[r.group_id] = []
             group.append(r)
-            size = self._fixed_group_size or self.group_size_for(r.env)
             if len(group) > size:
                 raise ValueError(
                     f"group {r.group_id} (env {r.env!r}) received {len(group)} rollouts but its "
@@ -194,14 +172,13 @@ class TrainSink:
             # dispatcher and here changes a rollout's flags, so count it now, before tokenizing.
             arrived_clean = sum(not r.errors and r.trainable for r in group)
             todo = [r for r in group if not r.errors and r.trainable]
-            if sum(map(len, (r.token_ids for r in todo))) >= self.offload_min_tokens:
+            if sum(map(len, (r.token_ids for r in todo))) >= OFFLOAD_MIN_TOKENS:
                 # Big groups go to a worker thread so the event loop keeps dispatching; small
                 # ones are converted inline: the thread hop costs more loop time than they do.
                 arrays = await asyncio.to_thread(self._tokenize, todo)
             else:
                 arrays = self._tokenize(todo)
             self._process_group(group, arrays, arrived_clean)
-        return self.take_batch() if self.auto_batch else None
 
     @property
     def ready_count(self) -> int:
@@ -214,17 +191,20 @@ class TrainSink:
 
     def _tokenize(self, todo: list[Rollout]) -> GroupArrays | None:
         # May run on a worker thread: touches only these rollouts.
-        arrays = group_to_samples(todo, self.temperature) if todo else None
+        arrays = group_to_samples(todo) if todo else None
         if arrays is None:
             for r in todo:
                 try:
-                    r.samples = [trace_to_sample(r, self.temperature)]
+                    r.samples = [trace_to_sample(r)]
                 except ValueError as exc:
                     r.capture_error(exc)
         return arrays
 
     def _flag(self, r: Rollout, reason: str) -> None:
-        flag(r, reason)
+        """Keep ``r`` out of the batch with ``reason`` (reasons accumulate, no duplicates)."""
+        r.filtered = True
+        if reason not in r.filter_reasons:
+            r.filter_reasons.append(reason)
         self._window_counts[reason] += 1
 
     def _process_group(
@@ -232,7 +212,7 @@ class TrainSink:
     ) -> None:
         self._window.extend(group)
         self._window_groups += 1
-        totals, counts = self._totals, self._window_counts
+        totals = self._totals
         survivors = []
         errors = 0
         for r in group:
@@ -243,7 +223,7 @@ class TrainSink:
         totals["groups_seen"] += 1
         totals["rollouts_seen"] += len(group)
         totals["errors"] += errors
-        if self.engine_logprobs and (arrays is None or not arrays.all_logprobs_finite()):
+        if self.config.engine_logprobs and (arrays is None or not arrays.all_logprobs_finite()):
             for r in survivors:
                 lp = r.samples[0].logprobs[r.samples[0].loss_mask]
                 if not np.isfinite(lp).all():
@@ -276,20 +256,14 @@ class TrainSink:
                 s.advantages[s.loss_mask] = a
 
         reward_list = rewards.tolist()  # max/min of a few floats: cheaper than np.ptp
-        signal = (
-            len(survivors) >= 2 and max(reward_list) - min(reward_list) > self.zero_variance_atol
-        )
+        signal = len(survivors) >= 2 and max(reward_list) - min(reward_list) > ZERO_VARIANCE_ATOL
         if signal:
             self._window_signal += 1
             totals["groups_with_signal"] += 1
-        elif self.dynamic_sampling:
+        elif self.config.dynamic_sampling:
             for r in survivors:
                 self._flag(r, "zero_variance")
         ready = [r for r in survivors if not r.filtered]
-        if self.pre_filters:
-            for reason, n in apply_filters(self.pre_filters, ready).items():
-                counts[reason] += n
-            ready = [r for r in ready if not r.filtered]
         self._ready.extend(ready)
         self.consecutive_empty_groups = 0 if ready else self.consecutive_empty_groups + 1
         self._report_discards(arrived_clean - len(ready))
@@ -298,22 +272,15 @@ class TrainSink:
     # ------------------------------------------------------------------ batching
 
     def take_batch(self) -> TrainBatch | None:
-        """The next batch if ``batch_size`` clean rollouts are ready, else None.
-
-        ``add`` calls this itself; call it again only when a group is larger than a batch
-        (one episode can then complete more than one batch).
-        """
+        """The next batch if ``batch_size`` clean rollouts are ready, else None. The loop calls
+        it once ``ready_count`` reaches ``batch_size`` and its hold and age policy allow."""
         if len(self._ready) < self.batch_size:
             return None
-        if self.batch_order == "oldest":
+        if self.config.batch_order == "oldest":
             # Stable: equal head versions keep arrival order.
             self._ready = deque(sorted(self._ready, key=lambda r: r.head_version))
-        cohort = [self._ready.popleft() for _ in range(self.batch_size)]
-        for reason, n in apply_filters(self.post_filters, cohort).items():
-            self._window_counts[reason] += n
-        trained = [r for r in cohort if not r.filtered]
-        self._report_discards(len(cohort) - len(trained))
-        self._totals["filtered"] += len(cohort) - len(trained)
+        trained = [self._ready.popleft() for _ in range(self.batch_size)]
+        # Every ready rollout holds exactly one sample (tokenized, scored, unflagged).
         samples = [s for r in trained for s in r.samples]
         batch = TrainBatch(
             step=self._step,
@@ -322,26 +289,13 @@ class TrainSink:
             metrics=self._metrics(trained, samples),
             trained=trained,
         )
-        if samples:
-            self._cohorts[self._step] = trained
-            for old in [k for k in self._cohorts if k <= self._step - _COHORT_HISTORY]:
-                del self._cohorts[old]
-            self._step += 1
-            self._totals["batches"] += 1
-            self._totals["samples"] += len(samples)
-            self._window = []
-            self._window_counts = defaultdict(int)
-            self._window_groups = self._window_signal = 0
+        self._step += 1
+        self._totals["batches"] += 1
+        self._totals["samples"] += len(samples)
+        self._window = []
+        self._window_counts = defaultdict(int)
+        self._window_groups = self._window_signal = 0
         return batch
-
-    def trained_rollouts(self, step: int) -> list[Rollout]:
-        """The rollouts whose samples made up batch ``step`` (recent steps only)."""
-        try:
-            return list(self._cohorts[step])
-        except KeyError:
-            raise ValueError(
-                f"no trained cohort kept for step {step}; kept steps: {sorted(self._cohorts)}"
-            ) from None
 
     def _metrics(self, trained: list[Rollout], samples: list[Sample]) -> dict[str, float]:
         window = self._window

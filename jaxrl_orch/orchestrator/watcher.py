@@ -43,6 +43,9 @@ from typing import Any, Protocol
 
 from jaxrl_orch.types import PolicyHandle, VersionObserver
 
+# How long ``stop()`` lets a reload in progress finish.
+STOP_TIMEOUT_S = 60.0
+
 
 class WatcherStallError(RuntimeError):
     """The policy version did not reach the awaited value in time (or the watcher is gone)."""
@@ -75,13 +78,12 @@ async def _call(fn: Callable[..., Any], *args: Any) -> Any:
 class InProcessPublisher:
     """The trainer hands versions over in-process; ``publish`` is safe from any thread.
 
-    ``published_at`` is stamped with ``clock``, by default the ``time()`` of the event loop
-    the watcher awaits on (``time.monotonic`` on a standard loop, virtual time in simulation),
-    so it matches the watcher's clock without extra wiring.
+    ``published_at`` is stamped with the ``time()`` of the event loop the watcher awaits on
+    (``time.monotonic`` on a standard loop, virtual time in simulation), so it matches the
+    watcher's clock without extra wiring.
     """
 
-    def __init__(self, clock: Callable[[], float] | None = None) -> None:
-        self.clock = clock
+    def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._latest: PublishedVersion | None = None
@@ -107,8 +109,6 @@ class InProcessPublisher:
                 loop.call_soon_threadsafe(_resolve, fut)
 
     def _now(self) -> float:
-        if self.clock is not None:
-            return self.clock()
         # Reading loop.time() from the trainer's thread is safe: it only reads a clock.
         return self._loop.time() if self._loop is not None else time.monotonic()
 
@@ -142,21 +142,13 @@ class WeightWatcher:
         *,
         observers: Sequence[VersionObserver] = (),
         clock: Callable[[], float] = time.monotonic,
-        stall_timeout_s: float | None = None,
-        stop_timeout_s: float = 60.0,
     ) -> None:
         for obs in observers:
             if not callable(getattr(obs, "on_version", None)):
                 raise TypeError(f"observer {obs!r} has no on_version(version) method")
-        if stall_timeout_s is not None and stall_timeout_s <= 0:
-            raise ValueError(f"stall_timeout_s must be > 0 or None, got {stall_timeout_s!r}")
         self.source, self.reload_fn, self.policy = source, reload_fn, policy
         self.observers = list(observers)
-        self.clock, self.stall_timeout_s, self.stop_timeout_s = (
-            clock,
-            stall_timeout_s,
-            stop_timeout_s,
-        )
+        self.clock = clock
         self._stopping = False
         self._dead = asyncio.Event()  # set when the loop ends, by failure or stop()
         self._error: BaseException | None = None
@@ -217,7 +209,7 @@ class WeightWatcher:
             self._pending.cancel()
         run = self._run_task
         if run is not None and run is not asyncio.current_task() and not run.done():
-            await asyncio.wait([run], timeout=self.stop_timeout_s)
+            await asyncio.wait([run], timeout=STOP_TIMEOUT_S)
         self._dead.set()
 
     def check(self) -> None:
@@ -227,11 +219,10 @@ class WeightWatcher:
 
     async def wait_for_version(self, version: int, timeout: float | None = None) -> None:
         """Return once ``policy.version >= version``; raise ``WatcherStallError`` if that does
-        not happen within ``timeout`` (default ``stall_timeout_s``; None waits indefinitely),
-        or at once if the watcher has died or stopped."""
+        not happen within ``timeout`` seconds (None waits indefinitely), or at once if the
+        watcher has died or stopped."""
         if self.policy.version >= version:
             return
-        timeout = self.stall_timeout_s if timeout is None else timeout
         t0 = self.clock()
         self._awaiting = version
         waiter = asyncio.ensure_future(self.policy.wait_for(version, timeout))

@@ -1,6 +1,6 @@
 """The imitation controls of the RL demo: the RL stage's update budget spent on SFT instead.
 
-What it owns: ``run_imitation(exp, params)``, the stage that replaces RL when
+What it owns: ``run_imitation(parts, params, stop)``, the stage that replaces RL when
 ``TrainConfig.after_warmup = "sft"``. From the same warm-up, it takes exactly as many optimizer
 updates as the RL stage would (``rl_steps * minibatches * ppo_epochs``), with the RL stage's
 optimizer (learning rate, warmup, AdamW settings), on the demonstrator's completions
@@ -26,24 +26,26 @@ from typing import Any
 
 import jax
 
-from jaxrl_orch.build.engines import to_engine
+from jaxrl_orch.build.engines import build_engine, to_engine
+from jaxrl_orch.build.run import RunParts, build_trainer
 from jaxrl_orch.envs.base import AtTemperature
 from jaxrl_orch.inference.client import EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.orchestrator.eval_sink import eval_metrics
 from jaxrl_orch.orchestrator.metrics.writers import ConsoleWriter, JsonlWriter
+from jaxrl_orch.run.stop import StopFlag
 from jaxrl_orch.run.summary import eval_summary
 from jaxrl_orch.trainer.sft import run_sft
 from jaxrl_orch.types import SamplingParams
 
 
-async def evaluate(exp: Any, client: EngineClient) -> dict[str, float]:
+async def evaluate(parts: RunParts, client: EngineClient) -> dict[str, float]:
     """Greedy and sampled eval of the held-out examples, keyed as the RL run's eval rows."""
-    cfg = exp.cfg
+    cfg, env, data = parts.cfg, parts.env, parts.data
     greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens)
     views = {
-        exp.env.name: (exp.env, exp.eval_source),
-        exp.sampled_eval: (AtTemperature(exp.env, cfg.temperature), exp.sampled_eval_source),
+        env.name: (env, data.eval),
+        parts.sampled_eval: (AtTemperature(env, cfg.temperature), data.sampled_eval),
     }
     metrics: dict[str, float] = {}
     for name, (env, source) in views.items():
@@ -60,51 +62,65 @@ async def evaluate(exp: Any, client: EngineClient) -> dict[str, float]:
     return metrics
 
 
-def run_imitation(exp: Any, params: Any) -> dict[str, Any]:
+def run_imitation(parts: RunParts, params: Any, stop: StopFlag) -> dict[str, Any]:
     """The SFT control stage (see the module docstring); returns the summary's RL-stage keys."""
-    cfg = exp.cfg
-    per_step = cfg.minibatches * cfg.ppo_epochs
-    updates = cfg.rl_steps * per_step
-    trainer = exp.make_trainer("sft", cfg.rl_learning_rate, optim_kind="rl", init_params=params)
-    engine = exp.make_engine()
+    cfg = parts.cfg
+    trainer = build_trainer(parts, "sft", cfg.rl_learning_rate, optim_kind="rl", init_params=params)
+    mesh = parts.placement.decode_mesh
+    engine = build_engine(cfg, parts.model_cfg, mesh, parts.tokenizer).engine
     first = jax.tree.map(jax.numpy.copy, trainer.params)
     driver = InferenceDriver(engine, to_engine(first, engine), 0)
-    client = EngineClient(driver)
-    writer = JsonlWriter(exp.workdir / "metrics.jsonl")
-    console = ConsoleWriter(keys=["eval/*/reward_mean", "eval/*/behaviour/*", "sft/loss"])
+    writer = JsonlWriter(parts.workdir / "metrics.jsonl")
     evals: dict[int, dict[str, float]] = {}
-    every = cfg.eval_every or cfg.rl_steps
     t0 = time.perf_counter()
     driver.start()
     try:
-        done = 0
-        while True:
-            step = done // per_step
-            if step not in evals:
-                # A copy: the next SFT step donates the trainer's buffers.
-                moved = to_engine(jax.tree.map(jax.numpy.copy, trainer.params), engine)
-                driver.swap_params(moved, step).result()
-                evals[step] = asyncio.run(evaluate(exp, client))
-                writer.write(step, evals[step])
-                console.write(step, evals[step])
-            if done >= updates or exp.stop_requested:  # SIGTERM: end at this eval
-                break
-            n = min(every * per_step, updates - done)
-            batches = exp.sft_batches()
-
-            def log(i: int, m: dict[str, float], base: int = done) -> None:
-                writer.write((base + i) // per_step, {**m, "sft/update": float(base + i)})
-
-            run_sft(trainer, batches, n, on_step=log)
-            done += n
+        done = _updates(parts, trainer, driver, engine, writer, evals, stop)
     finally:
         driver.stop()
         writer.close()
     return {
         "after_warmup": "sft",
-        **eval_summary(evals, exp.env.name, exp.sampled_eval),
+        **eval_summary(evals, parts.env.name, parts.sampled_eval),
         "eval_temperature": cfg.temperature,
         "control_updates": float(done),
         "rl_steps": max(evals),
         "rl_seconds": time.perf_counter() - t0,
     }
+
+
+def _updates(
+    parts: RunParts,
+    trainer: Any,
+    driver: InferenceDriver,
+    engine: Any,
+    writer: JsonlWriter,
+    evals: dict[int, dict[str, float]],
+    stop: StopFlag,
+) -> int:
+    """The control's updates with an eval every ``eval_every`` RL-step equivalents; returns
+    how many updates it took."""
+    cfg = parts.cfg
+    per_step = cfg.minibatches * cfg.ppo_epochs
+    updates, every = cfg.rl_steps * per_step, cfg.eval_every or cfg.rl_steps
+    client = EngineClient(driver)
+    console = ConsoleWriter(keys=["eval/*/reward_mean", "eval/*/behaviour/*", "sft/loss"])
+    done = 0
+    while True:
+        step = done // per_step
+        if step not in evals:
+            # A copy: the next SFT step donates the trainer's buffers.
+            moved = to_engine(jax.tree.map(jax.numpy.copy, trainer.params), engine)
+            driver.swap_params(moved, step).result()
+            evals[step] = asyncio.run(evaluate(parts, client))
+            writer.write(step, evals[step])
+            console.write(step, evals[step])
+        if done >= updates or stop.group_requested():  # SIGTERM: end at this eval
+            return done
+        n = min(every * per_step, updates - done)
+
+        def log(i: int, m: dict[str, float], base: int = done) -> None:
+            writer.write((base + i) // per_step, {**m, "sft/update": float(base + i)})
+
+        run_sft(trainer, parts.sft_batches(), n, on_step=log)
+        done += n

@@ -150,14 +150,18 @@ class BeforeRLRecorder:
         pass
 
 
-def rl_summary(exp: Any, orch: Any, version: int, start: int, secs: float) -> dict[str, Any]:
+def rl_summary(
+    wd: Pathish, cfg: Any, env_names: tuple[str, str], orch: Any, steps: tuple[int, int, float]
+) -> dict[str, Any]:
     """The RL keys of ``summary.json``: evals and train rewards of every attempt (from disk),
-    the warm-up's eval as first recorded, this attempt's ages, drops and env errors."""
-    wd, cfg = exp.workdir, exp.cfg
+    the warm-up's eval as first recorded, this attempt's ages, drops and env errors.
+    ``env_names``: the greedy and the sampled eval's; ``steps``: the last trained version, this
+    attempt's first step and its seconds."""
+    wd, (version, start, secs) = as_path(wd), steps
     before_path = wd / "eval_before_rl.json"
     before = json.loads(before_path.read_text()) if before_path.exists() else {}
     return {
-        **eval_summary(rl_evals(wd), exp.env.name, exp.sampled_eval, before),
+        **eval_summary(rl_evals(wd), *env_names, before),
         "eval_temperature": cfg.temperature,
         "rl_steps": version,
         "rl_steps_this_run": version - (start - 1),
@@ -169,8 +173,6 @@ def rl_summary(exp: Any, orch: Any, version: int, start: int, secs: float) -> di
         "dropped": orch.dropped_total,
         "env_errors": orch.faults.digest(),
         "rollouts": rollout_counts(orch),
-        # overlap.OverlapSchedule's choice (an engine in this process), None with replicas
-        "overlap": getattr(getattr(exp, "overlap", None), "decision", None),
     }
 
 

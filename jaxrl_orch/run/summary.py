@@ -4,7 +4,7 @@ What it owns: turning eval batches and step records into the ``summary.json`` ke
 report, ``jaxrl-lift`` and users read: the greedy and sampled eval curves, their
 first and last values, the behaviour shares per eval (``{"greedy"|"sampled": {step: {behaviour:
 share}}}``), train-reward endpoints and the age histogram; and the one-line console summary of
-an eval. The RL stage (``experiment.py``) and the imitation control (``control.py``) both summarise
+an eval. The RL stage (``rl.py``) and the imitation control (``control.py``) both summarise
 through here, so their keys mean the same thing.
 
 ``before`` is the warm-up's eval as first measured (``eval_before_rl.json``: reward, sampled,

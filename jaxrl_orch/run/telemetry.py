@@ -1,4 +1,4 @@
-"""Where the RL stage's numbers go: ``rl_telemetry(exp, ...)`` builds its ``Telemetry``.
+"""Where the RL stage's numbers go: ``rl_telemetry(parts, ...)`` builds its ``Telemetry``.
 
 Step and eval rows: ``metrics.jsonl``, TensorBoard (``tb/steps``), the console, a progress bar,
 the pre-RL eval record (``history.BeforeRLRecorder``) and, when ``TrainConfig.wandb_project``
@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from jaxrl_orch.build.orchestrator import Telemetry
+from jaxrl_orch.build.run import RunParts
 from jaxrl_orch.orchestrator.metrics.writers import (
     ConsoleWriter,
     JsonlWriter,
@@ -35,8 +36,9 @@ CONSOLE_KEYS = (
 )
 
 
-def rl_telemetry(exp: Any, driver: Any, trainer: Any, start_step: int) -> Telemetry:
-    cfg, wd = exp.cfg, exp.workdir
+def rl_telemetry(parts: RunParts, engines: Any, trainer: Any, start_step: int) -> Telemetry:
+    """``engines``: the driver or the replica pool, whose gauges join the trainer's."""
+    cfg, wd = parts.cfg, parts.workdir
     writers: list[Any] = [
         JsonlWriter(wd / "metrics.jsonl"),
         # Step and eval rows (rewards, evals, ages, trainer diagnostics) next to the gauges.
@@ -47,7 +49,7 @@ def rl_telemetry(exp: Any, driver: Any, trainer: Any, start_step: int) -> Teleme
             initial=min(start_step - 1, cfg.rl_steps),
             postfix_keys=["train/reward_mean", "orch/age_max"],
         ),
-        BeforeRLRecorder(wd / "eval_before_rl.json", exp.env.name, exp.sampled_eval),
+        BeforeRLRecorder(wd / "eval_before_rl.json", parts.env.name, parts.sampled_eval),
     ]
     if cfg.wandb_project is not None:
         from jaxrl_orch.orchestrator.metrics.wandb import WandbWriter
@@ -64,7 +66,7 @@ def rl_telemetry(exp: Any, driver: Any, trainer: Any, start_step: int) -> Teleme
     return Telemetry(
         writers=writers,
         gauge_writers=[JsonlWriter(wd / "gauges.jsonl"), TensorBoardWriter(wd / "tb")],
-        gauge_sources=[driver, trainer],
+        gauge_sources=[engines, trainer],
         log_interval_s=cfg.log_interval_s,
         store_dir=os.fspath(wd / "rollouts"),
     )

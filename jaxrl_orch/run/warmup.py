@@ -1,6 +1,6 @@
 """The SFT warm-up stage: run it, continue it, or restore it, with checkpoints along the way.
 
-What it owns: ``run_warmup(exp, writer)``, the stage before RL. Its checkpoint lives in
+What it owns: ``run_warmup(parts, writer, stop)``, the stage before RL. Its checkpoint lives in
 ``WORKDIR/sft`` (one kept). A checkpoint records whether the warm-up was ``complete`` and the
 SFT data cursor; so the same command after a SIGTERM or a crash continues from the last
 checkpoint (one every ``sft_checkpoint_every`` steps, and one at the step a SIGTERM stopped)
@@ -9,7 +9,7 @@ with the same data order (rows past the restored step are trimmed from ``metrics
 ``warmup_from``) is restored and skipped. A fresh warm-up starts from the model's initial or
 pretrained weights; a resumed one never reloads them.
 
-Driven by ``experiment.Experiment.run`` on the main thread; the loop body is
+Driven by ``stages.run`` on the main thread; the loop body is
 ``trainer/sft.run_sft``. Returns ``(params, info)``; params are None when a stop was requested
 (its progress is on disk).
 """
@@ -22,6 +22,7 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
+from jaxrl_orch.build.run import RunParts, build_trainer, pretrained_params
 from jaxrl_orch.orchestrator.metrics.writers import (
     ConsoleWriter,
     JsonlWriter,
@@ -30,16 +31,17 @@ from jaxrl_orch.orchestrator.metrics.writers import (
 )
 from jaxrl_orch.paths import as_path, copy_tree
 from jaxrl_orch.run.history import trim_for_sft
+from jaxrl_orch.run.stop import StopFlag
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
 from jaxrl_orch.trainer.sft import run_sft
 
 
-def run_warmup(exp: Any, writer: JsonlWriter) -> tuple[Any, dict[str, float]]:
+def run_warmup(
+    parts: RunParts, writer: JsonlWriter, stop: StopFlag
+) -> tuple[Any, dict[str, float]]:
     """The warm-up, or its checkpoint: complete (skip), partial (continue), or none."""
-    cfg = exp.cfg
-    own = exp.workdir / "sft"
-    leader = exp.role.leader  # a trainer group: every process steps, process 0 writes
-    if cfg.warmup_from is not None and not has_steps(own) and leader:
+    cfg, own = parts.cfg, parts.workdir / "sft"
+    if cfg.warmup_from is not None and not has_steps(own) and parts.role.leader:
         # Start from that run's warm-up: copied, so this workdir stays self-contained.
         if own.exists():
             own.rmtree()
@@ -48,71 +50,80 @@ def run_warmup(exp: Any, writer: JsonlWriter) -> tuple[Any, dict[str, float]]:
         multihost_utils.sync_global_devices("warm-up checkpoint in place")
     ckpt = Checkpointer(own, max_to_keep=1, async_save=False)
     latest = ckpt.latest_step()
-    resuming = latest is not None or has_steps(exp.workdir / "checkpoints")
-    trainer = exp.make_trainer(
-        "sft", cfg.sft_learning_rate, init_params=None if resuming else exp.pretrained()
-    )
+    resuming = latest is not None or has_steps(parts.workdir / "checkpoints")
+    init = None if resuming else pretrained_params(parts)
+    trainer = build_trainer(parts, "sft", cfg.sft_learning_rate, init_params=init)
     info: dict[str, float] = {"sft_steps": float(cfg.sft_steps)}
-    done = 0
     try:
+        done = 0
         if latest is not None:
             state = restore_trainer(ckpt, trainer)
             latest = ckpt.latest_step()  # a corrupt newest one was set aside: the restored one
             # Checkpoints without the flag are complete warm-ups (e.g. via warmup_from).
             if state.get("complete", True) or latest >= cfg.sft_steps:
                 stage("warm-up", f"restored after {latest} SFT steps from {own}")
-                info["sft_restored"] = 1.0
                 # The warm-up that was run (e.g. another run's), not the setting.
-                info["sft_steps"] = float(latest)
+                info.update(sft_restored=1.0, sft_steps=float(latest))
                 return trainer.params, info
-            exp.sft_source.restore(state["sft_source"])
+            parts.data.sft.restore(state["sft_source"])
             done = latest
             info["sft_resumed_from_step"] = float(latest)
         # Rows an interrupted attempt wrote past the restored step are written again.
-        if leader:
-            trim_for_sft(exp.workdir, done)
+        if parts.role.leader:
+            trim_for_sft(parts.workdir, done)
         if not cfg.sft_steps:
             return trainer.params, info
-        stage(
-            "warm-up",
-            f"{cfg.sft_steps} SFT steps of {cfg.sft_batch_size} examples"
-            + (f", continuing after step {done}" if done else ""),
-        )
-        t0 = time.perf_counter()
-        bar = ProgressWriter(cfg.sft_steps, initial=done, desc="sft", postfix_keys=["sft/loss"])
-        console = ConsoleWriter(keys=["sft/loss", "sft/lr"])
-
-        def save(i: int, complete: bool) -> None:
-            state = {"complete": complete, "sft_source": exp.sft_source.state()}
-            save_trainer(ckpt, trainer, i, state)
-
-        def log(i: int, m: dict[str, float]) -> None:
-            nonlocal done
-            done = i
-            writer.write(i, m)
-            bar.write(i, m)
-            if i % 25 == 0 or i == cfg.sft_steps:
-                console.write(i, m)
-            if i % cfg.sft_checkpoint_every == 0 and i < cfg.sft_steps:
-                save(i, complete=False)
-            if exp.stop_requested:
-                raise _Stopped
-
-        try:
-            hist = run_sft(trainer, exp.sft_batches(), cfg.sft_steps, start=done, on_step=log)
-        except _Stopped:
-            if done and done not in ckpt.all_steps():
-                save(done, complete=done >= cfg.sft_steps)
-            info["sft_steps"] = float(done)
-            return None, info
-        finally:
-            bar.close()
-        info["sft_seconds"] = time.perf_counter() - t0
-        if hist:
-            info["sft_final_loss"] = hist[-1]["sft/loss"]
-        save(cfg.sft_steps, complete=True)
+        return _train(parts, trainer, ckpt, writer, stop, done, info)
     finally:
         ckpt.close()
+
+
+def _train(
+    parts: RunParts,
+    trainer: Any,
+    ckpt: Checkpointer,
+    writer: JsonlWriter,
+    stop: StopFlag,
+    done: int,
+    info: dict[str, float],
+) -> tuple[Any, dict[str, float]]:
+    """SFT steps ``done + 1 .. sft_steps``, checkpointed on the way (see the docstring)."""
+    cfg = parts.cfg
+    more = f", continuing after step {done}" if done else ""
+    stage("warm-up", f"{cfg.sft_steps} SFT steps of {cfg.sft_batch_size} examples{more}")
+    t0 = time.perf_counter()
+    bar = ProgressWriter(cfg.sft_steps, initial=done, desc="sft", postfix_keys=["sft/loss"])
+    console = ConsoleWriter(keys=["sft/loss", "sft/lr"])
+    last = [done]
+
+    def save(i: int, complete: bool) -> None:
+        state = {"complete": complete, "sft_source": parts.data.sft.state()}
+        save_trainer(ckpt, trainer, i, state)
+
+    def log(i: int, m: dict[str, float]) -> None:
+        last[0] = i
+        writer.write(i, m)
+        bar.write(i, m)
+        if i % 25 == 0 or i == cfg.sft_steps:
+            console.write(i, m)
+        if i % cfg.sft_checkpoint_every == 0 and i < cfg.sft_steps:
+            save(i, complete=False)
+        if stop.group_requested():
+            raise _Stopped
+
+    try:
+        hist = run_sft(trainer, parts.sft_batches(), cfg.sft_steps, start=done, on_step=log)
+    except _Stopped:
+        if last[0] and last[0] not in ckpt.all_steps():
+            save(last[0], complete=last[0] >= cfg.sft_steps)
+        info["sft_steps"] = float(last[0])
+        return None, info
+    finally:
+        bar.close()
+    info["sft_seconds"] = time.perf_counter() - t0
+    if hist:
+        info["sft_final_loss"] = hist[-1]["sft/loss"]
+    save(cfg.sft_steps, complete=True)
     return trainer.params, info
 
 

@@ -47,6 +47,7 @@ from jaxrl_orch.build.accel import (  # noqa: E402
     engine_model_config,
     step_config,
 )
+from jaxrl_orch.build.engines import engine_limits  # noqa: E402
 from jaxrl_orch.build.parts import build_placement, model_config, optim_config  # noqa: E402
 from jaxrl_orch.config.train import TrainConfig, load_config  # noqa: E402
 from jaxrl_orch.inference.engine import DecodeEngine  # noqa: E402
@@ -123,13 +124,12 @@ def compile_train_step(cfg: TrainConfig, model_cfg, mesh) -> tuple[Any, Any, int
 
 
 def build_engine(cfg: TrainConfig, model_cfg, mesh) -> DecodeEngine:
+    """The built-in engine with the run's limits and TPU dtypes (only its shapes are used)."""
     model_cfg = engine_model_config(model_cfg, cfg, "tpu")
     return DecodeEngine(
         model_cfg,
         mesh=mesh,
-        max_concurrent_decodes=cfg.decode_slots,
-        max_target_length=cfg.max_target_length,
-        steps_per_call=cfg.steps_per_call,
+        limits=engine_limits(cfg),
         param_dtype=model_cfg.param_dtype,
         seed=cfg.seed,
     )
@@ -142,11 +142,11 @@ def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], d
     n_tr, n_dec = trainer_mesh.devices.size, decode_mesh.devices.size
     out: list[Compiled] = []
 
+    engine = build_engine(cfg, model_cfg, decode_mesh)
     train, tparams, rows = compile_train_step(cfg, model_cfg, trainer_mesh)
-    mc = aot_report.model_costs(model_cfg, cfg, rows)
+    mc = aot_report.model_costs(model_cfg, cfg, rows, engine.limits)
     out.append(Compiled("train_step", train, n_tr, mc["train_step"]))
 
-    engine = build_engine(cfg, model_cfg, decode_mesh)
     eparams = engine.abstract_params()
     rep = jax.sharding.NamedSharding(decode_mesh, jax.sharding.PartitionSpec())
     length = engine.max_prefill_length

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxrl_orch.inference.limits import EngineLimits
+
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
@@ -42,8 +44,12 @@ def _itemsize(dtype: Any) -> int:
     return np.dtype(dtype).itemsize
 
 
-def model_costs(model_cfg: Any, cfg: Any, rows: int) -> dict[str, dict[str, float]]:
-    """Total (all-chip) FLOPs and HBM bytes per program from the model's shapes.
+def model_costs(
+    model_cfg: Any, cfg: Any, rows: int, limits: EngineLimits
+) -> dict[str, dict[str, float]]:
+    """Total (all-chip) FLOPs and HBM bytes per program from the model's shapes: the train step
+    from ``cfg``'s training settings on ``rows`` rows, prefill and decoding from the engine's
+    ``limits`` (a prefill of the longest prompt, every slot decoding a full cache).
 
     Matmul FLOPs are 2 per weight per token (the LM head included: a tied embedding is a matmul
     at the head, a gather at the input); causal attention adds ``2 H D T^2`` per row and layer.
@@ -69,13 +75,13 @@ def model_costs(model_cfg: Any, cfg: Any, rows: int) -> dict[str, dict[str, floa
         "flops": fwd * passes,
         "bytes": n_total * (mbytes * 7 + pbytes * passes),
     }
-    lp = cfg.max_target_length // 2
+    lp = limits.max_prefill_length
     prefill = {
         "flops": 2 * n_mat * lp + 2 * hd * lp * lp * nl,
         "bytes": n_total * pbytes + lp * kv_row * pbytes,
     }
-    s, k = cfg.max_target_length, cfg.steps_per_call
-    slots = cfg.decode_slots
+    s, k = limits.max_target_length, limits.steps_per_call
+    slots = limits.max_concurrent_decodes
     decode = {
         "flops": k * (2 * n_mat * slots + 4 * hd * s * slots * nl),
         "bytes": k * (n_total * pbytes + slots * s * kv_row * pbytes),

@@ -227,7 +227,6 @@ async def run_scenario(sc: Scenario) -> dict[str, Any]:
         max_concurrent=sc.max_concurrent,
         age_policy=sc.policy,
         eval_at_start=False,
-        poll_s=0.5,
         stall_timeout_s=None,
         # Virtual time: no wall-clock watchdogs (every timeout here would be virtual).
         env_timeout_s=None,

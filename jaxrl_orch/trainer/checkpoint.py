@@ -271,14 +271,21 @@ def restore_newest_intact(
 
 
 def save_trainer(
-    ckpt: Checkpointer, trainer: Any, step: int, orchestrator_state: dict[str, Any]
+    ckpt: Checkpointer,
+    trainer: Any,
+    step: int,
+    orchestrator_state: dict[str, Any],
+    *,
+    between_steps: bool = False,
 ) -> bool:
     """Save a ``Trainer``'s state with the orchestrator's dict under ``step``.
 
     The trainer must be idle (``wait_idle()`` first): a step in flight would donate the very
-    arrays being saved, and params and optimizer state could come from different steps.
+    arrays being saved, and params and optimizer state could come from different steps. Its
+    own worker thread may save ``between_steps`` (from the publish callback, after step
+    ``step`` and before the next one), then wait for the write before returning.
     """
-    if not trainer.is_idle:
+    if not (between_steps or trainer.is_idle):
         raise RuntimeError(
             f"cannot checkpoint step {step}: the trainer is busy; call trainer.wait_idle() first"
         )

@@ -8,7 +8,8 @@ What it owns
 
         ``step(params, opt_state, batch, rng, ref_params) -> (params, opt_state, metrics)``
 
-    with explicit in/out shardings and ``params`` / ``opt_state`` donated.
+    with explicit in/out shardings and ``params`` / ``opt_state`` donated; its traced pieces
+    (forward, log-probs, chunk loss, minibatch update) are the methods of ``_StepProgram``.
 
 The maths, per batch of packed rows ``[R, L]`` (``algorithms.packing.PackedBatch`` arrays,
 aligned as in ``Sample``: token ``t``'s behavior log-prob, mask and advantage sit at ``t``)
@@ -192,57 +193,80 @@ def build_train_step(
     replicated = NamedSharding(mesh, PartitionSpec())
     row_size = mesh.shape[row_axis] if row_axis else 1
     rows_spec = PartitionSpec(row_axis) if row_axis and cfg.chunk_rows % row_size == 0 else None
-    loss_cfg = cfg.loss
-    use_ref = cfg.kind == "rl" and loss_cfg.kl_beta > 0
-
-    def constrain_rows(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        if rows_spec is None:
-            return tree
-        return {
-            k: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, rows_spec))
-            for k, v in tree.items()
-        }
-
-    lp_chunk = cfg.logprob_chunk
-    _hidden = lambda model, c: model.hidden_states(
-        c["tokens"], c["positions"], c["segment_ids"], splash_specs=splash_specs
+    program = _StepProgram(graphdef, optimizer, cfg, mesh, rows_spec, splash_specs)
+    use_ref = cfg.kind == "rl" and cfg.loss.kl_beta > 0
+    ref_sh, batch_sh = (param_shardings if use_ref else None), batch_shardings(mesh, cfg, row_axis)
+    return jax.jit(
+        program.step,
+        in_shardings=(param_shardings, opt_shardings, batch_sh, replicated, ref_sh),
+        out_shardings=(param_shardings, opt_shardings, replicated),
+        donate_argnums=(0, 1),
     )
 
-    def forward(params: Any, chunk: dict[str, jax.Array]) -> jax.Array:
-        model = nnx.merge(graphdef, params)
-        return model.logits_from_hidden(_hidden(model, chunk))[:, :-1]
 
-    def stats(params: Any, chunk: dict[str, jax.Array], temps: jax.Array, entropy: bool):
-        """Chunked path: (logp, entropy) [C, L-1] from hidden states, no full logits."""
-        model = nnx.merge(graphdef, params)
-        hidden = _hidden(model, chunk)[:, :-1]
-        return token_stats(
-            model.logits_from_hidden, hidden, chunk["targets"], temps, lp_chunk, entropy=entropy
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StepProgram:
+    """The pieces ``build_train_step`` traces, each a pure function of its array arguments (the
+    fields are static: they pick the program, never enter it as data)."""
+
+    graphdef: nnx.GraphDef
+    optimizer: optax.GradientTransformation
+    cfg: StepConfig
+    mesh: jax.sharding.Mesh
+    rows_spec: PartitionSpec | None  # None: rows replicated (the chunk does not divide)
+    splash_specs: Any
+
+    def constrain_rows(self, tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        if self.rows_spec is None:
+            return tree
+        sharding = NamedSharding(self.mesh, self.rows_spec)
+        return {k: jax.lax.with_sharding_constraint(v, sharding) for k, v in tree.items()}
+
+    def hidden(self, model: Any, chunk: dict[str, jax.Array]) -> jax.Array:
+        return model.hidden_states(
+            chunk["tokens"],
+            chunk["positions"],
+            chunk["segment_ids"],
+            splash_specs=self.splash_specs,
         )
 
-    def logprobs_only(params: Any, chunks: dict[str, jax.Array]) -> jax.Array:
+    def forward(self, params: Any, chunk: dict[str, jax.Array]) -> jax.Array:
+        model = nnx.merge(self.graphdef, params)
+        return model.logits_from_hidden(self.hidden(model, chunk))[:, :-1]
+
+    def stats(self, params: Any, chunk: dict[str, jax.Array], temps: jax.Array, entropy: bool):
+        """Chunked path: (logp, entropy) [C, L-1] from hidden states, no full logits."""
+        model = nnx.merge(self.graphdef, params)
+        hidden, head = self.hidden(model, chunk)[:, :-1], model.logits_from_hidden
+        lp_chunk = self.cfg.logprob_chunk
+        return token_stats(head, hidden, chunk["targets"], temps, lp_chunk, entropy=entropy)
+
+    def logprobs_only(self, params: Any, chunks: dict[str, jax.Array]) -> jax.Array:
+        """Gradient-free log-probs of every chunk's targets: ``[n_chunks, C, L-1]``."""
+
         def chunk_lp(chunk):
-            chunk = constrain_rows(chunk)
-            if lp_chunk:
-                return stats(params, chunk, chunk["temperatures"], False)[0]
-            logits = forward(params, chunk)
+            chunk = self.constrain_rows(chunk)
+            if self.cfg.logprob_chunk:
+                return self.stats(params, chunk, chunk["temperatures"], False)[0]
+            logits = self.forward(params, chunk)
             return losses.token_logprobs(logits, chunk["targets"], chunk["temperatures"])
 
         zeros = lambda chunk: jnp.zeros(chunk["targets"].shape, jnp.float32)
         _, lp = _scan(lambda _, c: (None, skip_empty(c, chunk_lp, zeros, c)), None, chunks)
-        return jax.lax.stop_gradient(lp)  # [n_chunks, C, L-1]
+        return jax.lax.stop_gradient(lp)
 
-    def chunk_loss(params: Any, chunk: dict[str, jax.Array]):
-        chunk = constrain_rows(chunk)
-        if lp_chunk:
+    def chunk_loss(self, params: Any, chunk: dict[str, jax.Array]):
+        """``(loss, metric sums)`` of one row-chunk, weighted by its minibatch's loss weights."""
+        cfg, chunk = self.cfg, self.constrain_rows(chunk)
+        if cfg.logprob_chunk:
             if cfg.kind == "sft":
                 ones = jnp.ones(chunk["targets"].shape, jnp.float32)
                 return sft_loss_from_logprobs(
-                    stats(params, chunk, ones, False)[0], chunk["mask"], chunk["weights"]
+                    self.stats(params, chunk, ones, False)[0], chunk["mask"], chunk["weights"]
                 )
-            new_lp, ent = stats(params, chunk, chunk["temperatures"], True)
+            new_lp, ent = self.stats(params, chunk, chunk["temperatures"], True)
         else:
-            logits = forward(params, chunk)
+            logits = self.forward(params, chunk)
             if cfg.kind == "sft":
                 return losses.sft_loss(logits, chunk["targets"], chunk["mask"], chunk["weights"])
             new_lp, ent = losses.logprobs_and_entropy(
@@ -254,22 +278,23 @@ def build_train_step(
             chunk["advantages"],
             chunk["mask"],
             chunk["weights"],
-            loss_cfg,
+            cfg.loss,
             old_logp=chunk.get("old_logp"),
             ref_logp=chunk.get("ref_logp"),
             entropy=ent,
         )
 
-    grad_fn = jax.value_and_grad(chunk_loss, has_aux=True)
-
-    def minibatch_update(params, opt_state, mb: dict[str, jax.Array]):
+    def minibatch_update(self, params: Any, opt_state: Any, mb: dict[str, jax.Array]):
+        """One optimizer update: the chunks' gradients summed by a scan, then AdamW."""
+        loss_cfg = self.cfg.loss
         mb = dict(mb)
         mb["weights"] = losses.loss_weights(
             mb["mask"], mb["target_segments"], loss_cfg.norm, loss_cfg.norm_constant
         )
-        chunks = _to_chunks(mb, cfg.chunk_rows)
+        chunks = _to_chunks(mb, self.cfg.chunk_rows)
         first = jax.tree.map(lambda v: v[0], chunks)
-        sums_shape = jax.eval_shape(lambda p, c: chunk_loss(p, c)[1], params, first)
+        sums_shape = jax.eval_shape(lambda p, c: self.chunk_loss(p, c)[1], params, first)
+        grad_fn = jax.value_and_grad(self.chunk_loss, has_aux=True)
 
         def accumulate(acc, chunk):
             grads_acc, sums_acc = acc
@@ -287,13 +312,15 @@ def build_train_step(
         zero_grads = jax.tree.map(jnp.zeros_like, params)
         (grads, sums), _ = _scan(body, (zero_grads, zero_sums), chunks)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         metrics = losses.finalize_metrics(sums)
         metrics["grad_norm"] = grad_norm
         return params, opt_state, metrics
 
-    def step(params, opt_state, batch, rng, ref_params=None):
+    def step(self, params, opt_state, batch, rng, ref_params=None):
+        """The jitted step (see the module docstring): ``ppo_epochs x minibatches`` updates."""
+        cfg = self.cfg
         data = shift_targets(batch)
         rows = data["tokens"].shape[0]
         if rows % cfg.rows_multiple:
@@ -301,10 +328,10 @@ def build_train_step(
                 f"batch has {rows} rows; it must be a multiple of chunk_rows * minibatches = "
                 f"{cfg.rows_multiple} (pad rows in the trainer)"
             )
-        lp_of = lambda p: logprobs_only(p, _to_chunks(data, cfg.chunk_rows)).reshape(rows, -1)
+        lp_of = lambda p: self.logprobs_only(p, _to_chunks(data, cfg.chunk_rows)).reshape(rows, -1)
         if cfg.kind == "rl" and cfg.recompute_old_logprobs:
             data["old_logp"] = lp_of(params)
-        if use_ref:
+        if cfg.kind == "rl" and cfg.loss.kl_beta > 0:
             data["ref_logp"] = lp_of(ref_params)
         per_mb = rows // cfg.minibatches
 
@@ -320,7 +347,7 @@ def build_train_step(
                 params, opt_state = carry
                 # One unshuffled minibatch is the whole batch: skip the row gather.
                 mb = data if order.shape[0] == 1 else _take_rows(data, idx)
-                params, opt_state, metrics = minibatch_update(params, opt_state, mb)
+                params, opt_state, metrics = self.minibatch_update(params, opt_state, mb)
                 return (params, opt_state), metrics
 
             return _scan(minibatch, (params, opt_state), order)
@@ -328,24 +355,21 @@ def build_train_step(
         (params, opt_state), metrics = _scan(
             epoch, (params, opt_state), jax.random.split(rng, cfg.ppo_epochs)
         )
-        # metrics leaves are [epochs, minibatches]: the first update's numbers are the on-policy
-        # check (ratio ~ 1 when old log-probs are consistent); the rest are averaged.
-        out = {k: (jnp.max(v) if k == "ratio_max" else jnp.mean(v)) for k, v in metrics.items()}
-        out["loss"] = jnp.mean(metrics["loss"])
-        out["num_tokens"] = jnp.sum(metrics["num_tokens"][0])
-        if cfg.kind == "rl":
-            out["first/ratio_mean"] = metrics["ratio_mean"][0, 0]
-            out["first/clip_low"] = metrics["clip_low"][0, 0]
-            out["first/clip_high"] = metrics["clip_high"][0, 0]
-        return params, opt_state, out
+        return params, opt_state, _summarize(metrics, cfg.kind)
 
-    ref_sh, batch_sh = (param_shardings if use_ref else None), batch_shardings(mesh, cfg, row_axis)
-    return jax.jit(
-        step,
-        in_shardings=(param_shardings, opt_shardings, batch_sh, replicated, ref_sh),
-        out_shardings=(param_shardings, opt_shardings, replicated),
-        donate_argnums=(0, 1),
-    )
+
+def _summarize(metrics: dict[str, jax.Array], kind: str) -> dict[str, jax.Array]:
+    """Per-update metrics (leaves ``[epochs, minibatches]``) -> the step's. The first update's
+    numbers are the on-policy check (ratio ~ 1 when old log-probs are consistent); the rest are
+    averaged."""
+    out = {k: (jnp.max(v) if k == "ratio_max" else jnp.mean(v)) for k, v in metrics.items()}
+    out["loss"] = jnp.mean(metrics["loss"])
+    out["num_tokens"] = jnp.sum(metrics["num_tokens"][0])
+    if kind == "rl":
+        out["first/ratio_mean"] = metrics["ratio_mean"][0, 0]
+        out["first/clip_low"] = metrics["clip_low"][0, 0]
+        out["first/clip_high"] = metrics["clip_high"][0, 0]
+    return out
 
 
 def batch_shardings(mesh: jax.sharding.Mesh, cfg: StepConfig, row_axis: str | None = "fsdp"):

@@ -9,11 +9,14 @@ What it owns
     (no replicated copy is ever materialised), or taken from ``init_params`` (e.g. imported HF
     weights) and moved onto the shardings.
 
+Construction: ``Trainer(model_config, mesh, *, rows=RowLayout(...), step=StepConfig(...),
+optim=OptimConfig(...), seed, rules, init_params, initial_version, hooks=StepHooks(...))``.
+Everything that shapes a step is given here; nothing is set on a trainer after it is built.
+
 Per batch (``train_step``): pack ``TrainBatch.samples`` with ``algorithms.packing.pack_samples``
-into ``[R, row_len]`` rows (R padded to a multiple of ``chunk_rows * minibatches`` and to at
-least ``min_rows``, or to ``num_rows`` when fixed), run the jitted step from
-``trainer/step.py``, set ``version = batch.step``, then call every publisher with
-``(version, params)``.
+into ``[R, rows.row_len]`` rows (R padded to a multiple of ``chunk_rows * minibatches`` and to at
+least ``rows.min_rows``, or to ``rows.num_rows`` when fixed), run the jitted step from
+``trainer/step.py``, set ``version = batch.step``, then publish (below).
 
 Fixed shapes: with ``min_rows`` at the most rows a batch can need (one per sample: every
 sample fits a row) the step sees one shape for the whole run, so it compiles once; the chunks
@@ -24,11 +27,18 @@ on version ``step - 1`` and produces version ``step``, so batches arrive in orde
 whose step is not ``version + 1`` is rejected (a skipped or repeated batch is an orchestrator
 bug, not something to paper over).
 
-Publishing contract: publishers run synchronously on the trainer's worker thread, after the step
-has finished on device. The ``params`` they get are valid only until they return, because the
-next step donates them; a publisher that keeps params beyond that (the weight watcher) must copy
-or reshard them before returning, or the trainer must be built with ``copy_on_publish=True``.
-Publishers that live on an asyncio loop hop over with ``loop.call_soon_threadsafe``.
+Publishing contract: ``start(publish, copy_params=...)`` names the one callback; after every
+``train_step`` it is called as ``publish(version, params, metrics)`` (``metrics``: that step's,
+a copy) on the thread that stepped (the worker's, once started), after the step has finished on
+device. The ``params`` are valid only until it returns, because the next step donates them; a
+callback that keeps them (the weight path) must copy or reshard them before returning, or pass
+``copy_params=True`` to get a copy of its own. Callbacks that live on an asyncio loop hop over
+with ``loop.call_soon_threadsafe``.
+
+Hooks (``StepHooks``): ``around_step()`` is entered around every worker step (the overlap
+schedule pauses a colocated engine there); ``on_batch(arrays)`` gets each packed batch before
+the step (a trainer group's process 0 hands it to its peers, DESIGN.md section 8). A peer takes
+the same step with ``follow(arrays)``: same arrays, same RNG stream, so the same params.
 
 Background mode: ``start()`` launches one worker thread; ``submit(batch)`` enqueues and returns
 at once (so the orchestrator's event loop never blocks on device work); an exception in the
@@ -41,6 +51,7 @@ Never: imports orchestration code, writes metrics itself, or re-tokenizes anythi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -56,11 +67,38 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl_orch.algorithms.packing import PackedBatch, pack_samples
 from jaxrl_orch.models.transformer import ModelConfig, Transformer
 from jaxrl_orch.trainer import step as step_lib
-from jaxrl_orch.trainer.programs import build_programs
+from jaxrl_orch.trainer.programs import TrainPrograms, build_programs
 from jaxrl_orch.types import TrainBatch
 from sharding.rules import TRAINER_RULES, Rules
 
-Publisher = Callable[[int, Any], None]
+# publish(version, params, metrics): see "Publishing contract" in the module docstring.
+Publisher = Callable[[int, Any, dict[str, float]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """How samples become rows: ``row_len`` tokens a row; ``num_rows`` fixes the row count of
+    every batch (None: as many as the batch needs), ``min_rows`` is its floor (rounded up to
+    whole chunks), ``pad_id`` fills the padding."""
+
+    row_len: int = 2048
+    num_rows: int | None = None
+    min_rows: int | None = None
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.row_len < 2:
+            raise ValueError(
+                f"row_len must be >= 2 (targets are shifted by one), got {self.row_len}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHooks:
+    """What the trainer's owner runs at a step (see "Hooks" in the module docstring)."""
+
+    around_step: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    on_batch: Callable[[dict[str, np.ndarray]], None] | None = None
 
 
 class Trainer:
@@ -71,57 +109,29 @@ class Trainer:
         model_config: ModelConfig,
         mesh: Mesh,
         *,
-        row_len: int = 2048,
+        rows: RowLayout = RowLayout(),
         step: step_lib.StepConfig | None = None,
         optim: step_lib.OptimConfig | None = None,
         seed: int = 0,
         rules: Rules = TRAINER_RULES,
-        num_rows: int | None = None,
-        min_rows: int | None = None,
         init_params: Any = None,
         initial_version: int = 0,
-        copy_on_publish: bool = False,
-        pad_id: int = 0,
+        hooks: StepHooks = StepHooks(),
     ) -> None:
-        if row_len < 2:
-            raise ValueError(f"row_len must be >= 2 (targets are shifted by one), got {row_len}")
-        if row_len > model_config.max_seq_len:
-            raise ValueError(
-                f"row_len {row_len} exceeds the model's max_seq_len {model_config.max_seq_len}"
-            )
         self.config = model_config
         self.mesh = mesh
-        self.row_len = row_len
         self.step_cfg = step or step_lib.StepConfig()
         self.optim_cfg = optim or step_lib.OptimConfig()
-        if num_rows is not None and num_rows % self.step_cfg.rows_multiple:
-            raise ValueError(
-                f"num_rows {num_rows} must be a multiple of chunk_rows * minibatches = "
-                f"{self.step_cfg.rows_multiple}"
-            )
-        self.num_rows = num_rows
-        mult = self.step_cfg.rows_multiple
-        self.min_rows = -(-(min_rows or 0) // mult) * mult  # rounded up to whole chunks
-        self.pad_id = pad_id
-        self.copy_on_publish = copy_on_publish
-        self._publishers: list[Publisher] = []
+        self.rows = rows
+        self._min_rows = _check_rows(rows, model_config, self.step_cfg.rows_multiple)
+        self.hooks = hooks
 
         programs = build_programs(
-            model_config, mesh, self.step_cfg, self.optim_cfg, rules, seed, row_len
+            model_config, mesh, self.step_cfg, self.optim_cfg, rules, seed, rows.row_len
         )
-        self.graphdef, abstract_state = programs.graphdef, programs.abstract_params
+        self.graphdef = programs.graphdef
         self.param_shardings = programs.param_shardings
-        if init_params is None:
-
-            def init() -> Any:
-                return nnx.split(Transformer(model_config, rngs=nnx.Rngs(seed)))[1]
-
-            with jax.set_mesh(mesh):
-                self.params = jax.jit(init, out_shardings=self.param_shardings)()
-        else:
-            _check_same_shapes(init_params, abstract_state)
-            self.params = jax.device_put(init_params, self.param_shardings)
-
+        self.params = _initial_params(programs, model_config, mesh, seed, init_params)
         self.optimizer = programs.optimizer
         self._schedule = step_lib.make_schedule(self.optim_cfg)
         self.opt_shardings = programs.opt_shardings
@@ -136,32 +146,20 @@ class Trainer:
             self.ref_params = self._copy(self.params)
         self._step_fn = programs.step_fn
         # A trainer group (several processes, DESIGN.md section 8): every process passes the
-        # whole batch, placed with the step's shardings; process 0 hands it over (on_batch).
+        # whole batch, placed with the step's shardings.
         self._batch_shardings = step_lib.batch_shardings(mesh, self.step_cfg)
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        self.on_batch: Callable[[dict[str, np.ndarray]], None] | None = None
         self.rng = jax.device_put(jax.random.PRNGKey(seed), self._replicated)
         self.version = int(initial_version)
         self.steps_done = 0
 
         self._queue: queue.Queue[TrainBatch | None] = queue.Queue()
         self._worker: threading.Thread | None = None
+        self._publish: Publisher | None = None
+        self._copy_params = False
         self._error: BaseException | None = None
         self._busy = False
         self._last: dict[str, float] = {}
-        # Wraps every worker step (overlap.OverlapSchedule.training pauses the engine there).
-        self.around_step: Callable[[], Any] = contextlib.nullcontext
-
-    # ------------------------------------------------------------------ publishing
-
-    def add_publisher(self, callback: Publisher) -> None:
-        """Register ``callback(version, params)``, called after every step (see docstring)."""
-        self._publishers.append(callback)
-
-    def _publish(self) -> None:
-        params = self._copy(self.params) if self.copy_on_publish else self.params
-        for cb in self._publishers:
-            cb(self.version, params)
 
     # ------------------------------------------------------------------ stepping
 
@@ -175,26 +173,23 @@ class Trainer:
         if not batch.samples:
             raise ValueError(f"TrainBatch step {batch.step} has no samples; nothing to train on")
         truncate = self.step_cfg.kind == "rl"
+        row_len, pad_id = self.rows.row_len, self.rows.pad_id
         packed = pack_samples(
-            batch.samples,
-            self.row_len,
-            num_rows=self.num_rows,
-            pad_id=self.pad_id,
-            truncate=truncate,
+            batch.samples, row_len, num_rows=self.rows.num_rows, pad_id=pad_id, truncate=truncate
         )
         mult = self.step_cfg.rows_multiple
-        rows = max(-(-packed.num_rows // mult) * mult, self.min_rows)
+        rows = max(-(-packed.num_rows // mult) * mult, self._min_rows)
         if rows != packed.num_rows:
             packed = pack_samples(
-                batch.samples, self.row_len, num_rows=rows, pad_id=self.pad_id, truncate=truncate
+                batch.samples, row_len, num_rows=rows, pad_id=pad_id, truncate=truncate
             )
         return packed
 
     def train_packed(self, packed: PackedBatch) -> dict[str, float]:
         """Run one step on already packed rows; returns host metrics. Does not bump versions."""
         arrays = {k: getattr(packed, k) for k in step_lib.BATCH_FIELDS}
-        if self.on_batch is not None:
-            self.on_batch(arrays)  # a group's process 0: its peers take the same step
+        if self.hooks.on_batch is not None:
+            self.hooks.on_batch(arrays)  # a group's process 0: its peers take the same step
         metrics = self.step_arrays(arrays)
         metrics["tokens_per_s"] = packed.num_tokens / metrics["step_s"]
         metrics["batch_tokens"] = float(packed.num_tokens)
@@ -231,26 +226,35 @@ class Trainer:
         self._busy = True
         try:
             metrics = self.train_packed(self.pack(batch))
-            metrics["truncated_samples"] = float(sum(len(s) > self.row_len for s in batch.samples))
+            too_long = sum(len(s) > self.rows.row_len for s in batch.samples)
+            metrics["truncated_samples"] = float(too_long)
             self.version = batch.step
             metrics["version"] = float(self.version)
             self._last = metrics
-            self._publish()
+            if self._publish is not None:
+                params = self._copy(self.params) if self._copy_params else self.params
+                self._publish(self.version, params, dict(metrics))
         finally:
             self._busy = False
         return metrics
 
-    @property
-    def last_step_metrics(self) -> dict[str, float]:
-        """The metrics of the last trained step (a copy; read it in a publisher callback to get
-        exactly the published version's numbers)."""
-        return dict(self._last)
+    def follow(self, arrays: dict[str, np.ndarray]) -> dict[str, float]:
+        """A trainer-group peer's step on the leader's packed ``arrays`` (what its ``on_batch``
+        handed over): the same step the leader takes, then ``version + 1``. Publishes nothing:
+        the peer's owner stages its params itself."""
+        metrics = self.step_arrays(arrays)
+        self.version += 1
+        metrics["version"] = float(self.version)
+        self._last = metrics
+        return metrics
 
     # ------------------------------------------------------------------ background worker
 
-    def start(self) -> None:
+    def start(self, publish: Publisher | None = None, *, copy_params: bool = False) -> None:
+        """Launch the worker; ``publish`` is called after every step (module docstring)."""
         if self._worker is not None:
             raise RuntimeError("Trainer.start() called twice")
+        self._publish, self._copy_params = publish, copy_params
         self._worker = threading.Thread(target=self._run, name="trainer", daemon=True)
         self._worker.start()
 
@@ -261,7 +265,7 @@ class Trainer:
                 if batch is None:
                     return
                 if self._error is None:
-                    with self.around_step():
+                    with self.hooks.around_step():
                         self.train_step(batch)
             except BaseException as e:  # noqa: BLE001 - kept and re-raised on the caller's side
                 self._error = e
@@ -340,6 +344,36 @@ class Trainer:
         self.rng = jax.device_put(np.asarray(state["rng"], dtype=np.uint32), self._replicated)
         self.version = int(state["version"])
         self.steps_done = int(state["steps_done"])
+
+
+def _check_rows(rows: RowLayout, model_config: ModelConfig, multiple: int) -> int:
+    """Validate ``rows`` against the model and the step's chunking; returns the row floor
+    rounded up to whole chunks (``multiple`` rows)."""
+    if rows.row_len > model_config.max_seq_len:
+        raise ValueError(
+            f"row_len {rows.row_len} exceeds the model's max_seq_len {model_config.max_seq_len}"
+        )
+    if rows.num_rows is not None and rows.num_rows % multiple:
+        raise ValueError(
+            f"num_rows {rows.num_rows} must be a multiple of chunk_rows * minibatches = {multiple}"
+        )
+    return -(-(rows.min_rows or 0) // multiple) * multiple
+
+
+def _initial_params(
+    programs: TrainPrograms, model_config: ModelConfig, mesh: Mesh, seed: int, init_params: Any
+) -> Any:
+    """``init_params`` on the param shardings, or fresh ones from ``seed``, initialised by a
+    jitted init straight onto them."""
+    if init_params is not None:
+        _check_same_shapes(init_params, programs.abstract_params)
+        return jax.device_put(init_params, programs.param_shardings)
+
+    def init() -> Any:
+        return nnx.split(Transformer(model_config, rngs=nnx.Rngs(seed)))[1]
+
+    with jax.set_mesh(mesh):
+        return jax.jit(init, out_shardings=programs.param_shardings)()
 
 
 def _check_same_shapes(params: Any, abstract: Any) -> None:

@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
+from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.models.transformer import ModelConfig, init_cache, logical_specs
 from jaxrl_orch.types import SamplingParams
 from sharding.mesh import make_meshes
@@ -59,9 +60,10 @@ def completion_logits(engine, params, prompt, out):
 
 @pytest.fixture(scope="module")
 def engine():
-    return DecodeEngine(
-        CFG, max_concurrent_decodes=2, max_target_length=48, max_prefill_length=16, steps_per_call=3
+    limits = EngineLimits(
+        max_concurrent_decodes=2, max_target_length=48, max_prefill_length=16, steps_per_call=3
     )
+    return DecodeEngine(CFG, limits=limits)
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +192,14 @@ def test_engine_validates_its_inputs(engine, params):
     with pytest.raises(ValueError, match="slot must be in"):
         engine.insert(prefix, engine.init_decode_state(), 2)
     with pytest.raises(ValueError, match="max_prefill_length=64 must be <="):
-        DecodeEngine(CFG, max_target_length=32, max_prefill_length=64)
+        EngineLimits(max_target_length=32, max_prefill_length=64)
+    with pytest.raises(ValueError, match="steps_per_call must be a positive int, got 0"):
+        EngineLimits(steps_per_call=0)
+    with pytest.raises(ValueError, match="max_target_length must be a positive int, got 1.5"):
+        EngineLimits(max_target_length=1.5)
+    # The one default: half the cache for the prompt.
+    assert EngineLimits(max_target_length=48).max_prefill_length == 24
+    assert engine.max_target_length == 48 and engine.steps_per_call == 3
 
 
 @pytest.mark.slow
@@ -198,7 +207,7 @@ def test_sharded_engine_on_4_devices_matches_1_device_after_a_trainer_mesh_swap(
     cfg = ModelConfig(
         vocab_size=512, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, d_ff=128
     )
-    kw = dict(max_concurrent_decodes=2, max_target_length=32, max_prefill_length=16)
+    kw = dict(limits=EngineLimits(2, max_target_length=32, max_prefill_length=16))
     decode_mesh, trainer_mesh = make_meshes({"tp": 4}, {"fsdp": 2, "tp": 2})
     one = DecodeEngine(cfg, **kw)
     four = DecodeEngine(cfg, mesh=decode_mesh, **kw)
@@ -262,10 +271,7 @@ def test_requests_with_new_sampling_settings_never_recompile(engine, driver):
 def engine4():
     return DecodeEngine(
         CFG,
-        max_concurrent_decodes=4,
-        max_target_length=48,
-        max_prefill_length=16,
-        steps_per_call=2,
+        limits=EngineLimits(4, max_target_length=48, max_prefill_length=16, steps_per_call=2),
         decode_widths=(4, 1),  # each width is one more compile of the decode program
     )
 
@@ -334,5 +340,6 @@ def test_narrow_generate_leaves_upper_slots_untouched_and_validates(engine4):
     with pytest.raises(ValueError, match="src slot must be in"):
         engine4.move_slot(state, 4, 0)
     with pytest.raises(ValueError, match="largest is max_concurrent_decodes=4"):
-        DecodeEngine(CFG, max_concurrent_decodes=4, decode_widths=(2, 1))
-    assert DecodeEngine(CFG, max_concurrent_decodes=32).decode_widths == (32, 16, 8, 4)
+        DecodeEngine(CFG, limits=EngineLimits(max_concurrent_decodes=4), decode_widths=(2, 1))
+    wide = DecodeEngine(CFG, limits=EngineLimits(max_concurrent_decodes=32))
+    assert wide.decode_widths == (32, 16, 8, 4)

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
+from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.inference.requests import slot_columns
 from jaxrl_orch.models.transformer import ModelConfig
 from jaxrl_orch.types import SamplingParams
@@ -88,10 +89,7 @@ def same(a, b):
 def engine():
     return DecodeEngine(
         CFG,
-        max_concurrent_decodes=4,
-        max_target_length=LEN,
-        max_prefill_length=16,
-        steps_per_call=3,
+        limits=EngineLimits(4, max_target_length=LEN, max_prefill_length=16, steps_per_call=3),
         decode_widths=(4, 1),
         seed=0,
     )
@@ -162,10 +160,7 @@ def test_same_seed_same_completion_on_another_engine_with_another_seed(engine, p
     """(c) a separately built engine: other engine seed, slot count, steps per call."""
     other = DecodeEngine(
         CFG,
-        max_concurrent_decodes=2,
-        max_target_length=LEN,
-        max_prefill_length=8,
-        steps_per_call=2,
+        limits=EngineLimits(2, max_target_length=LEN, max_prefill_length=8, steps_per_call=2),
         seed=99,
     )
     p2 = other.load_params(params)

@@ -12,6 +12,7 @@ import pytest
 
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
+from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.models.transformer import ModelConfig
 from jaxrl_orch.types import SamplingParams
 
@@ -21,7 +22,7 @@ from upstream_engines import UpstreamShapedEngine  # noqa: E402
 CFG = ModelConfig(
     vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128
 )
-SHAPE = dict(
+LIMITS = EngineLimits(
     max_concurrent_decodes=2, max_target_length=48, max_prefill_length=16, steps_per_call=3
 )
 
@@ -39,9 +40,9 @@ def _decode(engine, params, prompts, version):
 
 @pytest.mark.slow
 def test_upstream_results_decode_like_ours_with_nan_logprobs_and_the_drivers_version():
-    ours = DecodeEngine(CFG, **SHAPE)
+    ours = DecodeEngine(CFG, limits=LIMITS)
     params = ours.load_params(seed=0)
-    upstream = UpstreamShapedEngine(CFG, temperature=0.0, **SHAPE)
+    upstream = UpstreamShapedEngine(CFG, limits=LIMITS, temperature=0.0)
     prompts = [[5, 17, 99, 3], [200, 201], [7] * 11]
     want = _decode(ours, params, prompts, version=3)
     got = _decode(upstream, params, prompts, version=3)

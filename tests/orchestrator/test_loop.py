@@ -1,11 +1,10 @@
 """The orchestrator's main loop, driven by the simulator's engine and trainer on virtual time.
 
-What it must show (issue "Orchestrator core"): async S=1 nearly doubles steps/s over the
-synchronous S=0 baseline when engine and trainer take equal time; with long-tail latency the
-``admit`` policy overshoots S while ``pace`` and ``drop`` keep the observed age within S (pace
-losing nothing); a resume that skips ``on_version_recovered`` trips the resume-burst alarm;
-faults (an environment that raises, a NaN reward, a stalled trainer, a flat reward) are
-handled or fail loudly.
+What it must show: async S=1 nearly doubles steps/s over the synchronous S=0 baseline when
+engine and trainer take equal time; with long-tail latency the ``admit`` policy overshoots S
+while ``pace`` and ``drop`` keep the observed age within S (pace losing nothing); a resume that
+skips ``on_version_recovered`` trips the resume-burst alarm; faults (an environment that
+raises, a NaN reward, a stalled trainer, a flat reward) are handled or fail loudly.
 """
 
 from __future__ import annotations
@@ -108,6 +107,18 @@ class FlatEnv(SimEnv):
         return r
 
 
+class RecordingTrainer(SimTrainer):
+    """Keeps every rollout it was shipped to train on."""
+
+    def __init__(self, publisher, train_time):
+        super().__init__(publisher, train_time)
+        self.trained = []
+
+    def submit(self, batch):
+        self.trained.extend(batch.trained)
+        super().submit(batch)
+
+
 def _run(
     env_cls=SimEnv,
     *,
@@ -126,7 +137,7 @@ def _run(
         policy = PolicyHandle(start_step - 1)
         engine = SimEngine(latency, policy, rng)
         publisher = InProcessPublisher()
-        trainer = SimTrainer(publisher, train_time)
+        trainer = RecordingTrainer(publisher, train_time)
         if not publish:
             trainer.publisher = type("Silent", (), {"publish": lambda self, v, p: None})()
         cfg = OrchestratorConfig(
@@ -141,25 +152,29 @@ def _run(
         async def reload(version, params):
             return None
 
-        orch = build_orchestrator(
-            cfg, policy, pool=engine, envs={"sim": env_cls(rng)}, source=SimSource(),
-            sampling=SamplingParams(max_tokens=6), trainer=trainer, version_source=publisher,
-            reload_fn=reload, clock=loop.time,
-            telemetry=Telemetry(log_interval_s=1e9, store_dir=store_dir),
-        )  # fmt: skip
-        trained = []
-
         def on_step(step, state):
-            trained.extend(orch.train_sink.trained_rollouts(step))
             if on_ship is not None:
                 on_ship(orch, step)
 
-        orch.on_step = on_step
+        orch = build_orchestrator(
+            cfg,
+            policy,
+            pool=engine,
+            envs={"sim": env_cls(rng)},
+            source=SimSource(),
+            sampling=SamplingParams(max_tokens=6),
+            trainer=trainer,
+            version_source=publisher,
+            reload_fn=reload,
+            clock=loop.time,
+            on_step=on_step,
+            telemetry=Telemetry(log_interval_s=1e9, store_dir=store_dir),
+        )
         try:
             await orch.run()
         finally:
             trainer.close()
-        return orch, trained
+        return orch, trainer.trained
 
     return run_virtual(main)[0]
 
@@ -294,6 +309,16 @@ def test_bad_config_values_are_named():
         OrchestratorConfig(max_steps=1, batch_size=4, group_size=2, age_policy="yolo")
     with pytest.raises(ValueError, match=r"batch_size \(6\) must be a multiple of group_size"):
         OrchestratorConfig(max_steps=1, batch_size=6, group_size=4)
+    with pytest.raises(ValueError, match=r"max_concurrent \(2\) must be >= group_size"):
+        OrchestratorConfig(max_steps=1, batch_size=4, group_size=4, max_concurrent=2)
+
+
+def test_concurrency_defaults_to_what_the_gate_can_admit_ahead_of_the_trainer():
+    """Unset, max_concurrent is (S + 1) * B: concurrency never binds before staleness."""
+    cfg = OrchestratorConfig(max_steps=1, batch_size=8, group_size=4, max_staleness=2)
+    assert cfg.max_concurrent == 24
+    assert OrchestratorConfig(max_steps=1, batch_size=8, group_size=4).max_concurrent == 16
+    assert OrchestratorConfig(1, 8, 4, max_concurrent=12).max_concurrent == 12
 
 
 def test_slots_freed_by_discarded_flat_groups_are_refilled_at_once():
@@ -320,11 +345,17 @@ def _built(start_step, **cfg_kw):
 
     policy = PolicyHandle(start_step - 1)
     return build_orchestrator(
-        cfg, policy, pool=SimEngine("fixed:1", policy, rng), envs={"sim": SimEnv(rng)},
-        source=SimSource(), sampling=SamplingParams(max_tokens=6),
-        trainer=SimTrainer(publisher, 1.0), version_source=publisher, reload_fn=reload,
+        cfg,
+        policy,
+        pool=SimEngine("fixed:1", policy, rng),
+        envs={"sim": SimEnv(rng)},
+        source=SimSource(),
+        sampling=SamplingParams(max_tokens=6),
+        trainer=SimTrainer(publisher, 1.0),
+        version_source=publisher,
+        reload_fn=reload,
         telemetry=Telemetry(log_interval_s=1e9),
-    )  # fmt: skip
+    )
 
 
 def test_restore_mirrors_state():
@@ -341,7 +372,7 @@ def test_restore_mirrors_state():
     assert got["train_sink"]["totals"] == saved["train_sink"]["totals"]
     assert got["train_sink"]["step"] == 6
     assert got["gate"] == {"version": 5, "accepted": 5 * 16}
-    # A state saved by a loop that had shipped ahead of its trainer (up to lag + 1 steps)
+    # A state saved by a loop that had shipped ahead of its trainer (up to S + 1 steps)
     # still restores; one from another run's step does not.
     _built(start_step=6, max_staleness=1).restore({**saved, "step": 8})
     with pytest.raises(ValueError, match=r"resumes at step 6 .* steps 6\.\.8"):

@@ -35,10 +35,17 @@ def test_summaries_of_nothing_is_empty():
 def _rollout(versions, mask, start=7):
     n = len(versions)
     return Rollout(
-        env="t", group_id=0, episode_id=0, example={},
-        token_ids=list(range(n)), loss_mask=mask, logprobs=[0.0] * n, versions=versions,
-        policy_version_at_start=start, num_turns=1,
-    )  # fmt: skip
+        env="t",
+        group_id=0,
+        episode_id=0,
+        example={},
+        token_ids=list(range(n)),
+        loss_mask=mask,
+        logprobs=[0.0] * n,
+        versions=versions,
+        policy_version_at_start=start,
+        num_turns=1,
+    )
 
 
 def test_head_versions_equal_the_property():

@@ -4,7 +4,7 @@ Builds a ``DecodeEngine`` of ``tiny-byte`` on a tp=2 decode mesh over this proce
 CPU devices (the caller sets ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` and
 ``JAX_PLATFORMS=cpu``), serves it with ``ReplicaServer`` on a free port of 127.0.0.1 and prints
 ``READY <host:port> <pid>`` once bound. Runs until killed (SIGTERM stops it cleanly).
-``ENGINE_KW`` / ``make_engine`` are shared with the tests' in-process reference engine.
+``make_engine`` is shared with the tests' in-process reference engine.
 """
 
 from __future__ import annotations
@@ -13,12 +13,6 @@ import argparse
 import asyncio
 import os
 import signal
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENGINE_KW = dict(
-    max_concurrent_decodes=4, max_target_length=64, max_prefill_length=32, steps_per_call=4
-)
 
 
 def make_engine():
@@ -27,10 +21,14 @@ def make_engine():
     from jax.sharding import Mesh
 
     from jaxrl_orch.inference.engine import DecodeEngine
+    from jaxrl_orch.inference.limits import EngineLimits
     from jaxrl_orch.models.configs import get_config
 
     mesh = Mesh(np.array(jax.local_devices()[:2]), ("tp",))
-    return DecodeEngine(get_config("tiny-byte"), mesh=mesh, **ENGINE_KW)
+    limits = EngineLimits(
+        max_concurrent_decodes=4, max_target_length=64, max_prefill_length=32, steps_per_call=4
+    )
+    return DecodeEngine(get_config("tiny-byte"), mesh=mesh, limits=limits)
 
 
 async def _main(max_queued: int) -> None:
@@ -47,7 +45,6 @@ async def _main(max_queued: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-queued", type=int, default=4096)
     asyncio.run(_main(parser.parse_args().max_queued))

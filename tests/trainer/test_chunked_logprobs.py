@@ -19,7 +19,7 @@ from jaxrl_orch.models.transformer import Transformer
 from jaxrl_orch.trainer import step as step_lib
 from jaxrl_orch.trainer.logprobs import token_stats
 from jaxrl_orch.trainer.programs import build_programs
-from jaxrl_orch.trainer.trainer import Trainer
+from jaxrl_orch.trainer.trainer import RowLayout, Trainer
 from sharding.rules import abstract_arrays
 
 OPTIM = step_lib.OptimConfig(learning_rate=1e-2)
@@ -68,7 +68,7 @@ def test_chunked_step_matches_plain_step(setup, kind):
         tr = Trainer(
             TINY,
             mesh,
-            row_len=32,
+            rows=RowLayout(row_len=32),
             optim=OPTIM,
             init_params=params,
             step=step_lib.StepConfig(logprob_chunk=chunk, **kw),

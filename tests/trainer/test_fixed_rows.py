@@ -11,7 +11,7 @@ from conftest import TINY, make_batch
 from jax.sharding import Mesh
 
 from jaxrl_orch.trainer import step as step_lib
-from jaxrl_orch.trainer.trainer import Trainer
+from jaxrl_orch.trainer.trainer import RowLayout, Trainer
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -20,7 +20,7 @@ def test_padding_chunks_change_nothing_and_the_step_compiles_once(recompute):
     cfg = step_lib.StepConfig(kind="rl", chunk_rows=2, recompute_old_logprobs=recompute)
 
     def trainer(**kw):
-        return Trainer(TINY, mesh, row_len=32, step=cfg, seed=0, **kw)
+        return Trainer(TINY, mesh, rows=RowLayout(row_len=32, **kw), step=cfg, seed=0)
 
     tight, fixed = trainer(), trainer(min_rows=12)
     batches = [make_batch(1, seed=1, n_samples=5), make_batch(2, seed=2, n_samples=9)]
@@ -38,7 +38,7 @@ def test_padding_chunks_change_nothing_and_the_step_compiles_once(recompute):
 
 def test_a_batch_needing_more_rows_than_min_rows_still_trains():
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("fsdp", "tp"))
-    t = Trainer(TINY, mesh, row_len=32, step=step_lib.StepConfig(kind="rl", chunk_rows=2),
-                min_rows=2)  # fmt: skip
+    rows = RowLayout(row_len=32, min_rows=2)
+    t = Trainer(TINY, mesh, rows=rows, step=step_lib.StepConfig(kind="rl", chunk_rows=2))
     packed = t.pack(make_batch(1, seed=3, n_samples=9))
     assert packed.num_rows > 2 and packed.num_rows % 2 == 0

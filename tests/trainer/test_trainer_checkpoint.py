@@ -17,7 +17,7 @@ from jaxrl_orch.trainer.checkpoint import (
     restore_trainer,
     save_trainer,
 )
-from jaxrl_orch.trainer.trainer import Trainer
+from jaxrl_orch.trainer.trainer import RowLayout, Trainer
 from sharding.mesh import make_meshes
 
 OPTIM = step_lib.OptimConfig(learning_rate=1e-3, eps=1e-4)
@@ -36,7 +36,7 @@ def _leaves_equal(a, b):
 def saved(tmp_path_factory):
     """A 2x2-mesh trainer after one step, saved (async) at step 1."""
     _, mesh = make_meshes({"tp": 1}, {"fsdp": 2, "tp": 2})
-    trainer = Trainer(TINY, mesh, row_len=32, step=STEP, optim=OPTIM, seed=1)
+    trainer = Trainer(TINY, mesh, rows=RowLayout(row_len=32), step=STEP, optim=OPTIM, seed=1)
     trainer.train_step(make_batch(1))
     path = tmp_path_factory.mktemp("ckpt")
     ckpt = Checkpointer(path, max_to_keep=2)
@@ -51,7 +51,7 @@ def test_round_trip_onto_other_mesh_is_bit_equal_and_resume_continues(saved):
     # A different mesh: 2 devices, pure tensor parallel, disjoint from the source's devices.
     devices = jax.devices()[4:6]
     _, mesh = make_meshes({"tp": 1}, {"fsdp": 1, "tp": 2}, devices=devices + jax.devices()[6:7])
-    dst = Trainer(TINY, mesh, row_len=32, step=STEP, optim=OPTIM, seed=99)
+    dst = Trainer(TINY, mesh, rows=RowLayout(row_len=32), step=STEP, optim=OPTIM, seed=99)
     assert Checkpointer(path).latest_step() == 1
     orch = restore_trainer(Checkpointer(path), dst, step=None)
 
@@ -175,9 +175,13 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_intact_one(tmp_p
     assert ckpt.all_steps() == [2] and sorted(os.listdir(f"{path}.corrupt")) == ["4", "6"]
     # The resumed run can save those steps again.
     ckpt.save(
-        4, params=out["params"], opt_state=out["opt_state"], rng=out["rng"], meta={},
+        4,
+        params=out["params"],
+        opt_state=out["opt_state"],
+        rng=out["rng"],
+        meta={},
         orchestrator_state={"a": 4},
-    )  # fmt: skip
+    )
     ckpt.wait()
     assert ckpt.all_steps() == [2, 4]
 
@@ -219,8 +223,12 @@ def test_a_save_the_disk_cannot_hold_fails_before_writing_naming_the_path(tmp_pa
     ckpt = Checkpointer(tmp_path / "full", async_save=False)
     with pytest.raises(OSError, match=r"checkpoint step 3 needs about 1\.\d MB, 0\.0 MB free") as e:
         ckpt.save(
-            3, params={"w": jnp.zeros((1000,))}, opt_state={}, rng=jax.random.PRNGKey(0),
-            meta={}, orchestrator_state={},
-        )  # fmt: skip
+            3,
+            params={"w": jnp.zeros((1000,))},
+            opt_state={},
+            rng=jax.random.PRNGKey(0),
+            meta={},
+            orchestrator_state={},
+        )
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "full")
     assert ckpt.all_steps() == [] and os.listdir(tmp_path / "full") == []

@@ -1,6 +1,7 @@
 """Trainer as a component: SFT learns a copy task, background submit publishes versions in
 order, worker failures surface on the caller's thread."""
 
+import contextlib
 import threading
 
 import jax
@@ -10,7 +11,7 @@ from conftest import TINY
 from jax.sharding import Mesh
 
 from jaxrl_orch.trainer import step as step_lib
-from jaxrl_orch.trainer.trainer import Trainer
+from jaxrl_orch.trainer.trainer import RowLayout, StepHooks, Trainer
 from jaxrl_orch.types import Sample, TrainBatch
 
 COPY_LEN = 6
@@ -44,7 +45,7 @@ def sft_trainer():
     return Trainer(
         TINY,
         mesh,
-        row_len=64,
+        rows=RowLayout(row_len=64),
         step=step_lib.StepConfig(kind="sft", chunk_rows=2),
         optim=step_lib.OptimConfig(learning_rate=1e-2, warmup_steps=5),
         seed=0,
@@ -70,19 +71,21 @@ def test_background_submit_publishes_in_order(sft_trainer):
     events: list[tuple] = []
     main = threading.get_ident()
 
-    def publisher(version, params):
+    def publisher(version, params, metrics):
         # Params are valid while we run: read one leaf to prove it.
-        events.append(("publish", version, float(jax.tree.leaves(params)[0].sum())))
+        events.append(("publish", version, float(jax.tree.leaves(params)[0].sum()), metrics))
         assert threading.get_ident() != main
 
-    sft_trainer.add_publisher(publisher)
     v0 = sft_trainer.version
-    sft_trainer.start()
+    sft_trainer.start(publisher)
     try:
         for s in (v0 + 1, v0 + 2, v0 + 3):
             sft_trainer.submit(_copy_batch(s, rng))  # returns at once
         sft_trainer.wait_idle()
         assert [e[1] for e in events] == [v0 + 1, v0 + 2, v0 + 3]
+        # Each callback gets its own step's metrics.
+        assert [e[3]["version"] for e in events] == [v0 + 1, v0 + 2, v0 + 3]
+        assert all(e[3]["loss"] > 0 for e in events)
         g = sft_trainer.gauges()
         assert g["trainer/version"] == v0 + 3
         assert g["trainer/queue_depth"] == 0 and g["trainer/busy"] == 0
@@ -102,13 +105,49 @@ def test_background_submit_publishes_in_order(sft_trainer):
     assert sft_trainer.version == v0 + 3
 
 
+def test_hooks_wrap_worker_steps_and_a_follower_takes_the_leaders_step(tiny_config):
+    """``around_step`` wraps each worker step, ``on_batch`` gets the packed arrays, the
+    ``copy_params`` callback gets params of its own, and a peer following those arrays lands
+    on the leader's params and version."""
+    from conftest import make_batch
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    entered, handed, published = [], [], []
+
+    @contextlib.contextmanager
+    def around():
+        entered.append("enter")
+        yield
+        entered.append("exit")
+
+    rows = RowLayout(row_len=32)
+    leader = Trainer(tiny_config, mesh, rows=rows, hooks=StepHooks(around, handed.append))
+    peer = Trainer(tiny_config, mesh, rows=rows)
+    leader.start(lambda *args: published.append(args), copy_params=True)
+    try:
+        leader.submit(make_batch(1, seed=5))
+        leader.wait_idle()
+    finally:
+        leader.stop()
+    assert entered == ["enter", "exit"] and len(handed) == 1
+    ((version, params, metrics),) = published
+    assert version == 1 and metrics["version"] == 1.0
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(leader.params), strict=True):
+        assert a is not b
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    followed = peer.follow(handed[0])
+    assert peer.version == 1 and followed["loss"] == metrics["loss"]
+    for a, b in zip(jax.tree.leaves(peer.params), jax.tree.leaves(leader.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_rl_pack_truncates_overlong_rollouts_and_sft_pack_refuses(tiny_config):
     from conftest import make_sample
 
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     rng = np.random.default_rng(3)
     samples = [make_sample(rng, 20), make_sample(rng, 40), make_sample(rng, 33)]
-    rl = Trainer(tiny_config, mesh, row_len=32, step=step_lib.StepConfig(kind="rl"), seed=0)
+    rl = Trainer(tiny_config, mesh, rows=RowLayout(row_len=32), step=step_lib.StepConfig(kind="rl"))
     packed = rl.pack(TrainBatch(step=1, samples=samples, rollouts=[]))
     # Two samples over 32 tokens keep their first 32; nothing else about them changes.
     assert sorted(int(n) for _, _, n in packed.placement) == [20, 32, 32]
@@ -117,6 +156,8 @@ def test_rl_pack_truncates_overlong_rollouts_and_sft_pack_refuses(tiny_config):
     assert n == 32 and np.array_equal(kept, samples[1].token_ids[:32])
     metrics = rl.train_step(TrainBatch(step=1, samples=samples, rollouts=[]))
     assert metrics["truncated_samples"] == 2.0 and np.isfinite(metrics["loss"])
-    sft = Trainer(tiny_config, mesh, row_len=32, step=step_lib.StepConfig(kind="sft"), seed=0)
+    sft = Trainer(
+        tiny_config, mesh, rows=RowLayout(row_len=32), step=step_lib.StepConfig(kind="sft")
+    )
     with pytest.raises(ValueError, match="more than row_len=32"):
         sft.pack(TrainBatch(step=1, samples=samples, rollouts=[]))

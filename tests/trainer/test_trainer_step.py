@@ -14,7 +14,7 @@ from jaxrl_orch.algorithms import losses
 from jaxrl_orch.algorithms.packing import pack_samples
 from jaxrl_orch.models.transformer import Transformer
 from jaxrl_orch.trainer import step as step_lib
-from jaxrl_orch.trainer.trainer import Trainer
+from jaxrl_orch.trainer.trainer import RowLayout, Trainer
 
 OPTIM = step_lib.OptimConfig(learning_rate=1e-3, eps=1e-4)
 
@@ -40,7 +40,7 @@ def _trainer(mesh, params, **step_kw):
     return Trainer(
         TINY,
         mesh,
-        row_len=32,
+        rows=RowLayout(row_len=32),
         optim=OPTIM,
         step=step_lib.StepConfig(**step_kw),
         init_params=params,
@@ -165,10 +165,10 @@ def test_config_errors_name_the_allowed_values():
     with pytest.raises(ValueError, match="minibatches"):
         step_lib.StepConfig(minibatches=0)
     with pytest.raises(ValueError, match="max_seq_len"):
-        Trainer(TINY, _mesh(1, 1), row_len=1024)
+        Trainer(TINY, _mesh(1, 1), rows=RowLayout(row_len=1024))
     wrong = nnx.split(Transformer(dataclasses.replace(TINY, d_ff=48), rngs=nnx.Rngs(0)))[1]
     with pytest.raises(ValueError, match=r"down_proj.*\(48, 32\).*needs \(64, 32\)"):
-        Trainer(TINY, _mesh(1, 1), row_len=32, init_params=wrong)
+        Trainer(TINY, _mesh(1, 1), rows=RowLayout(row_len=32), init_params=wrong)
 
 
 @pytest.mark.slow

@@ -1,0 +1,184 @@
+"""The run's parts, built and checked once: ``build_run(cfg, workdir, role, addresses)``.
+
+What it owns: ``RunParts``, the frozen, typed record every stage of ``run/`` receives instead of
+a mutable experiment object: the settings, the workdir (local or ``gs://``), this process's
+role, the tokenizer and the model config (the run's precision, attention and remat), the meshes,
+the environment and its demonstrator, and the data sources. Stages read it; nothing writes to
+it. ``build_run`` validates before any work: the mesh shapes against the devices, the
+environment, the data (every example checked to fit, ``checks``), the engine setting and
+``warmup_from``. What a stage builds later (the engine, a trainer) comes from the builders
+here and in ``engines``, fed from the parts.
+
+Never: holds a built engine or trainer (those belong to the stage that runs them), or reads a
+setting a stage could be handed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from etils import epath
+from flax import nnx
+
+from jaxrl_orch.build import roles
+from jaxrl_orch.build.accel import accel_model_config, step_config
+from jaxrl_orch.build.checks import check_examples
+from jaxrl_orch.build.engines import engine_factory, engine_limits
+from jaxrl_orch.build.parts import (
+    DataSources,
+    build_data,
+    build_placement,
+    hf_checkpoint_dir,
+    model_config,
+    optim_config,
+)
+from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.distributed.group import Role
+from jaxrl_orch.envs.base import make_env
+from jaxrl_orch.envs.demonstrator import MixedDemonstrator
+from jaxrl_orch.models.configs import ModelConfig
+from jaxrl_orch.models.hf_import import load_hf_checkpoint
+from jaxrl_orch.models.tokenizer import load_tokenizer
+from jaxrl_orch.orchestrator.metrics.writers import stage
+from jaxrl_orch.paths import as_path
+from jaxrl_orch.trainer.sft import sft_sample
+from jaxrl_orch.trainer.trainer import RowLayout, StepHooks, Trainer
+from jaxrl_orch.types import Sample
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the engine and the trainer run: their meshes, and whether they share devices."""
+
+    colocated: bool
+    decode_mesh: Any
+    trainer_mesh: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+    """Everything a stage of the run reads (see the module docstring)."""
+
+    cfg: TrainConfig
+    workdir: epath.Path
+    role: Role
+    engine_addresses: tuple[str, ...]
+    tokenizer: Any
+    model_cfg: ModelConfig
+    placement: Placement
+    env: Any
+    demonstrator: MixedDemonstrator | None
+    data: DataSources
+
+    @property
+    def sampled_eval(self) -> str:
+        """Eval-env name of the held-out set sampled at the training temperature."""
+        return f"{self.env.name}@t{self.cfg.temperature:g}"
+
+    def sft_sample(self, ex: dict[str, Any]) -> Sample:
+        """A warm-up sample: the prompt, then the demonstrator's completion and EOS."""
+        answer = self.tokenizer.encode(self.demonstrator.completion(ex))
+        return sft_sample(self.env.prompt_ids(ex), [*answer, self.tokenizer.eos_id])
+
+    def sft_batches(self) -> Iterator[list[Sample]]:
+        while True:
+            source = self.data.sft
+            yield [self.sft_sample(source.next_example()) for _ in range(self.cfg.sft_batch_size)]
+
+
+def build_run(
+    cfg: TrainConfig, workdir: Any, role: Role, engine_addresses: tuple[str, ...] = ()
+) -> RunParts:
+    """The run's parts, every check done (see the module docstring)."""
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    model_cfg = accel_model_config(model_config(cfg.model, tokenizer), cfg)
+    if role.kind == "single":
+        placement = Placement(*build_placement(cfg, len(jax.devices())))
+    else:
+        placement = Placement(*roles.placement(cfg, role))
+    env_kwargs = {} if cfg.instruction is None else {"instruction": cfg.instruction}
+    env = make_env(cfg.env, tokenizer=tokenizer, **env_kwargs)
+    wants_demos = cfg.sft_steps or cfg.demonstrations or cfg.after_warmup == "sft"
+    demonstrator = MixedDemonstrator(env, cfg.demonstrations) if wants_demos else None
+    _check_warmup_from(cfg)
+    engine_factory(cfg.engine)  # a bad spec fails here, before any work
+    parts = RunParts(
+        cfg=cfg,
+        workdir=as_path(workdir),  # local, or a gs:// URL kept as one
+        role=role,
+        engine_addresses=tuple(engine_addresses),
+        tokenizer=tokenizer,
+        model_cfg=model_cfg,
+        placement=placement,
+        env=env,
+        demonstrator=demonstrator,
+        data=build_data(cfg),
+    )
+    check_examples(parts, engine_limits(cfg).max_prefill_length)
+    _announce_data(parts)
+    return parts
+
+
+def _check_warmup_from(cfg: TrainConfig) -> None:
+    if cfg.warmup_from is not None and not (as_path(cfg.warmup_from) / "sft").is_dir():
+        raise ValueError(
+            f"warmup_from {cfg.warmup_from!r} has no sft/ checkpoint directory; name the "
+            "workdir of a run whose warm-up finished"
+        )
+
+
+def _announce_data(parts: RunParts) -> None:
+    cfg, data = parts.cfg, parts.data
+    mix = ", ".join(f"{b} {x:.0%}" for b, x in cfg.demonstrations) or "always right"
+    stage(
+        "data",
+        f"{cfg.env} on {cfg.dataset}: {len(data.train)} train / {len(data.eval)} held-out "
+        f"examples (eval on {cfg.eval_examples}); warm-up demonstrator: {mix}",
+    )
+
+
+def pretrained_params(parts: RunParts) -> Any:
+    """The HF checkpoint's weights when ``TrainConfig.model`` names one, else None."""
+    path = hf_checkpoint_dir(parts.cfg.model)
+    if path is None:
+        return None
+    mc = parts.model_cfg
+    _, model = load_hf_checkpoint(path, dtype=mc.dtype, param_dtype=mc.param_dtype)
+    return nnx.split(model)[1]
+
+
+def build_trainer(
+    parts: RunParts,
+    kind: str,
+    lr: float,
+    *,
+    recompute: bool = False,
+    optim_kind: str | None = None,
+    init_params: Any = None,
+    hooks: StepHooks = StepHooks(),
+) -> Trainer:
+    """A trainer for a stage: ``kind`` picks the loss; ``optim_kind`` (default ``kind``) the
+    optimizer schedule (the imitation control trains SFT on the RL schedule); ``recompute``
+    whether the trainer recomputes the behaviour log-probs (an engine that reports none)."""
+    cfg = parts.cfg
+    # The warm-up takes one plain step per batch (minibatches and epochs are RL settings).
+    rows = RowLayout(
+        row_len=cfg.row_len,
+        num_rows=cfg.rows_per_batch,
+        # A row per sample at most: one shape all run long (no recompiles mid-run).
+        min_rows=cfg.batch_size if kind == "rl" else cfg.sft_batch_size,
+        pad_id=parts.tokenizer.pad_id,
+    )
+    return Trainer(
+        parts.model_cfg,
+        parts.placement.trainer_mesh,
+        rows=rows,
+        step=step_config(cfg, kind, recompute=recompute),
+        optim=optim_config(cfg, optim_kind or kind, lr),
+        seed=cfg.seed,
+        init_params=init_params,
+        hooks=hooks,
+    )

@@ -1,0 +1,164 @@
+"""Where the RL stage's engine lives: in this process, or behind engine replicas.
+
+What it owns: the two engine sides the RL stage drives through one interface (the
+``weights.EngineSide`` hops plus their lifecycle): ``pool`` (what the orchestrator dispatches
+to), ``move`` / ``swap`` / ``engine_seconds`` (the weight path's hops), ``start`` / ``stop``,
+``before_save`` (what a checkpoint must tell the others first), ``final_params`` (the params the
+export writes), ``gauge_source`` and ``summary`` (the summary's keys of this side).
+
+``InProcessSide``: the engine on this process's decode mesh, run by an ``InferenceDriver``;
+weights move by a device-to-device reshard (cast to the engine's dtype on the trainer's devices
+first) and swap in between two decode steps. The overlap schedule (``overlap``) decides whether
+the engine pauses while the trainer steps; it is given to the trainer as its step hook.
+
+``LeaderSide``: trainer process 0 with engine replicas (DESIGN.md section 8): the
+``EngineStager`` lays every version out in a replica's layout, the ``WeightOffer`` offers it,
+the ``RemotePool`` dispatches and has every replica pull it; with a trainer group of P > 1 the
+``Channel`` hands each batch (the trainer's ``on_batch`` hook) and checkpoint to the peers.
+
+Never: builds the trainer or the orchestrator (the RL stage does), or sets a hook on a part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import multihost_utils
+
+from jaxrl_orch.build.engines import to_engine
+from jaxrl_orch.build.overlap import OverlapSchedule
+from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.distributed.group import CHECKPOINT, STOP, TRAIN, Channel, EngineStager
+from jaxrl_orch.distributed.pool import RemotePool
+from jaxrl_orch.distributed.transfer import WeightOffer
+from jaxrl_orch.inference.client import ClientPool, EngineClient
+from jaxrl_orch.inference.driver import InferenceDriver
+from jaxrl_orch.orchestrator.metrics.writers import stage
+from jaxrl_orch.trainer.trainer import StepHooks
+from sharding.reshard import reshard
+
+
+class InProcessSide:
+    """See the module docstring. Built before the trainer: ``hooks`` go to its constructor."""
+
+    def __init__(self, engine: Any, schedule: OverlapSchedule, engine_warmup: bool) -> None:
+        self.engine, self.schedule = engine, schedule
+        self._warm_up = engine_warmup
+        self.driver: InferenceDriver | None = None
+        self.hooks = StepHooks(around_step=schedule.training)
+
+    def attach(self, trainer: Any, colocated: bool) -> None:
+        """The driver on the trainer's current weights (after a resume: the restored ones)."""
+        first = jax.tree.map(jnp.copy, trainer.params) if colocated else trainer.params
+        self.driver = InferenceDriver(
+            self.engine,
+            to_engine(first, self.engine),
+            trainer.version,
+            gate=self.schedule.engine_may_run,
+        )
+        self.pool = ClientPool([EngineClient(self.driver)])
+        if self._warm_up:
+            secs = self.driver.warm_up()
+            stage("engine", f"warm-up: every prompt bucket and decode width, {secs:.1f} s")
+
+    def move(self, params: Any) -> Any:
+        dtype = getattr(self.engine, "param_dtype", None)
+        return jax.block_until_ready(reshard(params, self.engine.param_shardings, dtype=dtype))
+
+    async def swap(self, version: int, params: Any) -> None:
+        await asyncio.wrap_future(self.driver.swap_params(params, version))
+
+    def engine_seconds(self) -> float:
+        g = self.driver.gauges()
+        return g["inference/prefill_s"] + g["inference/decode_s"]
+
+    async def start(self, trainer: Any) -> None:
+        self.driver.start()
+
+    async def stop(self) -> None:
+        if self.driver is not None:
+            self.driver.stop()
+
+    def before_save(self, step: int, orchestrator_state: dict[str, Any]) -> None:
+        """One process: nobody else saves."""
+
+    def final_params(self, trainer: Any) -> Any:
+        return trainer.params
+
+    @property
+    def gauge_source(self) -> Any:
+        return self.driver
+
+    def summary(self) -> dict[str, Any]:
+        return {"overlap": self.schedule.decision}
+
+
+class LeaderSide:
+    """See the module docstring. ``engine`` never runs here: its shardings and weight dtype
+    are a replica's (``roles.placement`` built its mesh like one)."""
+
+    def __init__(self, cfg: TrainConfig, engine: Any, trainer_mesh: Any, addresses: tuple) -> None:
+        self.stager = EngineStager(trainer_mesh, engine.param_shardings, engine.param_dtype)
+        self.channel = Channel(leader=True) if cfg.trainer_processes > 1 else None
+        on_batch = None if self.channel is None else self._send_batch
+        self.hooks = StepHooks(on_batch=on_batch)
+        self.offer = WeightOffer()
+        self.pool = RemotePool(
+            addresses,
+            self.offer,
+            request_timeout_s=cfg.replica_request_timeout_s,
+            pull_timeout_s=cfg.weight_pull_timeout_s,
+            # Every load names the staged layout: a replica whose decode mesh differs (its host
+            # has more devices than a trainer host) pulls in it and reshards on its own devices.
+            layout=self.stager.transfer_layout(),
+        )
+        self._watch: asyncio.Future | None = None
+
+    def _send_batch(self, arrays: dict[str, Any]) -> None:
+        self.channel.send(TRAIN, {}, arrays)
+
+    def move(self, params: Any) -> Any:
+        """Trainer thread, after every step: the collective stage, then this process's copy."""
+        return self.stager.local(self.stager.stage(params))
+
+    async def swap(self, version: int, params: Any) -> None:
+        await self.pool.load_weights(version, params)
+
+    def engine_seconds(self) -> float:
+        return self.pool.engine_seconds()
+
+    async def start(self, trainer: Any) -> None:
+        """Every replica holds the trainer's current weights before the first rollout."""
+        await self.pool.start(trainer.version, self.move(trainer.params))
+        self._watch = asyncio.ensure_future(self.pool.watch())
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            await self.pool.close()
+
+    def before_save(self, step: int, orchestrator_state: dict[str, Any]) -> None:
+        """A trainer group: every process saves this step (orbax writes each one's shards)."""
+        if self.channel is not None:
+            self.channel.send(CHECKPOINT, {"step": step, "state": orchestrator_state})
+
+    def final_params(self, trainer: Any) -> Any:
+        """The peers leave their loop; the final params gathered to every process."""
+        if self.channel is None:
+            return trainer.params
+        self.channel.send(STOP, {})
+        return multihost_utils.process_allgather(trainer.params, tiled=True)
+
+    @property
+    def gauge_source(self) -> Any:
+        return self.pool
+
+    def summary(self) -> dict[str, Any]:
+        replicas = {k.split("/")[1]: v for k, v in self.pool.gauges().items()}
+        return {"overlap": None, "replicas": replicas}

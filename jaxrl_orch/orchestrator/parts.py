@@ -1,0 +1,52 @@
+"""What the loop is handed: the components it drives and the caller's per-step callbacks.
+
+What it owns: two frozen dataclasses, ``LoopParts`` (the built, wired components) and
+``StepHooks`` (the callbacks of whoever runs the loop). ``build_orchestrator``
+(``build/orchestrator.py``) fills both; ``Orchestrator`` (``loop.py``) only reads them.
+
+Invariants: data only (no behaviour, no state of its own); every part is built and wired before
+it lands here, so nothing is attached to a component after it is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jaxrl_orch.orchestrator.dispatcher.dispatch import RolloutDispatcher
+from jaxrl_orch.orchestrator.eval_sink import EvalSink
+from jaxrl_orch.orchestrator.faults import FaultLog, LoopWatchdog
+from jaxrl_orch.orchestrator.gate import StalenessGate
+from jaxrl_orch.orchestrator.logger import PeriodicLogger
+from jaxrl_orch.orchestrator.store import RolloutStore
+from jaxrl_orch.orchestrator.train_sink import TrainSink
+from jaxrl_orch.orchestrator.watcher import WeightWatcher
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopParts:
+    """The components the loop drives, built and wired by ``build_orchestrator``: the gate, the
+    dispatcher, both sinks, the weight watcher and the periodic logger, the rollout store (None:
+    trained rollouts are not persisted), the fault log and the loop watchdog (None: off)."""
+
+    gate: StalenessGate
+    dispatcher: RolloutDispatcher
+    train_sink: TrainSink
+    eval_sink: EvalSink
+    watcher: WeightWatcher
+    logger: PeriodicLogger
+    store: RolloutStore | None = None
+    faults: FaultLog = dataclasses.field(default_factory=FaultLog)
+    watchdog: LoopWatchdog | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHooks:
+    """The caller's per-step callbacks. ``on_step(step, state)`` runs (awaited if async) right
+    after batch ``step`` is shipped, with ``state()`` for a checkpoint; ``step_metrics(step,
+    row)`` makes each step row wait until that step is trained and adds the trainer's numbers
+    (``StepLedger``)."""
+
+    on_step: Callable[[int, dict[str, Any]], Any] | None = None
+    step_metrics: Callable[[int, dict[str, float]], dict[str, float] | None] | None = None

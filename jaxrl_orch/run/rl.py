@@ -1,0 +1,200 @@
+"""The RL stage: asynchronous RL from the warm-up's params, resumable, on one event loop.
+
+What it owns: ``run_rl(parts, params, stop)``, which builds the stage's parts in dependency order
+and drives them:
+
+1. the engine (``build.engines.build_engine``: whether it reports log-probs decides the
+   trainer's step) and its side (``build.sides``: in this process, or replicas behind trainer
+   process 0), whose step hooks go to the trainer's constructor;
+2. the trainer on the warm-up's params, then the newest RL checkpoint restored onto it (a peer
+   of a trainer group then follows the leader's steps, ``build.roles.follow``);
+3. the history trimmed to the restored step, the orchestrator (``build.orchestrator``) with
+   the weight path's publisher, the side's swap and the step times, restored too;
+4. the weight path (``build.weights.WeightPath``: move, checkpoint, publish on the trainer's
+   thread), handed to the trainer when it starts.
+
+Then the loop runs to its last step or a drain (SIGTERM: ``StopFlag`` polled on the loop), the
+final checkpoint is written with the orchestrator's final state, the final eval is announced,
+the policy exported, and the summary's RL keys returned. On resume the engine starts on the
+restored weights, so no rollout comes from older ones.
+
+Never: sets a hook on a part after it is built, or reads a setting a part was built with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import jax
+
+from jaxrl_orch.build.engines import BuiltEngine, build_engine, engine_notes
+from jaxrl_orch.build.orchestrator import build_orchestrator
+from jaxrl_orch.build.overlap import schedule_for
+from jaxrl_orch.build.roles import follow
+from jaxrl_orch.build.run import RunParts, build_trainer
+from jaxrl_orch.build.sides import InProcessSide, LeaderSide
+from jaxrl_orch.build.weights import StepTimes, WeightPath
+from jaxrl_orch.distributed.group import EngineStager
+from jaxrl_orch.envs.base import AtTemperature
+from jaxrl_orch.orchestrator.dispatcher.dispatch import EvalPlan
+from jaxrl_orch.orchestrator.metrics.writers import stage
+from jaxrl_orch.orchestrator.watcher import InProcessPublisher
+from jaxrl_orch.run.export import export_policy
+from jaxrl_orch.run.history import rl_summary, trim_for_rl
+from jaxrl_orch.run.stop import StopFlag
+from jaxrl_orch.run.summary import eval_line, merge_evals
+from jaxrl_orch.run.telemetry import rl_telemetry
+from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
+from jaxrl_orch.trainer.trainer import StepHooks
+from jaxrl_orch.types import PolicyHandle, SamplingParams
+
+SNAPSHOT_TIMEOUT_S = 60.0  # the event loop hands the trainer thread the orchestrator's state
+
+
+async def run_rl(parts: RunParts, sft_params: Any, stop: StopFlag) -> dict[str, Any]:
+    cfg = parts.cfg
+    built = build_engine(cfg, parts.model_cfg, parts.placement.decode_mesh, parts.tokenizer)
+    if cfg.engine != "builtin":
+        stage("engine", engine_notes(built.engine, cfg.engine, built.recompute))
+    side = _side(parts, built)
+    hooks = StepHooks() if side is None else side.hooks
+    trainer = build_trainer(
+        parts,
+        "rl",
+        cfg.rl_learning_rate,
+        recompute=built.recompute,
+        init_params=sft_params,
+        hooks=hooks,
+    )
+    ckpt = Checkpointer(parts.workdir / "checkpoints", max_to_keep=cfg.max_to_keep)
+    try:
+        orch_state = restore_trainer(ckpt, trainer) if ckpt.latest_step() is not None else {}
+        if side is None:  # a peer of the trainer group: the leader's steps, in lockstep
+            engine = built.engine
+            stager = EngineStager(trainer.mesh, engine.param_shardings, engine.param_dtype)
+            return follow(trainer, ckpt, stager)
+        return await _lead(parts, built, side, trainer, ckpt, orch_state, stop)
+    finally:
+        ckpt.close()
+
+
+def _side(parts: RunParts, built: BuiltEngine) -> InProcessSide | LeaderSide | None:
+    """This process's engine side: None for a trainer group's peer (it only trains)."""
+    cfg, placement = parts.cfg, parts.placement
+    if parts.role.kind == "single":
+        backend = jax.default_backend()
+        schedule = schedule_for(cfg.max_staleness, cfg.overlap, placement.colocated, backend)
+        return InProcessSide(built.engine, schedule, cfg.engine_warmup)
+    if not parts.role.leader:
+        return None
+    return LeaderSide(cfg, built.engine, placement.trainer_mesh, parts.engine_addresses)
+
+
+async def _lead(
+    parts: RunParts,
+    built: BuiltEngine,
+    side: InProcessSide | LeaderSide,
+    trainer: Any,
+    ckpt: Checkpointer,
+    orch_state: dict[str, Any],
+    stop: StopFlag,
+) -> dict[str, Any]:
+    """Trainer process 0 (or the only process): the orchestrator and the weight path."""
+    cfg = parts.cfg
+    start_step = trainer.version + 1
+    _trim_history(parts, start_step)
+    if isinstance(side, InProcessSide):
+        side.attach(trainer, parts.placement.colocated)
+    times = StepTimes(side.engine_seconds, synchronous=cfg.max_staleness == 0)
+    publisher = InProcessPublisher()
+    orch = _orchestrator(parts, built, side, trainer, publisher, times, start_step)
+    if orch_state:
+        orch.restore(orch_state)
+    loop = asyncio.get_running_loop()
+
+    def checkpoint(version: int) -> None:  # the trainer's thread, between two steps
+        state = asyncio.run_coroutine_threadsafe(_snapshot(orch), loop).result(SNAPSHOT_TIMEOUT_S)
+        side.before_save(version, state)
+        save_trainer(ckpt, trainer, version, state, between_steps=True)
+        ckpt.wait()  # the next step donates these arrays: the copy to disk must finish first
+
+    every, last = cfg.checkpoint_every, cfg.rl_steps
+    path = WeightPath(side, times, publisher, checkpoint, checkpoint_every=every, last_step=last)
+    await side.start(trainer)
+    trainer.start(path.on_publish, copy_params=parts.placement.colocated)
+    drain = asyncio.ensure_future(_drain_on_stop(stop, orch, cfg.drain_timeout_s))
+    t0 = time.perf_counter()
+    try:
+        await orch.run()
+        params = _finish(parts, side, trainer, ckpt, orch)
+        secs = time.perf_counter() - t0
+    finally:
+        drain.cancel()
+        trainer.stop()
+        await side.stop()
+    names = (parts.env.name, parts.sampled_eval)
+    summary = rl_summary(parts.workdir, cfg, names, orch, (trainer.version, start_step, secs))
+    summary.update(side.summary())
+    summary["export_dir"] = str(export_policy(parts, params)) if cfg.export_hf else None
+    return summary
+
+
+def _finish(parts: RunParts, side: Any, trainer: Any, ckpt: Checkpointer, orch: Any) -> Any:
+    """After the loop: the final checkpoint (the drained orchestrator's state), the final
+    eval's line; returns the params to export."""
+    trainer.wait_idle()
+    ckpt.wait()
+    if trainer.version not in ckpt.all_steps() and trainer.version > 0:
+        state = orch.state()
+        side.before_save(trainer.version, state)
+        save_trainer(ckpt, trainer, trainer.version, state)
+    ckpt.wait()
+    final = merge_evals(orch.eval_history).get(trainer.version, {})
+    stage("final eval", eval_line(final))
+    return side.final_params(trainer)
+
+
+def _orchestrator(parts, built, side, trainer, publisher, times, start_step) -> Any:
+    cfg, env = parts.cfg, parts.env
+    sampling = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens)
+    greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens)
+    views = {env.name: env, parts.sampled_eval: AtTemperature(env, cfg.temperature)}
+    sources = {env.name: parts.data.eval, parts.sampled_eval: parts.data.sampled_eval}
+    return build_orchestrator(
+        cfg.orchestrator,
+        PolicyHandle(trainer.version),
+        pool=side.pool,
+        envs={env.name: env},
+        source=parts.data.train,
+        sampling=sampling,
+        trainer=trainer,
+        version_source=publisher,
+        reload_fn=side.swap,
+        algorithm=cfg.algorithm,
+        sink_kwargs={"dynamic_sampling": cfg.dynamic_sampling, "engine_logprobs": built.logprobs},
+        eval_plan=EvalPlan(views, sources, cfg.eval_examples, greedy),
+        telemetry=rl_telemetry(parts, side.gauge_source, trainer, start_step),
+        on_step=times.on_ship,
+        step_metrics=times.step_metrics,
+    )
+
+
+def _trim_history(parts: RunParts, start_step: int) -> None:
+    """Rows an interrupted attempt wrote past the restored step are written again."""
+    dropped = trim_for_rl(parts.workdir, start_step, parts.cfg.orchestrator.eval_at_start)
+    if any(dropped.values()):
+        what = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in dropped.items())
+        stage("resume", f"at step {start_step}; the earlier attempt's rows past it: {what}")
+
+
+async def _snapshot(orch: Any) -> dict[str, Any]:
+    return orch.state()
+
+
+async def _drain_on_stop(stop: StopFlag, orch: Any, timeout_s: float) -> None:
+    with contextlib.suppress(asyncio.CancelledError):
+        await stop.wait()
+        orch.request_drain(timeout_s)

@@ -1,0 +1,89 @@
+"""The stage sequence of ``python -m jaxrl_orch.train``, for one workdir.
+
+Owns the workdir layout::
+
+    config.gin          resolved gin config         metrics.jsonl   one row per RL step / eval
+    sft/                SFT warm-up checkpoint      gauges.jsonl    periodic component gauges
+    checkpoints/        RL checkpoints (orbax)      rollouts/       trained rollouts per step
+    tb/                 TensorBoard events          summary.json, report.md, *.png
+    export/             final policy as an HF checkpoint (config.json, safetensors, tokenizer)
+
+The workdir is local or a ``gs://`` URL (``paths``). ``prepare`` builds and checks the run's
+parts before any work (``build.run``); ``run`` takes the stages in order: the warm-up
+(``warmup``), then RL (``rl``) or its imitation control (``control``); ``finish`` writes the
+summary and the report. Each stage takes the parts and the ``StopFlag`` and returns values.
+
+Several processes (``Role``; DESIGN.md section 8): an engine replica only serves
+(``build.roles.serve_replica``); a trainer peer runs the same warm-up and then follows process
+0's RL steps; process 0 runs every stage and writes the workdir, with the replicas as its engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+from jaxrl_orch.build.engines import build_engine
+from jaxrl_orch.build.roles import serve_replica
+from jaxrl_orch.build.run import RunParts, build_run
+from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.distributed.group import Role
+from jaxrl_orch.orchestrator.metrics.writers import JsonlWriter, stage
+from jaxrl_orch.run.control import run_imitation
+from jaxrl_orch.run.rl import run_rl
+from jaxrl_orch.run.stop import StopFlag
+from jaxrl_orch.run.warmup import run_warmup
+from jaxrl_orch.tools.report import write_report
+
+
+def prepare(
+    cfg: TrainConfig, workdir: Any, role: Role, engine_addresses: tuple[str, ...] = ()
+) -> RunParts:
+    """The run's parts, every check done: fails before any work, naming the bad value."""
+    return build_run(cfg, workdir, role, engine_addresses)
+
+
+def write_config(parts: RunParts, text: str) -> None:
+    if not parts.role.leader:
+        return
+    parts.workdir.mkdir(parents=True, exist_ok=True)
+    (parts.workdir / "config.gin").write_text(text)
+
+
+def run(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
+    """Every stage of this process's role, in order; returns the summary's keys."""
+    cfg, role = parts.cfg, parts.role
+    if role.kind == "engine":
+        mesh = parts.placement.decode_mesh
+        engine = build_engine(cfg, parts.model_cfg, mesh, parts.tokenizer).engine
+        return serve_replica(cfg, engine, role, parts.engine_addresses[role.replica])
+    parts.workdir.mkdir(parents=True, exist_ok=True)
+    # A group's peers take the same warm-up steps (same data, same seed); process 0 writes.
+    writer = JsonlWriter(parts.workdir / "metrics.jsonl" if role.leader else os.devnull)
+    try:
+        params, info = run_warmup(parts, writer, stop)
+    finally:
+        writer.close()
+    summary: dict[str, Any] = {**info, "max_staleness": cfg.max_staleness}
+    if params is None:
+        return summary
+    if cfg.after_warmup == "sft":
+        stage("imitation control", f"SFT for the {cfg.rl_steps} RL steps' updates instead")
+        summary.update(run_imitation(parts, params, stop))
+        return summary
+    stage(
+        "RL",
+        f"{cfg.algorithm}, {cfg.rl_steps} steps of {cfg.prompts_per_step} prompts x "
+        f"{cfg.group_size} samples, max_staleness {cfg.max_staleness} ({cfg.age_policy})",
+    )
+    summary.update(asyncio.run(run_rl(parts, params, stop)))
+    return summary
+
+
+def finish(parts: RunParts, summary: dict[str, Any]) -> None:
+    if not parts.role.leader:
+        return
+    (parts.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    write_report(parts.workdir)
