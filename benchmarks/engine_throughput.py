@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_orch.build import accel
-from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.config.train import make_config
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.inference.limits import EngineLimits
@@ -195,8 +195,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=None, help="decode slots (default 32)")
     ap.add_argument("--steps-per-call", type=int, default=4, help="decode steps per host call")
     ap.add_argument("--repeats", type=int, default=1, help="alternate static/engine N times")
-    ap.add_argument("--attention", default="auto", help="TrainConfig.attention (auto: by backend)")
-    ap.add_argument("--compute-dtype", default="auto", help="TrainConfig.compute_dtype")
+    ap.add_argument("--attention", default="auto", help="Model.attention (auto: by backend)")
+    ap.add_argument("--compute-dtype", default="auto", help="Model.compute_dtype")
     args = ap.parse_args()
     if args.quick:
         model, prompts, slots, max_new = "tiny-byte", 16, 16, 128
@@ -209,7 +209,9 @@ def main() -> None:
         if value < 1:
             raise SystemExit(f"--{name} must be >= 1, got {value}")
     # What a run builds: the attention TrainConfig resolves for this backend (build/accel.py).
-    run_cfg = TrainConfig(attention=args.attention, compute_dtype=args.compute_dtype)
+    run_cfg = make_config(
+        {"Model.attention": args.attention, "Model.compute_dtype": args.compute_dtype}
+    )
     cfg = accel.accel_model_config(get_config(model), run_cfg)
     limits = EngineLimits(
         max_concurrent_decodes=slots,

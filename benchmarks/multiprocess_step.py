@@ -35,19 +35,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def scenario(args: argparse.Namespace) -> list[str]:
     params = [
-        "TrainConfig.sft_steps = 2",
-        "TrainConfig.sft_batch_size = 8",
-        f"TrainConfig.rl_steps = {args.steps}",
-        f"TrainConfig.prompts_per_step = {args.prompts}",
-        f"TrainConfig.group_size = {args.group}",
-        f"TrainConfig.max_new_tokens = {args.new_tokens}",
-        f"TrainConfig.max_staleness = {args.staleness}",
-        "TrainConfig.decode_slots = 16",
-        "TrainConfig.dynamic_sampling = False",
-        "TrainConfig.eval_every = 0",
-        "TrainConfig.eval_examples = 4",
-        "TrainConfig.export_hf = False",
-        f"TrainConfig.checkpoint_every = {args.steps}",
+        "Warmup.steps = 2",
+        "Warmup.batch_size = 8",
+        f"RL.steps = {args.steps}",
+        f"RL.prompts_per_step = {args.prompts}",
+        f"RL.group_size = {args.group}",
+        f"RL.max_new_tokens = {args.new_tokens}",
+        f"Orchestrator.max_staleness = {args.staleness}",
+        "Engine.slots = 16",
+        "RL.dynamic_sampling = False",
+        "RL.eval_every = 0",
+        "RL.eval_examples = 4",
+        "Outputs.export_hf = False",
+        f"Outputs.checkpoint_every = {args.steps}",
     ]
     return [f"--gin_param={p}" for p in params]
 
@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         single, multi = Path(tmp) / "single", Path(tmp) / "multi"
         meshes = [
-            f"--gin_param=TrainConfig.trainer_mesh = (('fsdp', {pp * d}),)",
-            f"--gin_param=TrainConfig.decode_mesh = (('tp', {d}),)",
-            "--gin_param=TrainConfig.colocated = False",
+            f"--gin_param=Trainer.mesh = (('fsdp', {pp * d}),)",
+            f"--gin_param=Engine.mesh = (('tp', {d}),)",
+            "--gin_param=Processes.colocated = False",
         ]
         env = dict(base, XLA_FLAGS=f"--xla_force_host_platform_device_count={pp * d + d}")
         cmd = [sys.executable, "-m", "jaxrl_orch.train", f"--workdir={single}"]

@@ -7,7 +7,7 @@
   side pads a prompt.
 - ``lowercase_share(text)``: the reward on both sides, the share of lowercase letters and
   spaces in the completion text (deterministic, cheap, and different for almost every sample).
-- ``make(tokenizer=..., **kwargs)``: our side's user environment (``TrainConfig.env =
+- ``make(tokenizer=..., **kwargs)``: our side's user environment (``Data.env =
   'peer_env:make'``, with ``benchmarks/`` on ``PYTHONPATH``). A ``SingleTurnEnv`` whose prompt
   ids are the raw prompt text encoded (no chat template, no BOS) and whose turns end only at the
   length limit: its tokenizer view's only stop id is ``NEVER_SAMPLED`` (= the model's vocab

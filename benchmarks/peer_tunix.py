@@ -108,23 +108,23 @@ def run_ours(a: argparse.Namespace) -> dict:
     from jaxrl_orch.build.overlap import probe_steps
     from jaxrl_orch.models.configs import get_config
 
-    overrides = dict(
-        env="peer_env:make",
-        dataset=f"text:{a.prompts}",
-        max_new_tokens=a.max_new_tokens,
-        max_target_length=KV_CACHE,
-        row_len=a.row_len or peer_env.PROMPT_BYTES + a.max_new_tokens,
-        rl_learning_rate=LEARNING_RATE,
-        rl_warmup_steps=WARMUP_LR_STEPS,
-        temperature=1.0,
-        export_hf=False,
-        compute_dtype=a.compute_dtype,
-        engine_compute_dtype=a.engine_compute_dtype,
-    )
+    overrides = {
+        "Data.env": "peer_env:make",
+        "Data.dataset": f"text:{a.prompts}",
+        "RL.max_new_tokens": a.max_new_tokens,
+        "RL.learning_rate": LEARNING_RATE,
+        "RL.lr_warmup_steps": WARMUP_LR_STEPS,
+        "RL.temperature": 1.0,
+        "Engine.max_target_length": KV_CACHE,
+        "Engine.compute_dtype": a.engine_compute_dtype,
+        "Trainer.row_len": a.row_len or peer_env.PROMPT_BYTES + a.max_new_tokens,
+        "Outputs.export_hf": False,
+        "Model.compute_dtype": a.compute_dtype,
+    }
     out = {
         "side": "ours",
         "param_count": get_config("small-byte").num_params,
-        "row_len": overrides["row_len"],
+        "row_len": overrides["Trainer.row_len"],
     }
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
         for name, staleness in (("sync", 0), ("async", 1)):
@@ -134,7 +134,7 @@ def run_ours(a: argparse.Namespace) -> dict:
             # Async: also past the overlap probe (jaxrl_orch/build/overlap.py), which sets
             # its schedule.
             warm = max(a.warmup, probe_steps()) if staleness else a.warmup
-            res = run_once(staleness, warm + a.steps, warm, workdir, **overrides)
+            res = run_once(staleness, warm + a.steps, warm, workdir, overrides=overrides)
             res["wall_s"] = time.perf_counter() - t0
             res["generated_tokens_per_s"] = res["generated_tokens_per_step"] / res["step_s"]
             res["mean_prompt_tokens"] = _prompt_tokens(workdir, warm)
@@ -151,9 +151,14 @@ def _child(side: str, a: argparse.Namespace, prompts: Path) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--prompts", str(prompts)]
     for flag in (
-        "devices", "steps", "warmup", "max_new_tokens", "row_len", "compute_dtype",
+        "devices",
+        "steps",
+        "warmup",
+        "max_new_tokens",
+        "row_len",
+        "compute_dtype",
         "engine_compute_dtype",
-    ):  # fmt: skip
+    ):
         if getattr(a, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
     t0 = time.perf_counter()
@@ -190,7 +195,7 @@ def main() -> None:
         "--engine-compute-dtype",
         default=None,
         choices=("float32", "bfloat16"),
-        help="ours only: the engine's matmul dtype (TrainConfig.engine_compute_dtype; "
+        help="ours only: the engine's matmul dtype (Engine.compute_dtype; "
         "default: --compute-dtype). Tunix's rollout runs its actor's model config.",
     )
     p.add_argument("--timeout", type=float, default=1200, help="seconds per child process")

@@ -28,8 +28,17 @@ from typing import Any
 
 _WAIT = ("wait", "sleep", "acquire", "select", "block_until_ready", "poll")
 # Device -> host fetches block until the result is computed: time there is the device's.
-_TRANSFER = ("transfer", "toliteral", "bufferfrompyval", "device_put", "device_get", "copy_to",
-             "_value", "numpy asarray", "convert_to_numpy")  # fmt: skip
+_TRANSFER = (
+    "transfer",
+    "toliteral",
+    "bufferfrompyval",
+    "device_put",
+    "device_get",
+    "copy_to",
+    "_value",
+    "numpy asarray",
+    "convert_to_numpy",
+)
 _MARKERS = ("end: ", "ThreadpoolListener", "ThunkExecutor::Execute (wait")
 
 

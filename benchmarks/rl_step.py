@@ -11,7 +11,7 @@ the stored rollouts), and ``compiles_after_warmup``: XLA backend compilations th
 the warm-up steps (JAX's ``/jax/core/compile/backend_compile_duration`` events). A steady state
 with fixed shapes compiles nothing: a non-zero count is a step paying for a recompile.
 
-The asynchronous run's schedule is ``TrainConfig.overlap = "auto"``: on shared cores it probes
+The asynchronous run's schedule is ``Engine.overlap = "auto"``: on shared cores it probes
 overlapped vs time-sliced steps first (``jaxrl_orch/build/overlap.py``) and keeps the faster; its
 steps are timed after that probe (``overlap`` in the result: the choice and both medians).
 ``--devices 1,2`` runs the whole measurement once per device count, each in its own process
@@ -43,7 +43,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 from jax import monitoring  # noqa: E402
 
 from jaxrl_orch.build.overlap import probe_steps  # noqa: E402
-from jaxrl_orch.config.train import TrainConfig  # noqa: E402
+from jaxrl_orch.config.train import make_config  # noqa: E402
 from jaxrl_orch.distributed.group import resolve_role  # noqa: E402
 from jaxrl_orch.run import stages  # noqa: E402
 from jaxrl_orch.run.stop import StopFlag  # noqa: E402
@@ -84,27 +84,28 @@ def _profile_steps(workdir: Path, first: int, last: int, trace_dir: str, out: di
 
 
 def run_once(
-    staleness: int, steps: int, warmup: int, workdir: Path, profile=None, **overrides
+    staleness: int, steps: int, warmup: int, workdir: Path, profile=None, overrides=None
 ) -> dict:
-    """One run of the scenario (``overrides``: TrainConfig fields to change) -> its figures."""
-    settings = dict(
-        model="small-byte",
-        sft_steps=0,
-        rl_steps=steps,
-        prompts_per_step=8,
-        group_size=4,
-        max_new_tokens=128,
-        max_target_length=256,
-        kl_beta=0.0,
-        max_staleness=staleness,
-        dynamic_sampling=False,
-        eval_every=10**6,
-        eval_examples=1,
-        checkpoint_every=10**6,
-        decode_slots=32,
-        row_len=256,
-    )
-    cfg = TrainConfig(**{**settings, **overrides})
+    """One run of the scenario (``overrides``: ``{"RL.steps": 3}``-style settings to change)
+    -> its figures."""
+    settings = {
+        "Model.name": "small-byte",
+        "Warmup.steps": 0,
+        "RL.steps": steps,
+        "RL.prompts_per_step": 8,
+        "RL.group_size": 4,
+        "RL.max_new_tokens": 128,
+        "RL.kl_beta": 0.0,
+        "RL.dynamic_sampling": False,
+        "RL.eval_every": 10**6,
+        "RL.eval_examples": 1,
+        "Engine.max_target_length": 256,
+        "Engine.slots": 32,
+        "Orchestrator.max_staleness": staleness,
+        "Outputs.checkpoint_every": 10**6,
+        "Trainer.row_len": 256,
+    }
+    cfg = make_config({**settings, **(overrides or {})})
     parts = stages.prepare(cfg, workdir, resolve_role(1, 0, None))
     traced: dict = {}
     tracer = threading.Thread(
@@ -171,7 +172,7 @@ def measure(a: argparse.Namespace) -> dict:
                 "generated_tokens_per_s",
                 "compiles_after_warmup",
             )
-        },  # fmt: skip
+        },
         "overlap": async_["overlap"],
         "breakdown": {"sync": sync["breakdown"], "async": async_["breakdown"]},
     }

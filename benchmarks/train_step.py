@@ -50,9 +50,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--chunk-rows", type=int, default=8)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--matmul-n", type=int, default=2048)  # 1024 reads low on 2 cores
-    p.add_argument("--attention", default="auto", help="TrainConfig.attention (auto: by backend)")
+    p.add_argument("--attention", default="auto", help="Model.attention (auto: by backend)")
     p.add_argument("--attention-block", type=int, default=None, help="default: the model's")
-    p.add_argument("--compute-dtype", default="auto", help="TrainConfig.compute_dtype")
+    p.add_argument("--compute-dtype", default="auto", help="Model.compute_dtype")
     p.add_argument("--json", action="store_true", help="print one JSON line only")
     p.add_argument("--profile", default=None, help="trace 3 of our steps here; table to stderr")
     return p.parse_args()
@@ -72,7 +72,7 @@ def main() -> None:
     from jaxrl_orch.algorithms import losses
     from jaxrl_orch.algorithms.packing import pack_samples
     from jaxrl_orch.build import accel
-    from jaxrl_orch.config.train import TrainConfig
+    from jaxrl_orch.config.train import make_config
     from jaxrl_orch.models.transformer import get_config
     from jaxrl_orch.trainer import step as step_lib
     from jaxrl_orch.trainer.trainer import RowLayout, Trainer
@@ -80,7 +80,9 @@ def main() -> None:
 
     cfg = get_config(args.model)
     # The model a run builds on this backend (build/accel.py), unless told otherwise.
-    run_cfg = TrainConfig(attention=args.attention, compute_dtype=args.compute_dtype)
+    run_cfg = make_config(
+        {"Model.attention": args.attention, "Model.compute_dtype": args.compute_dtype}
+    )
     cfg = accel.accel_model_config(cfg, run_cfg)
     if args.attention_block:
         cfg = dataclasses.replace(cfg, attention_block=args.attention_block)

@@ -1,7 +1,7 @@
 """``python -m jaxrl_orch.train``: SFT warm-up, then asynchronous RL, resumable, with a report.
 
     python -m jaxrl_orch.train --gin_file=configs/reverse_text.gin \\
-        [--gin_param='TrainConfig.rl_steps=40'] [--workdir=runs/reverse_text]
+        [--gin_param='RL.steps=40'] [--workdir=runs/reverse_text]
 
 What it owns: reading the gin config (every setting is a ``TrainConfig`` field; an unknown
 binding, an impossible mesh or missing data fails before any work, naming the bad value),
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import errno
 import json
 import os
@@ -46,7 +45,7 @@ from typing import Any
 import gin
 
 from jaxrl_orch.config import listing
-from jaxrl_orch.config.train import TrainConfig, load_config
+from jaxrl_orch.config.train import RL, TrainConfig, Warmup, load_config
 from jaxrl_orch.paths import as_path
 
 DEFAULT_COMMAND = (
@@ -64,7 +63,7 @@ The documented default run (the tiny byte-level model learns to reverse sentence
 
 _EPILOG = """\
 Every setting is a TrainConfig field: --list_config prints them all (type, default, meaning).
-Override one with --gin_param, e.g. --gin_param='TrainConfig.rl_steps = 40'."""
+Override one with --gin_param, e.g. --gin_param='RL.steps = 40'."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -79,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--gin_param",
         action="append",
         default=[],
-        help="gin binding, e.g. 'TrainConfig.rl_steps = 40' (repeatable; applied after files)",
+        help="gin binding, e.g. 'RL.steps = 40' (repeatable; applied after files)",
     )
     p.add_argument("--workdir", default="runs/default", help="outputs and checkpoints")
     p.add_argument(
@@ -89,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     roles = p.add_argument_group(
         "processes (DESIGN.md section 8; python -m jaxrl_orch.distributed.launch_local sets these)",
-        "TrainConfig.trainer_processes (P) and engine_replicas (R) name the layout; process K < P "
+        "Processes.trainer_processes (P) and engine_replicas (R) name the layout; process K < P "
         "trains (0 also runs the orchestrator), P <= K < P + R serves as replica K - P.",
     )
     roles.add_argument("--process_index", type=int, default=None, help="this process's K")
@@ -113,7 +112,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def no_gin_file_message() -> str:
     """What the command says when run bare: what it would have run, and what to run instead."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    # The classes' own defaults: bindings left by an earlier parse must not show here.
+    sft, rl = (c.__dataclass_fields__["steps"].default for c in (Warmup, RL))
     default_gin = listing.CONFIGS_DIR / "reverse_text.gin"
     # The exact documented command from the repository root; a path that works from elsewhere.
     command = DEFAULT_COMMAND
@@ -122,7 +122,7 @@ def no_gin_file_message() -> str:
     return "\n".join(
         [
             "error: no --gin_file given. Without one this would run TrainConfig's built-in",
-            f"defaults ({defaults['sft_steps']} SFT steps, then {defaults['rl_steps']} RL steps) "
+            f"defaults ({sft} SFT steps, then {rl} RL steps) "
             "into --workdir; refusing to start that by accident.",
             "",
             *listing.configs_help(),
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stop = StopFlag(parts.role)
     try:
-        with _signals_stop(stop, cfg.drain_timeout_s):
+        with _signals_stop(stop, cfg.orchestrator.drain_timeout_s):
             summary = _run(stages, parts, stop)
     except Exception as exc:
         storage = storage_error(exc)
@@ -202,12 +202,14 @@ def _prepare(stages: Any, cfg: TrainConfig, args: argparse.Namespace) -> Any:
     """This process's role (joining the trainer group's cluster first), then the run's parts."""
     from jaxrl_orch.distributed.group import join_group, resolve_role
 
-    role = resolve_role(cfg.trainer_processes, cfg.engine_replicas, args.process_index)
+    role = resolve_role(
+        cfg.processes.trainer_processes, cfg.processes.engine_replicas, args.process_index
+    )
     addresses = tuple(a for a in args.engine_addresses.split(",") if a)
-    if cfg.engine_replicas and len(addresses) != cfg.engine_replicas:
+    if cfg.processes.engine_replicas and len(addresses) != cfg.processes.engine_replicas:
         raise ValueError(
             f"--engine_addresses names {len(addresses)} replicas ({args.engine_addresses!r}); "
-            f"the config has engine_replicas={cfg.engine_replicas}"
+            f"the config has engine_replicas={cfg.processes.engine_replicas}"
         )
     role = join_group(role, args.coordinator_address)  # before any JAX computation
     if role.kind != "single":

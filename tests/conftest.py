@@ -6,6 +6,9 @@ test module imports jax. conftest.py is imported by pytest before test collectio
 
 import os
 
+import gin  # neither imports jax: the flag below still comes first
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
@@ -19,3 +22,11 @@ def pytest_collection_finish(session):
         if item.nodeid.endswith("test_aot.py::test_tpu_configs_fit"):
             item.module.start_background()
             return
+
+
+@pytest.fixture(autouse=True)
+def _no_gin_bindings_between_tests():
+    """Bindings a test parsed apply to every later ``TrainConfig()``: each test starts clean."""
+    gin.clear_config()
+    yield
+    gin.clear_config()

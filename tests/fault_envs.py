@@ -8,7 +8,7 @@ run meets them at the same points), chosen by ``JAXRL_TEST_FAULTS``:
   (``time.sleep``) once;
 - ``hang``: every 11th rollout hangs forever, nothing else.
 
-It is registered under ``TrainConfig.env = 'faulty_reverse_text'`` the way a user registers
+It is registered under ``Data.env = 'faulty_reverse_text'`` the way a user registers
 theirs (``register_env``), then ``jaxrl_orch.train.main`` runs as ``python -m jaxrl_orch.train``.
 """
 

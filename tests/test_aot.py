@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from jaxrl_orch.config.train import make_config
 from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.tools import aot, aot_report
@@ -148,7 +149,7 @@ def test_a_program_that_does_not_fit_exits_1_naming_it(monkeypatch, capsys):
 def test_model_costs_count_what_the_model_computes():
     """Analytic FLOPs: 2 per matmul weight per token, x3 for forward + backward, +1 with remat."""
     m = get_config("qwen2.5-0.5b")
-    cfg = SimpleNamespace(row_len=128, ppo_epochs=1, recompute_old_logprobs=None, kl_beta=0.0)
+    cfg = make_config({"Trainer.row_len": 128, "RL.ppo_epochs": 1, "RL.kl_beta": 0.0})
     limits = EngineLimits(max_concurrent_decodes=4, max_target_length=256, steps_per_call=2)
     c = aot_report.model_costs(m, cfg, rows=2, limits=limits)
     tokens = 2 * 128

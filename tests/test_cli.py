@@ -24,13 +24,13 @@ import pytest
 
 from jaxrl_orch import train
 from jaxrl_orch.config import listing
-from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.config.train import RL, TrainConfig, Warmup
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTED = (
     "python -m jaxrl_orch.train --gin_file=configs/reverse_text.gin --workdir=runs/reverse_text"
 )
-ENTRY = re.compile(r"^  (\w+): (.+) = (.+)$")  # one field's line in the listing
+ENTRY = re.compile(r"^  ([\w.]+): (.+) = (.+)$")  # one field's line in the listing
 
 
 @pytest.fixture(autouse=True)
@@ -76,21 +76,24 @@ def _entries(listing: str) -> dict[str, list[str]]:
 
 
 def _source_comments() -> tuple[dict[str, str], dict[str, str]]:
-    """An independent reading of config.py (plain regexes on its lines): trailing comments, and
-    the comment block directly above each field."""
+    """An independent reading of config/train.py (plain regexes on its lines): trailing comments,
+    and the comment block directly above each field, keyed as the listing names the field."""
     lines = (ROOT / "jaxrl_orch" / "config" / "train.py").read_text().splitlines()
     trailing, above = {}, {}
+    prefix = ""
     for i, line in enumerate(lines):
+        if m := re.match(r"^class (\w+)", line):
+            prefix = "" if m.group(1) == "TrainConfig" else m.group(1) + "."
         m = re.match(r"^    (\w+): [^=]+ = .*?  # (.*)$", line)
         if m:
-            trailing[m.group(1)] = m.group(2)
+            trailing[prefix + m.group(1)] = m.group(2)
         m = re.match(r"^    (\w+): ", line)
         if m and lines[i - 1].lstrip().startswith("#"):
             block, j = [], i - 1
             while lines[j].lstrip().startswith("#"):
                 block.insert(0, lines[j].strip().lstrip("#").strip())
                 j -= 1
-            above[m.group(1)] = " ".join(block)
+            above[prefix + m.group(1)] = " ".join(block)
     return trailing, above
 
 
@@ -122,22 +125,30 @@ def test_list_config_prints_every_field_with_type_default_and_meaning(no_run, ca
     assert train.main(["--list_config"]) == 0
     out = capsys.readouterr().out
     entries = _entries(out)
-    fields = dataclasses.fields(TrainConfig)
+    fields = {}  # what the listing must show: every field, a section's as Section.name
+    for f in dataclasses.fields(TrainConfig):
+        if dataclasses.is_dataclass(f.default_factory):
+            section = f.default_factory
+            for g in dataclasses.fields(section):
+                fields[f"{section.__name__}.{g.name}"] = g
+        else:
+            fields[f.name] = f
     listed = [line for line in out.splitlines() if ENTRY.match(line)]
     assert len(listed) == len(fields)  # a hard-coded list would fall behind a new field
-    assert [ENTRY.match(line).group(1) for line in listed] == [f.name for f in fields]
-    for f in fields:
-        assert entries[f.name][0] == f"  {f.name}: {f.type} = {f.default!r}"
+    assert [ENTRY.match(line).group(1) for line in listed] == list(fields)
+    for name, f in fields.items():
+        assert entries[name][0] == f"  {name}: {f.type} = {f.default!r}"
+    assert "[RL]" in out.splitlines() and "[Engine]" in out.splitlines()  # grouped by section
 
     trailing, above = _source_comments()
-    assert "rl_prompt_pool" in trailing and "model" in trailing
-    assert entries["rl_prompt_pool"][0] == "  rl_prompt_pool: int | None = None"
+    assert "Data.rl_prompt_pool" in trailing and "Model.name" in trailing
+    assert entries["Data.rl_prompt_pool"][0] == "  Data.rl_prompt_pool: int | None = None"
     for name, comment in trailing.items():
         assert " ".join(entries[name][1:]) == comment, name
     assert above  # config.py documents some fields (or sections) by a block above them
     for name, block in above.items():
         assert " ".join(entries["<above>" + name]) == block, name
-    no_comment = [f.name for f in fields if f.name not in trailing]
+    no_comment = [name for name in fields if name not in trailing]
     assert no_comment and all(len(entries[n]) == 1 for n in no_comment)  # the default only
 
 
@@ -189,8 +200,8 @@ def test_bare_command_lists_configs_and_the_default_command_and_exits_2(
     assert err.startswith("error: no --gin_file given")
     assert f"  {DOCUMENTED}" in err.splitlines()
     assert "--defaults" in err and "--list_config" in err
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    assert f"{defaults['sft_steps']} SFT steps, then {defaults['rl_steps']} RL steps" in err
+    sft, rl = Warmup.__dataclass_fields__["steps"].default, RL.__dataclass_fields__["steps"].default
+    assert f"{sft} SFT steps, then {rl} RL steps" in err
     gins = sorted((ROOT / "configs").glob("*.gin"))
     assert gins
     for g in gins:
@@ -257,7 +268,7 @@ def _fake_stages(run: Any = None) -> types.ModuleType:
         (parts.workdir / "reward.png").write_bytes(b"")
 
     module.prepare, module.write_config, module.finish = prepare, write_config, finish
-    module.run = run or (lambda parts, stop: {"rl_steps": parts.cfg.rl_steps})
+    module.run = run or (lambda parts, stop: {"rl_steps": parts.cfg.rl.steps})
     return module
 
 
@@ -271,9 +282,9 @@ def fake_run(monkeypatch):
 @pytest.mark.parametrize(
     ("argv", "rl_steps"),
     [
-        (["--defaults"], TrainConfig.__dataclass_fields__["rl_steps"].default),
+        (["--defaults"], RL.__dataclass_fields__["steps"].default),
         # how tests/test_train_e2e.py runs the command: bindings only, no gin file
-        (["--gin_param=TrainConfig.rl_steps = 3", "--gin_param=TrainConfig.sft_steps = 2"], 3),
+        (["--gin_param=RL.steps = 3", "--gin_param=Warmup.steps = 2"], 3),
     ],
 )
 def test_defaults_or_bindings_run_and_end_with_the_outputs_line(
@@ -283,7 +294,7 @@ def test_defaults_or_bindings_run_and_end_with_the_outputs_line(
     wd = tmp_path / "run"
     assert train.main([*argv, f"--workdir={wd}"]) == 0
     [parts] = fake_run
-    assert parts.cfg.rl_steps == rl_steps and parts.workdir == wd
+    assert parts.cfg.rl.steps == rl_steps and parts.workdir == wd
     out = capsys.readouterr().out.splitlines()
     assert json.loads(out[-2])["rl_steps"] == rl_steps  # the headline, then the closing line
     assert out[-1] == train.outputs_line(wd)
@@ -349,7 +360,7 @@ def _full_disk(parts, stop) -> dict:
 
 def test_a_full_disk_ends_the_command_with_one_line_and_exit_1(monkeypatch, capsys, tmp_path):
     _replace_stages(monkeypatch, _fake_stages(run=_full_disk))
-    assert train.main(["--gin_param=TrainConfig.rl_steps = 3", f"--workdir={tmp_path}"]) == 1
+    assert train.main(["--gin_param=RL.steps = 3", f"--workdir={tmp_path}"]) == 1
     err = capsys.readouterr().err
     assert err.splitlines() == [
         f"error: No space left on device writing {tmp_path / 'ckpt'}; free space or fix the "

@@ -14,7 +14,7 @@ CONFIGS = sorted((ROOT / "configs").glob("*.gin"))
 def test_config_parses(path, monkeypatch):
     monkeypatch.chdir(ROOT)  # includes are relative to the repository root
     cfg = load_config([str(path)], [])
-    assert cfg.rl_steps >= 1 and cfg.batch_size == cfg.prompts_per_step * cfg.group_size
+    assert cfg.rl.steps >= 1 and cfg.rl.batch_size == cfg.rl.prompts_per_step * cfg.rl.group_size
     assert path.read_text().startswith("#")  # each opens with what it runs and how
 
 
@@ -23,13 +23,21 @@ def test_sync_and_tpu_configs_differ_from_the_default_only_where_documented(monk
     base = load_config(["configs/reverse_text.gin"], [])
     sync = load_config(["configs/reverse_text_sync.gin"], [])
     tpu = load_config(["configs/tpu_v5e_8.gin"], [])
-    assert sync.max_staleness == 0 and sync.model == base.model
-    assert tpu.model != base.model and tpu.trainer_mesh and tpu.max_staleness == base.max_staleness
+    assert sync.orchestrator.max_staleness == 0 and sync.model == base.model
+    assert tpu.model != base.model and tpu.trainer.mesh
+    assert tpu.orchestrator.max_staleness == base.orchestrator.max_staleness
 
 
 def test_unknown_binding_is_named():
     with pytest.raises(ValueError, match="no_such_setting"):
         load_config([], ["TrainConfig.no_such_setting = 1"])
+    with pytest.raises(ValueError, match="no_such_setting"):
+        load_config([], ["RL.no_such_setting = 1"])
+    # A name from before the sections says where it went.
+    with pytest.raises(ValueError, match=r"TrainConfig.rl_steps is now RL.steps"):
+        load_config([], ["TrainConfig.rl_steps = 40"])
+    with pytest.raises(ValueError, match=r"TrainConfig.decode_slots is now Engine.slots"):
+        load_config([], ["TrainConfig.decode_slots = 4"])
     with pytest.raises(ValueError, match="missing.gin"):
         load_config(["missing.gin"], [])
 
@@ -37,12 +45,15 @@ def test_unknown_binding_is_named():
 @pytest.mark.parametrize(
     "binding, message",
     [
-        ("TrainConfig.max_new_tokens = 256", r"max_new_tokens \(256\) must be < row_len \(256\)"),
-        ("TrainConfig.minibatches = 0", r"minibatches must be >= 1, got 0"),
-        ("TrainConfig.ppo_epochs = -1", r"ppo_epochs must be >= 1, got -1"),
-        ("TrainConfig.rl_warmup_steps = -3", r"rl_warmup_steps must be >= 0, got -3"),
-        ("TrainConfig.algorithm = 'ppo'", r"unknown advantage algorithm 'ppo'; choose one of"),
-        ("TrainConfig.rl_prompt_pool = 0", r"rl_prompt_pool must be >= 1 or None"),
+        ("RL.max_new_tokens = 256", r"max_new_tokens \(256\) must be < Trainer.row_len \(256\)"),
+        ("RL.minibatches = 0", r"minibatches must be >= 1, got 0"),
+        ("RL.ppo_epochs = -1", r"ppo_epochs must be >= 1, got -1"),
+        ("RL.lr_warmup_steps = -3", r"RL.lr_warmup_steps must be >= 0, got -3"),
+        ("Orchestrator.age_policy = 'yolo'", r"Orchestrator.age_policy must be one of"),
+        ("Engine.overlap = 'always'", r"Engine.overlap must be one of .*'always'"),
+        ("Processes.weight_pull_timeout_s = 0", r"weight_pull_timeout_s must be > 0 seconds"),
+        ("RL.algorithm = 'ppo'", r"unknown advantage algorithm 'ppo'; choose one of"),
+        ("Data.rl_prompt_pool = 0", r"rl_prompt_pool must be >= 1 or None"),
     ],
 )
 def test_bad_values_are_named_with_what_is_allowed(binding, message):
@@ -54,11 +65,11 @@ def test_stage_schedules_sft_anneals_rl_warms_up_then_holds():
     import gin
 
     from jaxrl_orch.build.parts import optim_config
-    from jaxrl_orch.config.train import TrainConfig
+    from jaxrl_orch.config.train import make_config
     from jaxrl_orch.trainer.step import make_schedule
 
     gin.clear_config()  # bindings parsed by earlier tests would apply to TrainConfig(...) too
-    cfg = TrainConfig(sft_steps=100, sft_warmup_steps=10, rl_warmup_steps=5)
+    cfg = make_config({"Warmup.steps": 100, "Warmup.lr_warmup_steps": 10, "RL.lr_warmup_steps": 5})
     sft = make_schedule(optim_config(cfg, "sft", 3e-3))
     assert float(sft(0)) == 0.0 and float(sft(10)) == pytest.approx(3e-3)
     assert float(sft(100)) == pytest.approx(3e-4)  # annealed to 10% at the last warm-up step
@@ -67,7 +78,7 @@ def test_stage_schedules_sft_anneals_rl_warms_up_then_holds():
     assert float(rl(0)) == 0.0 and float(rl(5)) == pytest.approx(3e-4)
     assert float(rl(10_000)) == pytest.approx(3e-4)  # open-ended: no decay
     # A warm-up no longer than its ramp keeps the ramp and no decay.
-    short = make_schedule(optim_config(TrainConfig(sft_steps=2), "sft", 1e-3))
+    short = make_schedule(optim_config(make_config({"Warmup.steps": 2}), "sft", 1e-3))
     assert float(short(1)) == pytest.approx(1e-4)
 
 
@@ -89,27 +100,28 @@ def test_a_text_file_dataset_is_split_or_paired_with_an_eval_file(tmp_path):
     import gin
     from support.runs import prepare
 
-    from jaxrl_orch.config.train import TrainConfig
+    from jaxrl_orch.config.train import make_config
     from jaxrl_orch.data.sources import text_split_of
 
     gin.clear_config()
     lines = [f"the harbour painted {i} walls" for i in range(120)]
     corpus = tmp_path / "mine.txt"
     corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    data = prepare(TrainConfig(dataset=f"text:{corpus}"), tmp_path / "a").data
+    data = prepare(make_config({"Data.dataset": f"text:{corpus}"}), tmp_path / "a").data
     held_out = [data.eval.next_example()["text"] for _ in range(len(data.eval))]
     assert held_out and all(text_split_of(t) == "eval" for t in held_out)
     assert len(data.train) + len(data.eval) == 120
 
     other = tmp_path / "eval.txt"
     other.write_text("one held out sentence\nand a second one\n", encoding="utf-8")
-    data = prepare(TrainConfig(dataset=str(corpus), eval_dataset=str(other)), tmp_path / "b").data
+    paired = {"Data.dataset": str(corpus), "Data.eval_dataset": str(other)}
+    data = prepare(make_config(paired), tmp_path / "b").data
     assert len(data.eval) == len(data.sampled_eval) == 2  # the whole eval file
     assert len(data.train) == len(data.sft) == 120  # all of it trains now
 
     leaky = tmp_path / "leaky.txt"
     leaky.write_text("a fresh sentence\nthe harbour painted 7 walls\n", encoding="utf-8")
-    cfg = TrainConfig(dataset=str(corpus), eval_dataset=str(leaky))
+    cfg = make_config({"Data.dataset": str(corpus), "Data.eval_dataset": str(leaky)})
     with pytest.raises(ValueError, match="1 of 2 lines of eval_dataset .*'the harbour painted 7"):
         prepare(cfg, tmp_path / "c")
 
@@ -133,13 +145,13 @@ def test_a_gin_import_registers_a_user_env_for_the_command(tmp_path, monkeypatch
     monkeypatch.syspath_prepend(str(tmp_path))
     gin_file = tmp_path / "shout.gin"
     gin_file.write_text(
-        "import shout_env\ninclude 'configs/reverse_text.gin'\nTrainConfig.env = 'shout'\n",
+        "import shout_env\ninclude 'configs/reverse_text.gin'\nData.env = 'shout'\n",
         encoding="utf-8",
     )
     # The default's mixed demonstrator names reverse-text behaviours this env does not offer.
     with pytest.raises(ValueError, match="env 'shout' offers no worse behaviours.*demonstrations"):
         prepare(load_config([str(gin_file)], []), tmp_path / "run")
-    cfg = load_config([str(gin_file)], ["TrainConfig.demonstrations = ()"])
+    cfg = load_config([str(gin_file)], ["Warmup.demonstrations = ()"])
     parts = prepare(cfg, tmp_path / "run")
     assert type(parts.env).__name__ == "Shout" and parts.env.instruction == "Reverse:"
     prompt = parts.tokenizer.decode(parts.env.prompt_ids({"text": "abc"}))
@@ -153,22 +165,26 @@ def test_probe_settings_restrict_the_prompts_and_reuse_another_runs_warm_up(tmp_
     from flax import nnx
     from support.runs import prepare, warmup
 
-    from jaxrl_orch.config.train import TrainConfig
+    from jaxrl_orch.config.train import make_config
 
     gin.clear_config()
-    small = dict(
-        sft_steps=2, sft_batch_size=4, trainer_mesh=(("fsdp", 1),), decode_mesh=(("tp", 1),)
-    )
-    first = prepare(TrainConfig(**small, seed=3), tmp_path / "first")
+    small = {
+        "Warmup.steps": 2,
+        "Warmup.batch_size": 4,
+        "Trainer.mesh": (("fsdp", 1),),
+        "Engine.mesh": (("tp", 1),),
+    }
+    first = prepare(make_config({**small, "seed": 3}), tmp_path / "first")
     warm, info = warmup(first, tmp_path / "m1.jsonl")
     assert "sft_restored" not in info
 
-    probe = prepare(
-        TrainConfig(
-            **{**small, "sft_steps": 5}, warmup_from=str(tmp_path / "first"), rl_prompt_pool=3
-        ),
-        tmp_path / "probe",
-    )
+    probe_settings = {
+        **small,
+        "Warmup.steps": 5,
+        "Warmup.from_workdir": str(tmp_path / "first"),
+        "Data.rl_prompt_pool": 3,
+    }
+    probe = prepare(make_config(probe_settings), tmp_path / "probe")
     assert len(probe.data.train) == 3
     drawn = {probe.data.train.next_example()["text"] for _ in range(12)}
     assert len(drawn) == 3  # four epochs over the same three prompts
@@ -181,9 +197,9 @@ def test_probe_settings_restrict_the_prompts_and_reuse_another_runs_warm_up(tmp_
     assert (tmp_path / "probe" / "sft").is_dir()  # copied: the probe's workdir stands alone
 
     with pytest.raises(ValueError, match="has no sft/ checkpoint directory"):
-        prepare(TrainConfig(**small, warmup_from=str(tmp_path)), tmp_path / "x")
+        prepare(make_config({**small, "Warmup.from_workdir": str(tmp_path)}), tmp_path / "x")
     with pytest.raises(ValueError, match="rl_prompt_pool 10000000 exceeds the"):
-        prepare(TrainConfig(**small, rl_prompt_pool=10_000_000), tmp_path / "y")
+        prepare(make_config({**small, "Data.rl_prompt_pool": 10_000_000}), tmp_path / "y")
 
 
 def test_loss_settings_reach_the_rl_step(tmp_path):
@@ -194,18 +210,18 @@ def test_loss_settings_reach_the_rl_step(tmp_path):
 
     from jaxrl_orch.build.accel import step_config
     from jaxrl_orch.build.engines import recompute_old_logprobs
-    from jaxrl_orch.config.train import TrainConfig
+    from jaxrl_orch.config.train import make_config
 
     gin.clear_config()
-    small = dict(sft_steps=0, trainer_mesh=(("fsdp", 1),), decode_mesh=(("tp", 1),))
+    small = {"Warmup.steps": 0, "Trainer.mesh": (("fsdp", 1),), "Engine.mesh": (("tp", 1),)}
     cases = {
-        "grpo": dict(algorithm="grpo"),
-        "dr": dict(algorithm="dr_grpo", max_new_tokens=40),
-        "tis": dict(algorithm="grpo", recompute_old_logprobs=True, tis_cap=1.5),
+        "grpo": {"RL.algorithm": "grpo"},
+        "dr": {"RL.algorithm": "dr_grpo", "RL.max_new_tokens": 40},
+        "tis": {"RL.algorithm": "grpo", "RL.recompute_old_logprobs": True, "RL.tis_cap": 1.5},
     }
     steps = {}
     for name, kw in cases.items():
-        parts = prepare(TrainConfig(**small, **kw), tmp_path / name)
+        parts = prepare(make_config({**small, **kw}), tmp_path / name)
         # The built-in engine reports behaviour log-probs: the run's recompute decision for it.
         recompute = recompute_old_logprobs(parts.cfg, engine_logprobs=True)
         steps[name] = step_config(parts.cfg, "rl", recompute=recompute)
@@ -214,22 +230,22 @@ def test_loss_settings_reach_the_rl_step(tmp_path):
     assert not steps["grpo"].recompute_old_logprobs
     assert steps["tis"].recompute_old_logprobs and steps["tis"].loss.tis_cap == 1.5
     with pytest.raises(ValueError, match="'dr_grpo' normalises the loss by a constant"):
-        load_config([], ["TrainConfig.algorithm = 'dr_grpo'", "TrainConfig.loss_norm = 'token'"])
-    with pytest.raises(ValueError, match="after_warmup must be 'rl' or 'sft'.*'dpo'"):
-        load_config([], ["TrainConfig.after_warmup = 'dpo'"])
+        load_config([], ["RL.algorithm = 'dr_grpo'", "RL.loss_norm = 'token'"])
+    with pytest.raises(ValueError, match=r"RL.after_warmup must be one of \('rl', 'sft'\).*'dpo'"):
+        load_config([], ["RL.after_warmup = 'dpo'"])
 
 
 def test_a_refused_config_leaves_no_bindings_behind():
     from jaxrl_orch.config.train import TrainConfig
 
     with pytest.raises(ValueError, match="after_warmup"):
-        load_config([], ["TrainConfig.rl_steps = 7", "TrainConfig.after_warmup = 'dpo'"])
-    assert TrainConfig().rl_steps == 60 and TrainConfig().after_warmup == "rl"
+        load_config([], ["RL.steps = 7", "RL.after_warmup = 'dpo'"])
+    assert TrainConfig().rl.steps == 60 and TrainConfig().rl.after_warmup == "rl"
 
 
 def test_a_group_of_one_is_refused_before_any_work():
     with pytest.raises(ValueError, match=r"group_size must be >= 2, got 1: group-relative"):
-        load_config([], ["TrainConfig.group_size = 1"])
+        load_config([], ["RL.group_size = 1"])
 
 
 def test_one_over_long_line_anywhere_fails_before_any_work_naming_it(tmp_path):
@@ -238,7 +254,7 @@ def test_one_over_long_line_anywhere_fails_before_any_work_naming_it(tmp_path):
     import gin
     from support.runs import prepare
 
-    from jaxrl_orch.config.train import TrainConfig
+    from jaxrl_orch.config.train import make_config
 
     gin.clear_config()
     lines = [f"sentence number {i} is short" for i in range(300)]
@@ -246,17 +262,22 @@ def test_one_over_long_line_anywhere_fails_before_any_work_naming_it(tmp_path):
     (tmp_path / "corpus.txt").write_text("\n".join(lines) + "\n")
     (tmp_path / "eval.txt").write_text("a held-out line\n\n" + "y" * 400 + "\n")
     (tmp_path / "ok_eval.txt").write_text("an eval line\nanother eval line\n")
-    base = dict(trainer_mesh=(("fsdp", 1),), decode_mesh=(("tp", 1),), demonstrations=())
+    base = {
+        "Trainer.mesh": (("fsdp", 1),),
+        "Engine.mesh": (("tp", 1),),
+        "Warmup.demonstrations": (),
+    }
 
-    def fails(match, **kw):
-        cfg = TrainConfig(**{**base, **kw})
+    def fails(match, dataset, eval_dataset, **kw):
+        data = {"Data.dataset": dataset, "Data.eval_dataset": eval_dataset}
+        cfg = make_config({**base, **data, **kw})
         with pytest.raises(ValueError, match=match):
             prepare(cfg, tmp_path / "run")
 
     corpus, ok_eval = f"text:{tmp_path / 'corpus.txt'}", f"text:{tmp_path / 'ok_eval.txt'}"
     fails(
         r"a warm-up sample \(prompt \+ demonstration \+ EOS\) has 20051 tokens, over the limit "
-        r"of 256: \S*corpus.txt line 138 \(\{'text': 'xxx.*raise TrainConfig.row_len",
+        r"of 256: \S*corpus.txt line 138 \(\{'text': 'xxx.*raise Trainer.row_len",
         dataset=corpus,
         eval_dataset=ok_eval,
     )
@@ -265,11 +286,11 @@ def test_one_over_long_line_anywhere_fails_before_any_work_naming_it(tmp_path):
         r"prefill limit 128 \(max_target_length // 2\) and row_len 256 - max_new_tokens 68",
         dataset=corpus,
         eval_dataset=ok_eval,
-        sft_steps=0,
+        **{"Warmup.steps": 0},
     )
     fails(  # the held-out set is read whole too
         r"an eval prompt has 433 tokens, over the limit of 128: \S*eval.txt line 3 ",
         dataset=ok_eval,
         eval_dataset=f"text:{tmp_path / 'eval.txt'}",
-        sft_steps=0,
+        **{"Warmup.steps": 0},
     )

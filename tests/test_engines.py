@@ -1,4 +1,4 @@
-"""Plugging in an engine (``TrainConfig.engine``): the spec, the contract, the recompute rule."""
+"""Plugging in an engine (``Engine.kind``): the spec, the contract, the recompute rule."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from jaxrl_orch.build.engines import (
     recompute_old_logprobs,
     reports_logprobs,
 )
+from jaxrl_orch.config.train import make_config
 from jaxrl_orch.inference.engine import DecodeEngine
 
 
@@ -35,7 +36,9 @@ def test_an_engine_missing_part_of_the_contract_is_named():
 
 
 def test_recompute_follows_the_engine_unless_set():
-    cfg = lambda v: types.SimpleNamespace(recompute_old_logprobs=v, engine="my:engine")  # noqa: E731
+    def cfg(v):
+        return make_config({"RL.recompute_old_logprobs": v, "Engine.kind": "my:engine"})
+
     assert recompute_old_logprobs(cfg(None), engine_logprobs=True) is False
     assert recompute_old_logprobs(cfg(None), engine_logprobs=False) is True
     assert recompute_old_logprobs(cfg(True), engine_logprobs=True) is True

@@ -24,7 +24,7 @@ SCRIPT = Path(__file__).parent / "fault_envs.py"
 
 def _cmd(workdir: Path, *params: str) -> list[str]:
     args = [sys.executable, str(SCRIPT), f"--workdir={workdir}"]
-    params = [*TINY, "TrainConfig.env = 'faulty_reverse_text'", *params]
+    params = [*TINY, "Data.env = 'faulty_reverse_text'", *params]
     return args + [f"--gin_param={p}" for p in params]
 
 
@@ -37,12 +37,12 @@ def test_hanging_raising_nan_and_blocking_env_faults_are_counted_and_the_run_fin
     res = subprocess.run(
         _cmd(
             wd,
-            "TrainConfig.rl_steps = 4",
-            "TrainConfig.env_timeout_s = 3.0",
-            "TrainConfig.loop_block_warn_s = 0.5",
+            "RL.steps = 4",
+            "Orchestrator.env_timeout_s = 3.0",
+            "Orchestrator.loop_block_warn_s = 0.5",
             # W&B as a user turns it on (offline: the run's files land in the workdir)
-            "TrainConfig.wandb_project = 'jaxrl-faults'",
-            "TrainConfig.wandb_mode = 'offline'",
+            "Outputs.wandb_project = 'jaxrl-faults'",
+            "Outputs.wandb_mode = 'offline'",
         ),
         env=_faulty_env("mixed"),
         capture_output=True,
@@ -81,7 +81,7 @@ def test_hanging_raising_nan_and_blocking_env_faults_are_counted_and_the_run_fin
 
 def _start_until_rl(wd: Path, *params: str) -> subprocess.Popen:
     proc = subprocess.Popen(
-        _cmd(wd, "TrainConfig.rl_steps = 200", *params),
+        _cmd(wd, "RL.steps = 200", *params),
         env=_faulty_env("hang"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -100,7 +100,7 @@ def test_sigterm_with_a_hung_env_exits_zero_within_the_drain_deadline(tmp_path):
     wd = tmp_path / "hung"
     # No env timeout: the hung rollouts never finish, so only the deadline ends the drain.
     proc = _start_until_rl(
-        wd, "TrainConfig.env_timeout_s = 100000.0", "TrainConfig.drain_timeout_s = 3.0"
+        wd, "Orchestrator.env_timeout_s = 100000.0", "Orchestrator.drain_timeout_s = 3.0"
     )
     try:
         t0 = time.monotonic()
@@ -122,7 +122,7 @@ def test_sigterm_with_a_hung_env_exits_zero_within_the_drain_deadline(tmp_path):
 def test_a_second_signal_exits_at_once_non_zero(tmp_path):
     wd = tmp_path / "twice"
     proc = _start_until_rl(
-        wd, "TrainConfig.env_timeout_s = 100000.0", "TrainConfig.drain_timeout_s = 100000.0"
+        wd, "Orchestrator.env_timeout_s = 100000.0", "Orchestrator.drain_timeout_s = 100000.0"
     )
     try:
         proc.send_signal(signal.SIGTERM)

@@ -102,7 +102,7 @@ def test_a_run_writes_resumes_and_reads_back_through_gcs(gcs, tmp_path):
 
     def train(steps):
         cmd = [sys.executable, "-m", "jaxrl_orch.train", f"--workdir={url}"]
-        params = [*TINY, f"TrainConfig.rl_steps = {steps}"]
+        params = [*TINY, f"RL.steps = {steps}"]
         res = subprocess.run(cmd + [f"--gin_param={p}" for p in params], env=env, cwd=tmp_path,
                              capture_output=True, text=True, timeout=600)  # fmt: skip
         assert res.returncode == 0, res.stderr[-3000:]

@@ -34,8 +34,8 @@ def test_launcher_passes_the_layout_and_addresses_to_every_process(tmp_path):
     launcher = launch_local.Launcher(args, rest)
     assert rest == ["--gin_param=x"]
     assert len(set(launcher.addresses)) == 3 and launcher.coordinator.startswith("127.0.0.1:")
-    assert "--gin_param=TrainConfig.trainer_processes = 2" in launcher.train_args
-    assert "--gin_param=TrainConfig.engine_replicas = 3" in launcher.train_args
+    assert "--gin_param=Processes.trainer_processes = 2" in launcher.train_args
+    assert "--gin_param=Processes.engine_replicas = 3" in launcher.train_args
     assert f"--engine_addresses={','.join(launcher.addresses)}" in launcher.train_args
     assert [launcher.role(k) for k in range(5)] == ["trainer"] * 2 + ["engine"] * 3
     assert (tmp_path / "logs").is_dir()
@@ -58,6 +58,6 @@ def test_free_ports_are_distinct():
     ],
 )
 def test_train_refuses_a_bad_process_layout(flags, match, capsys, tmp_path):
-    argv = [f"--workdir={tmp_path}", "--gin_param=TrainConfig.engine_replicas = 2", *flags]
+    argv = [f"--workdir={tmp_path}", "--gin_param=Processes.engine_replicas = 2", *flags]
     assert train.main(argv) == 2
     assert re.search(match, capsys.readouterr().err)

@@ -38,12 +38,12 @@ def test_commands_are_plain_train_commands_from_one_warm_up(tmp_path):
         assert cmd[1:3] == ["-m", "jaxrl_orch.train"]
         assert "--gin_file=configs/reverse_text.gin" in cmd
     assert "--gin_param=TrainConfig.seed=4" in cmds["seed4"]
-    warm = f'--gin_param=TrainConfig.warmup_from="{tmp_path / "seed3"}"'
+    warm = f'--gin_param=Warmup.from_workdir="{tmp_path / "seed3"}"'
     for control in ("permuted", "imitation", "clean_sft"):
         assert warm in cmds[control]
-    assert '--gin_param=TrainConfig.algorithm="permuted:grpo"' in cmds["permuted"]
-    assert '--gin_param=TrainConfig.after_warmup="sft"' in cmds["imitation"]
-    assert "--gin_param=TrainConfig.demonstrations=()" in cmds["clean_sft"]
+    assert '--gin_param=RL.algorithm="permuted:grpo"' in cmds["permuted"]
+    assert '--gin_param=RL.after_warmup="sft"' in cmds["imitation"]
+    assert "--gin_param=Warmup.demonstrations=()" in cmds["clean_sft"]
     assert not any("demonstrations" in c for c in cmds["imitation"])  # the same mixed demos
 
 

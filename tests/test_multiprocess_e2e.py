@@ -24,20 +24,20 @@ import pytest
 pytestmark = pytest.mark.slow
 
 SCENARIO = [
-    "TrainConfig.sft_steps = 2",
-    "TrainConfig.sft_batch_size = 8",
-    "TrainConfig.prompts_per_step = 2",
-    "TrainConfig.group_size = 4",
-    "TrainConfig.eval_examples = 4",
-    "TrainConfig.eval_every = 5",
-    "TrainConfig.checkpoint_every = 3",
-    "TrainConfig.max_new_tokens = 16",
-    "TrainConfig.decode_slots = 8",
-    "TrainConfig.dynamic_sampling = False",
-    "TrainConfig.export_hf = True",
+    "Warmup.steps = 2",
+    "Warmup.batch_size = 8",
+    "RL.prompts_per_step = 2",
+    "RL.group_size = 4",
+    "RL.eval_examples = 4",
+    "RL.eval_every = 5",
+    "Outputs.checkpoint_every = 3",
+    "RL.max_new_tokens = 16",
+    "Engine.slots = 8",
+    "RL.dynamic_sampling = False",
+    "Outputs.export_hf = True",
     # An untrained model scores (near) 0 on the real task: a user env with a dense reward
     # (tests/dense_env.py), plugged by name so every process imports it.
-    "TrainConfig.env = 'dense_env:make'",
+    "Data.env = 'dense_env:make'",
 ]
 
 
@@ -91,7 +91,7 @@ def _logs(workdir: Path) -> str:
 
 
 def test_group_of_two_with_two_replicas_matches_one_process(tmp_path: Path) -> None:
-    steps = ["TrainConfig.rl_steps = 5", "TrainConfig.max_staleness = 0"]
+    steps = ["RL.steps = 5", "Orchestrator.max_staleness = 0"]
     single = tmp_path / "single"
     # The single process splits its 6 devices like the multi-process run: trainer fsdp over 4,
     # decode tp over 2.
@@ -103,9 +103,9 @@ def test_group_of_two_with_two_replicas_matches_one_process(tmp_path: Path) -> N
             f"--workdir={single}",
             *_params(
                 *steps,
-                "TrainConfig.trainer_mesh = (('fsdp', 4),)",
-                "TrainConfig.decode_mesh = (('tp', 2),)",
-                "TrainConfig.colocated = False",
+                "Trainer.mesh = (('fsdp', 4),)",
+                "Engine.mesh = (('tp', 2),)",
+                "Processes.colocated = False",
             ),
         ],
         env=_env(6),
@@ -151,8 +151,8 @@ def test_staleness_bound_holds_across_processes(tmp_path: Path) -> None:
     # Two replicas finish groups out of admission order: the "pace" age policy holds a batch
     # back until no rollout in it would be older than S (the default "admit" only bounds the
     # admissions, so its observed ages may overshoot; README, simulator table).
-    bound = ["TrainConfig.max_staleness = 1", "TrainConfig.age_policy = 'pace'"]
-    out = _finish(_launch(workdir, "TrainConfig.rl_steps = 5", *bound))
+    bound = ["Orchestrator.max_staleness = 1", "Orchestrator.age_policy = 'pace'"]
+    out = _finish(_launch(workdir, "RL.steps = 5", *bound))
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["rl_steps"] == 5, out[-3000:] + _logs(workdir)
     ages = {int(k): v for k, v in summary["age_histogram"].items()}
@@ -167,11 +167,11 @@ def test_replica_killed_mid_run_loses_no_rollout(tmp_path: Path) -> None:
     workdir = tmp_path / "kill"
     proc = _launch(
         workdir,
-        f"TrainConfig.rl_steps = {STEPS}",
-        "TrainConfig.max_staleness = 1",
+        f"RL.steps = {STEPS}",
+        "Orchestrator.max_staleness = 1",
         # The restarted replica's first load would also compile every program (~20 s on 2
         # loaded cores) while versions move on; without it the rejoin lands within the run.
-        "TrainConfig.engine_warmup = False",
+        "Engine.warmup = False",
         replicas=2,
         trainers=1,
         start_new_session=True,
@@ -231,7 +231,7 @@ def _wait_for_step(workdir: Path, proc: subprocess.Popen, step: int, timeout: fl
 
 def test_lost_trainer_stops_the_run_sigterm_drains_and_the_same_command_resumes(tmp_path):
     workdir = tmp_path / "resume"
-    run = ["TrainConfig.rl_steps = 8", "TrainConfig.checkpoint_every = 2"]
+    run = ["RL.steps = 8", "Outputs.checkpoint_every = 2"]
     # 1. A trainer peer killed with SIGKILL: the launcher stops the whole run, loudly.
     proc = _launch(workdir, *run, replicas=1, start_new_session=True)
     try:

@@ -27,20 +27,20 @@ def _repo_root(monkeypatch):
 
 def test_no_warm_up_a_pretrained_learning_rate_and_the_checkpoints_tokenizer():
     cfg = load_config([CONFIG], [])
-    assert cfg.model == cfg.tokenizer == PLACEHOLDER
-    assert cfg.sft_steps == 0 and cfg.demonstrations == ()
-    assert cfg.rl_learning_rate == 1e-6 and cfg.rl_warmup_steps == 10
-    assert cfg.param_dtype == "float32"  # a 1e-6 step needs fp32 master weights
-    assert cfg.instruction is None and cfg.kl_beta == 0.0
-    assert cfg.max_new_tokens < cfg.row_len and cfg.max_target_length // 2 >= 128
+    assert cfg.model.name == cfg.model.tokenizer == PLACEHOLDER
+    assert cfg.warmup.steps == 0 and cfg.warmup.demonstrations == ()
+    assert cfg.rl.learning_rate == 1e-6 and cfg.rl.lr_warmup_steps == 10
+    assert cfg.model.param_dtype == "float32"  # a 1e-6 step needs fp32 master weights
+    assert cfg.data.instruction is None and cfg.rl.kl_beta == 0.0
+    assert cfg.rl.max_new_tokens < cfg.trainer.row_len and cfg.engine.max_target_length // 2 >= 128
     assert (ROOT / CONFIG).read_text().startswith("#")
 
 
 def test_one_binding_names_the_checkpoint_for_weights_and_tokenizer():
     cfg = load_config([CONFIG], ["CHECKPOINT = '/data/ckpt'"])
-    assert cfg.model == cfg.tokenizer == "/data/ckpt"
-    cfg = load_config([CONFIG], ["TrainConfig.model = '/a'", "TrainConfig.tokenizer = '/b'"])
-    assert (cfg.model, cfg.tokenizer) == ("/a", "/b")
+    assert cfg.model.name == cfg.model.tokenizer == "/data/ckpt"
+    cfg = load_config([CONFIG], ["Model.name = '/a'", "Model.tokenizer = '/b'"])
+    assert (cfg.model.name, cfg.model.tokenizer) == ("/a", "/b")
 
 
 def test_the_placeholder_fails_naming_the_path():

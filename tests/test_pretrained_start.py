@@ -1,4 +1,4 @@
-"""``TrainConfig.model`` may name an HF checkpoint directory: the run starts from its weights
+"""``Model.name`` may name an HF checkpoint directory: the run starts from its weights
 and ends by exporting the trained policy as an HF checkpoint that loads back.
 
 The checkpoint here is written by ``save_hf_checkpoint`` from a seeded tiny-byte model (no
@@ -37,7 +37,13 @@ def _leaves(state):
 def _cfg(model: str) -> TrainConfig:
     # The toy env's reward has spread inside a group, so two RL steps really move the weights.
     return toy_config(
-        model=model, rl_steps=2, rl_warmup_steps=0, rl_learning_rate=1e-3, prompts_per_step=2
+        {
+            "Model.name": model,
+            "RL.steps": 2,
+            "RL.lr_warmup_steps": 0,
+            "RL.learning_rate": 1e-3,
+            "RL.prompts_per_step": 2,
+        }
     )
 
 
@@ -82,7 +88,13 @@ def test_the_export_carries_the_runs_own_tokenizer(tmp_path):
     save_hf_checkpoint(Transformer(preset, rngs=nnx.Rngs(1)), preset, tmp_path / "hf")
     write_bpe(tmp_path / "hf")
     hf = str(tmp_path / "hf")
-    parts = prepare(dataclasses.replace(_cfg(hf), tokenizer=hf, rl_steps=1), tmp_path / "run")
+    base = _cfg(hf)
+    cfg = dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, tokenizer=hf),
+        rl=dataclasses.replace(base.rl, steps=1),
+    )
+    parts = prepare(cfg, tmp_path / "run")
     # The BPE's ids limit the logits, not the byte tokenizer's.
     assert parts.model_cfg.output_vocab == parts.tokenizer.output_vocab_size <= 320
     run(parts)

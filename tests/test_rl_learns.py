@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 def test_grpo_raises_a_learnable_reward_from_scratch(tmp_path):
     # Random init (sft_steps = 0): everything the policy gains here comes from RL.
-    cfg = toy_config(rl_steps=20, rl_learning_rate=3e-3)
+    cfg = toy_config({"RL.steps": 20, "RL.learning_rate": 3e-3})
     summary = run(prepare(cfg, tmp_path))
     assert summary["rl_steps"] == 20
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -472,8 +472,8 @@ def test_launch_starts_engines_then_every_trainer_worker_with_their_roles(gcloud
     common = [
         "--gin_file=configs/tpu_v5e_8.gin",
         "--workdir=gs://bucket/run1",
-        "--gin_param=TrainConfig.trainer_processes = 2",
-        "--gin_param=TrainConfig.engine_replicas = 2",
+        "--gin_param=Processes.trainer_processes = 2",
+        "--gin_param=Processes.engine_replicas = 2",
         "--coordinator_address=10.0.0.2:8476",
         "--engine_addresses=10.0.1.10:50051,10.0.1.11:50051",
     ]
@@ -500,7 +500,7 @@ def test_launch_ports_are_flags(gcloud):
     argv = _train_argv(_flag(gcloud.calls()[-1], "command"))
     assert "--coordinator_address=10.0.0.2:9000" in argv
     assert "--engine_addresses=10.0.1.10:7000" in argv
-    assert "--gin_param=TrainConfig.trainer_processes = 1" in argv
+    assert "--gin_param=Processes.trainer_processes = 1" in argv
     proc = _run("launch.sh", "--dry-run", "--engine-port=70000")
     assert proc.returncode == 2 and "--engine-port '70000' is invalid" in proc.stderr
 
@@ -631,8 +631,8 @@ def test_launch_single_host_keeps_a_local_default_workdir_and_gin_override(gclou
     assert _train_argv(_flag(ssh, "command")) == [
         "--gin_file=configs/tpu_v6e_8.gin",
         "--workdir=runs/rl-tpu",
-        "--gin_param=TrainConfig.trainer_processes = 1",
-        "--gin_param=TrainConfig.engine_replicas = 0",
+        "--gin_param=Processes.trainer_processes = 1",
+        "--gin_param=Processes.engine_replicas = 0",
         "--coordinator_address=10.0.0.2:8476",
         "--process_index=$wid",
     ]

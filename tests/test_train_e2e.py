@@ -20,17 +20,17 @@ import pytest
 pytestmark = pytest.mark.slow
 
 TINY = [
-    "TrainConfig.sft_steps = 2",
-    "TrainConfig.sft_batch_size = 8",
-    "TrainConfig.prompts_per_step = 2",
-    "TrainConfig.group_size = 4",
-    "TrainConfig.eval_examples = 4",
-    "TrainConfig.eval_every = 2",
-    "TrainConfig.checkpoint_every = 2",
-    "TrainConfig.max_new_tokens = 16",
-    "TrainConfig.decode_slots = 8",
+    "Warmup.steps = 2",
+    "Warmup.batch_size = 8",
+    "RL.prompts_per_step = 2",
+    "RL.group_size = 4",
+    "RL.eval_examples = 4",
+    "RL.eval_every = 2",
+    "Outputs.checkpoint_every = 2",
+    "RL.max_new_tokens = 16",
+    "Engine.slots = 8",
     # An untrained model scores 0 everywhere: keep flat groups so batches still form.
-    "TrainConfig.dynamic_sampling = False",
+    "RL.dynamic_sampling = False",
 ]
 
 
@@ -81,7 +81,7 @@ def _checkpoints(workdir: Path) -> list[int]:
 def test_split_placement_run_writes_metrics_checkpoints_and_report(tmp_path):
     wd = tmp_path / "run"
     # Time-sliced: the engine pauses during every train step and still serves every rollout.
-    res = _run(wd, "TrainConfig.rl_steps = 3", "TrainConfig.overlap = 'sliced'", devices=2)
+    res = _run(wd, "RL.steps = 3", "Engine.overlap = 'sliced'", devices=2)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((wd / "summary.json").read_text())
     assert summary["overlap"] == {"mode": "sliced"}
@@ -121,7 +121,7 @@ def test_split_placement_run_writes_metrics_checkpoints_and_report(tmp_path):
     assert summary["export_dir"] == str(wd / "export")
     assert json.loads((wd / "export" / "config.json").read_text())["hidden_size"] == 128
     assert (wd / "export" / "model.safetensors").stat().st_size > 0
-    assert "TrainConfig.rl_steps = 3" in (wd / "config.gin").read_text()
+    assert "RL.steps = 3" in (wd / "config.gin").read_text()
     assert max(int(a) for a in summary["age_histogram"]) <= 1  # the default bound S = 1
 
 
@@ -129,12 +129,12 @@ def test_split_placement_run_writes_metrics_checkpoints_and_report(tmp_path):
     "param, needle",
     [
         ("TrainConfig.no_such_setting = 1", "no_such_setting"),
-        ("TrainConfig.trainer_mesh = (('fsdp', 16),)", "need"),
-        ("TrainConfig.dataset = 'no_such_dataset'", "no_such_dataset"),
-        ("TrainConfig.dataset = 'text:/no/such/corpus.txt'", "corpus.txt"),
-        ("TrainConfig.model = '/no/such/model_dir'", "model_dir"),
-        ("TrainConfig.age_policy = 'yolo'", "yolo"),
-        ("TrainConfig.row_len = 96", "a warm-up sample (prompt + demonstration + EOS) has"),
+        ("Trainer.mesh = (('fsdp', 16),)", "need"),
+        ("Data.dataset = 'no_such_dataset'", "no_such_dataset"),
+        ("Data.dataset = 'text:/no/such/corpus.txt'", "corpus.txt"),
+        ("Model.name = '/no/such/model_dir'", "model_dir"),
+        ("Orchestrator.age_policy = 'yolo'", "yolo"),
+        ("Trainer.row_len = 96", "a warm-up sample (prompt + demonstration + EOS) has"),
     ],
 )
 def test_bad_config_fails_before_any_work_naming_the_value(tmp_path, param, needle):
@@ -148,7 +148,7 @@ def test_bad_config_fails_before_any_work_naming_the_value(tmp_path, param, need
 def test_sigterm_drains_checkpoints_and_exits_zero(tmp_path):
     wd = tmp_path / "term"
     proc = subprocess.Popen(
-        _cmd(wd, "TrainConfig.rl_steps = 200"),
+        _cmd(wd, "RL.steps = 200"),
         env=_env(1),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -173,7 +173,7 @@ def test_sigterm_drains_checkpoints_and_exits_zero(tmp_path):
 
 def test_kill9_then_resume_continues_without_repeating_or_skipping(tmp_path):
     wd = tmp_path / "crash"
-    steps = ["TrainConfig.rl_steps = 8"]
+    steps = ["RL.steps = 8"]
     proc = subprocess.Popen(
         _cmd(wd, *steps), env=_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -225,8 +225,8 @@ def test_kill9_then_resume_continues_without_repeating_or_skipping(tmp_path):
 
 def test_sigterm_in_the_warm_up_keeps_its_progress_and_resumes_there(tmp_path):
     wd = tmp_path / "warm"
-    params = ["TrainConfig.sft_steps = 60", "TrainConfig.sft_checkpoint_every = 5"]
-    params += ["TrainConfig.rl_steps = 1"]
+    params = ["Warmup.steps = 60", "Warmup.checkpoint_every = 5"]
+    params += ["RL.steps = 1"]
     proc = subprocess.Popen(
         _cmd(wd, *params), env=_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
@@ -258,14 +258,14 @@ def test_sigterm_in_the_warm_up_keeps_its_progress_and_resumes_there(tmp_path):
 def test_imitation_control_from_a_saved_warm_up(tmp_path):
     """after_warmup='sft' spends the RL stage's updates on SFT and reports like an RL run."""
     base = tmp_path / "base"
-    assert _run(base, "TrainConfig.rl_steps = 1").returncode == 0
+    assert _run(base, "RL.steps = 1").returncode == 0
     wd = tmp_path / "imitation"
     res = _run(
         wd,
-        f"TrainConfig.warmup_from = '{base}'",
-        "TrainConfig.after_warmup = 'sft'",
-        "TrainConfig.rl_steps = 4",
-        "TrainConfig.minibatches = 2",
+        f"Warmup.from_workdir = '{base}'",
+        "RL.after_warmup = 'sft'",
+        "RL.steps = 4",
+        "RL.minibatches = 2",
     )
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((wd / "summary.json").read_text())

@@ -1,4 +1,4 @@
-"""A JetStream-shaped engine plugged into the train command (``TrainConfig.engine``): it reports
+"""A JetStream-shaped engine plugged into the train command (``Engine.kind``): it reports
 no log-probs, so the trainer recomputes the behaviour log-probs and the run trains on them."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ def test_two_rl_steps_on_an_upstream_shaped_engine_with_recomputed_logprobs(tmp_
     wd = tmp_path / "upstream"
     params = [
         *TINY,
-        "TrainConfig.rl_steps = 2",
-        "TrainConfig.max_staleness = 0",
-        "TrainConfig.engine = 'upstream_engines:UpstreamShapedEngine'",
+        "RL.steps = 2",
+        "Orchestrator.max_staleness = 0",
+        "Engine.kind = 'upstream_engines:UpstreamShapedEngine'",
     ]
     env = {**_env(1), "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run(

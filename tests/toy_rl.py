@@ -10,7 +10,7 @@ from __future__ import annotations
 import string
 from typing import Any
 
-from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.config.train import TrainConfig, make_config
 from jaxrl_orch.envs.base import SingleTurnEnv, register_env
 
 NEW_TOKENS = 12
@@ -46,24 +46,24 @@ class _TextOnly:
 register_env(LowercaseEnv.name, lambda tokenizer, **kw: LowercaseEnv(_TextOnly(tokenizer), **kw))
 
 
-def toy_config(**overrides: Any) -> TrainConfig:
-    """RL only (no warm-up), short completions, engine and trainer on one device each."""
-    settings: dict[str, Any] = dict(
-        env=LowercaseEnv.name,
-        sft_steps=0,
-        prompts_per_step=4,
-        group_size=8,
-        max_new_tokens=NEW_TOKENS,
-        rl_warmup_steps=1,
-        dynamic_sampling=False,
-        row_len=64,
-        decode_slots=32,
-        eval_examples=4,
-        eval_every=1000,
-        checkpoint_every=1000,
-        trainer_mesh=(("fsdp", 1),),
-        decode_mesh=(("tp", 1),),
-        colocated=False,
-    )
-    settings.update(overrides)
-    return TrainConfig(**settings)
+def toy_config(overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """RL only (no warm-up), short completions, engine and trainer on one device each.
+    ``overrides``: ``{"RL.steps": 20}``-style settings on top."""
+    settings: dict[str, Any] = {
+        "Data.env": LowercaseEnv.name,
+        "Warmup.steps": 0,
+        "RL.prompts_per_step": 4,
+        "RL.group_size": 8,
+        "RL.max_new_tokens": NEW_TOKENS,
+        "RL.lr_warmup_steps": 1,
+        "RL.dynamic_sampling": False,
+        "RL.eval_examples": 4,
+        "RL.eval_every": 1000,
+        "Trainer.row_len": 64,
+        "Trainer.mesh": (("fsdp", 1),),
+        "Engine.slots": 32,
+        "Engine.mesh": (("tp", 1),),
+        "Processes.colocated": False,
+        "Outputs.checkpoint_every": 1000,
+    }
+    return make_config({**settings, **(overrides or {})})

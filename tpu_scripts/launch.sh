@@ -6,8 +6,8 @@
 # worker (process index = worker id, P = the slice's worker count); engine replica i runs on
 # the single-host VM NAME-engine-i as process P+i. First the VMs' internal IPs are read with
 # `tpu-vm describe`; then the engines start, then every trainer worker (--worker=all), each
-# with the same flags: --gin_file, --workdir, the layout (TrainConfig.trainer_processes = P,
-# TrainConfig.engine_replicas = R), --coordinator_address=<trainer worker 0>:PORT,
+# with the same flags: --gin_file, --workdir, the layout (Processes.trainer_processes = P,
+# Processes.engine_replicas = R), --coordinator_address=<trainer worker 0>:PORT,
 # --engine_addresses=<engine 0>:PORT,... (when R > 0) and its own --process_index.
 # Arguments after `--` are passed to every process unchanged (for example --gin_param=...).
 # Refuses to start on a host where the pid recorded by a previous launch is alive.
@@ -93,8 +93,8 @@ WORKDIR="${WORKDIR:-runs/$NAME}"
 
 coordinator="${trainer_ips[0]}:$COORDINATOR_PORT"
 common=("--gin_file=$GIN_FILE" "--workdir=$WORKDIR"
-  "--gin_param=TrainConfig.trainer_processes = $P"
-  "--gin_param=TrainConfig.engine_replicas = $R"
+  "--gin_param=Processes.trainer_processes = $P"
+  "--gin_param=Processes.engine_replicas = $R"
   "--coordinator_address=$coordinator")
 if ((R > 0)); then
   joined_addrs="$(IFS=,; echo "${engine_addrs[*]}")"

@@ -46,8 +46,8 @@ def _backend(backend: str | None) -> str:
 
 
 def compute_dtype(cfg: TrainConfig, backend: str | None = None) -> jnp.dtype:
-    if cfg.compute_dtype != "auto":
-        return jnp.dtype(cfg.compute_dtype)
+    if cfg.model.compute_dtype != "auto":
+        return jnp.dtype(cfg.model.compute_dtype)
     return jnp.dtype(jnp.float32 if _backend(backend) == "cpu" else jnp.bfloat16)
 
 
@@ -58,13 +58,13 @@ CPU_ATTENTION_BLOCK = 128
 
 
 def attention_impl(cfg: TrainConfig, backend: str | None = None) -> str:
-    if cfg.attention != "auto":
-        return cfg.attention
+    if cfg.model.attention != "auto":
+        return cfg.model.attention
     return {"tpu": "splash", "gpu": "xla", "cpu": "chunked"}[_backend(backend)]
 
 
 def attention_block(cfg: TrainConfig, model_cfg: ModelConfig, backend: str | None = None) -> int:
-    if cfg.attention == "auto" and _backend(backend) == "cpu":
+    if cfg.model.attention == "auto" and _backend(backend) == "cpu":
         return CPU_ATTENTION_BLOCK
     return model_cfg.attention_block
 
@@ -77,25 +77,25 @@ def accel_model_config(
     return dataclasses.replace(
         model_cfg,
         dtype=dtype,
-        param_dtype=jnp.dtype(cfg.param_dtype),
+        param_dtype=jnp.dtype(cfg.model.param_dtype),
         attention=attention_impl(cfg, backend),
         attention_block=attention_block(cfg, model_cfg, backend),
-        remat=cfg.remat,
-        scan_layers=cfg.scan_layers,
+        remat=cfg.model.remat,
+        scan_layers=cfg.model.scan_layers,
         # Read by low-precision matmuls only (models/matmul.py): XLA:CPU's bf16 dot layout.
         grad_transpose_copy=_backend(backend) == "cpu" and dtype != jnp.float32,
     )
 
 
 def engine_compute_dtype(cfg: TrainConfig, backend: str | None = None) -> jnp.dtype:
-    if cfg.engine_compute_dtype is not None:
-        return jnp.dtype(cfg.engine_compute_dtype)
+    if cfg.engine.compute_dtype is not None:
+        return jnp.dtype(cfg.engine.compute_dtype)
     return compute_dtype(cfg, backend)
 
 
 def engine_param_dtype(cfg: TrainConfig, backend: str | None = None) -> jnp.dtype:
-    if cfg.engine_param_dtype is not None:
-        return jnp.dtype(cfg.engine_param_dtype)
+    if cfg.engine.param_dtype is not None:
+        return jnp.dtype(cfg.engine.param_dtype)
     return engine_compute_dtype(cfg, backend)
 
 
@@ -118,22 +118,22 @@ def step_config(cfg: TrainConfig, kind: str, recompute: bool | None = None) -> S
     """The train step of a stage, from the same fields the experiment's trainer reads.
     ``recompute``: whether old log-probs are recomputed; default the setting, where unset
     (None) means no (the built-in engine reports behaviour log-probs)."""
-    norm = cfg.resolved_loss_norm
+    norm = cfg.rl.resolved_loss_norm
     if recompute is None:
-        recompute = bool(cfg.recompute_old_logprobs)
+        recompute = bool(cfg.rl.recompute_old_logprobs)
     return StepConfig(
         kind=kind,
-        chunk_rows=cfg.chunk_rows,
-        minibatches=cfg.minibatches if kind == "rl" else 1,
-        ppo_epochs=cfg.ppo_epochs if kind == "rl" else 1,
+        chunk_rows=cfg.trainer.chunk_rows,
+        minibatches=cfg.rl.minibatches if kind == "rl" else 1,
+        ppo_epochs=cfg.rl.ppo_epochs if kind == "rl" else 1,
         recompute_old_logprobs=recompute,
-        logprob_chunk=cfg.logprob_chunk,
+        logprob_chunk=cfg.trainer.logprob_chunk,
         loss=PolicyLossConfig(
-            eps_low=cfg.eps_low,
-            eps_high=cfg.eps_high,
+            eps_low=cfg.rl.eps_low,
+            eps_high=cfg.rl.eps_high,
             norm=norm,
-            norm_constant=float(cfg.max_new_tokens) if norm == "constant" else None,
-            tis_cap=cfg.tis_cap,
-            kl_beta=cfg.kl_beta,
+            norm_constant=float(cfg.rl.max_new_tokens) if norm == "constant" else None,
+            tis_cap=cfg.rl.tis_cap,
+            kl_beta=cfg.rl.kl_beta,
         ),
     )

@@ -60,7 +60,7 @@ def check_examples(parts: RunParts, max_prefill: int) -> None:
     """See the module docstring (``max_prefill``: the engine's prompt limit)."""
     cfg, env, data = parts.cfg, parts.env, parts.data
     text_of = getattr(env, "prompt_text", None)
-    if cfg.sft_steps:
+    if cfg.warmup.steps:
 
         def sample_text(ex: dict[str, Any]) -> str:
             return text_of(ex) + parts.demonstrator.completion(ex)
@@ -68,15 +68,15 @@ def check_examples(parts: RunParts, max_prefill: int) -> None:
         check_fits(
             data.sft,
             measure=lambda ex: len(parts.sft_sample(ex)),
-            limit=cfg.row_len,
+            limit=cfg.trainer.row_len,
             what="a warm-up sample (prompt + demonstration + EOS)",
-            fix="raise TrainConfig.row_len, shorten TrainConfig.instruction or drop the example",
+            fix="raise Trainer.row_len, shorten Data.instruction or drop the example",
             text_of=None if text_of is None else sample_text,
         )
-    limit = min(max_prefill, cfg.row_len - cfg.max_new_tokens)
+    limit = min(max_prefill, cfg.trainer.row_len - cfg.rl.max_new_tokens)
     why = (
         f"the engine's prefill limit {max_prefill} (max_target_length // 2) and row_len "
-        f"{cfg.row_len} - max_new_tokens {cfg.max_new_tokens}"
+        f"{cfg.trainer.row_len} - max_new_tokens {cfg.rl.max_new_tokens}"
     )
     for name, source in (("RL", data.train), ("eval", data.eval)):
         check_fits(

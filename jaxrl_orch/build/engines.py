@@ -3,7 +3,7 @@
 What it owns: ``build_engine(cfg, model_cfg, mesh, tokenizer)``, the one engine builder: the
 engine's limits from ``engine_limits(cfg)`` (slots, cache length, the prefill limit, decode steps
 per call: the only place they are read from the settings), its dtypes from ``accel``.
-``engine_factory(spec)`` resolves ``TrainConfig.engine``: ``"builtin"`` is
+``engine_factory(spec)`` resolves ``Engine.kind``: ``"builtin"`` is
 ``inference.engine.DecodeEngine``; ``"package.module:callable"`` names a factory called with
 the same arguments (``model_config`` positionally; ``mesh``, ``limits`` (an ``EngineLimits``),
 ``tokenizer``, ``seed`` by keyword) that returns an engine with JetStream's method shape
@@ -49,25 +49,25 @@ class BuiltEngine:
 
 def engine_limits(cfg: TrainConfig) -> EngineLimits:
     return EngineLimits(
-        max_concurrent_decodes=cfg.decode_slots,
-        max_target_length=cfg.max_target_length,
-        steps_per_call=cfg.steps_per_call,
+        max_concurrent_decodes=cfg.engine.slots,
+        max_target_length=cfg.engine.max_target_length,
+        steps_per_call=cfg.engine.steps_per_call,
     )
 
 
 def build_engine(
     cfg: TrainConfig, model_cfg: ModelConfig, mesh: Any, tokenizer: Any, backend: str | None = None
 ) -> BuiltEngine:
-    """The engine of ``TrainConfig.engine`` on ``mesh`` with the run's limits and dtypes
+    """The engine of ``Engine.kind`` on ``mesh`` with the run's limits and dtypes
     (``backend``: the one compiled for, default this process's)."""
     engine_cfg = engine_model_config(model_cfg, cfg, backend)
-    extra = {"param_dtype": engine_cfg.param_dtype} if cfg.engine == "builtin" else {}
-    factory = engine_factory(cfg.engine)
+    extra = {"param_dtype": engine_cfg.param_dtype} if cfg.engine.kind == "builtin" else {}
+    factory = engine_factory(cfg.engine.kind)
     limits = engine_limits(cfg)
     engine = factory(
         engine_cfg, **extra, mesh=mesh, limits=limits, tokenizer=tokenizer, seed=cfg.seed
     )
-    check_engine(engine, cfg.engine)
+    check_engine(engine, cfg.engine.kind)
     logprobs = reports_logprobs(engine)
     return BuiltEngine(engine, logprobs, recompute_old_logprobs(cfg, logprobs))
 
@@ -76,10 +76,8 @@ def engine_factory(spec: str) -> Callable[..., Any]:
     if spec == "builtin":
         return DecodeEngine
     if ":" not in spec:
-        raise ValueError(
-            f"TrainConfig.engine must be 'builtin' or 'package.module:factory', got {spec!r}"
-        )
-    return load_factory(spec, "TrainConfig.engine")
+        raise ValueError(f"Engine.kind must be 'builtin' or 'package.module:factory', got {spec!r}")
+    return load_factory(spec, "Engine.kind")
 
 
 def check_engine(engine: Any, spec: str) -> Any:
@@ -103,13 +101,13 @@ def reports_logprobs(engine: Any) -> bool:
 
 
 def recompute_old_logprobs(cfg: Any, engine_logprobs: bool) -> bool:
-    """``TrainConfig.recompute_old_logprobs``, or when unset (None) whether the engine reports
+    """``RL.recompute_old_logprobs``, or when unset (None) whether the engine reports
     no behaviour log-probs (the trainer's recomputed ones then stand in for them)."""
-    setting = cfg.recompute_old_logprobs
+    setting = cfg.rl.recompute_old_logprobs
     if setting is False and not engine_logprobs:
         raise ValueError(
-            f"engine {cfg.engine!r} reports no behaviour log-probs, so "
-            "TrainConfig.recompute_old_logprobs=False has nothing to take the ratio against: "
+            f"engine {cfg.engine.kind!r} reports no behaviour log-probs, so "
+            "RL.recompute_old_logprobs=False has nothing to take the ratio against: "
             "leave it unset (None) or set True"
         )
     return (not engine_logprobs) if setting is None else bool(setting)

@@ -21,7 +21,7 @@ each step); the engine's driver waits on ``engine_may_run`` between calls.
 
 Who uses it: ``schedule_for(cfg, colocated)`` is the one place that decides between synchronous,
 overlapped and measured, for an engine in the trainer's process (``sides.InProcessSide``;
-replicas on other hosts never share the trainer's cores); ``TrainConfig.overlap`` names the mode.
+replicas on other hosts never share the trainer's cores); ``Engine.overlap`` names the mode.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def model_config(name: str, tokenizer: Any) -> ModelConfig:
 
 
 def hf_checkpoint_dir(name: str) -> Path | None:
-    """The directory ``TrainConfig.model`` names when it is an HF checkpoint, else None (a
+    """The directory ``Model.name`` names when it is an HF checkpoint, else None (a
     preset name). A path that looks like a directory but holds no config.json is an error."""
     path = Path(name)
     if path.is_dir():
@@ -67,16 +67,16 @@ def optim_config(cfg: TrainConfig, kind: str, lr: float) -> OptimConfig:
     on the embedded default this reaches a greedy eval reward of 0.74 after 200 steps where a
     constant LR reached 0.43 (README, "Results")."""
     if kind == "rl":
-        return OptimConfig(learning_rate=lr, warmup_steps=cfg.rl_warmup_steps)
-    if cfg.sft_steps > cfg.sft_warmup_steps:
+        return OptimConfig(learning_rate=lr, warmup_steps=cfg.rl.lr_warmup_steps)
+    if cfg.warmup.steps > cfg.warmup.lr_warmup_steps:
         return OptimConfig(
             learning_rate=lr,
             schedule="warmup_cosine",
-            warmup_steps=cfg.sft_warmup_steps,
-            total_steps=cfg.sft_steps,
+            warmup_steps=cfg.warmup.lr_warmup_steps,
+            total_steps=cfg.warmup.steps,
             end_lr_ratio=0.1,
         )
-    return OptimConfig(learning_rate=lr, warmup_steps=cfg.sft_warmup_steps)
+    return OptimConfig(learning_rate=lr, warmup_steps=cfg.warmup.lr_warmup_steps)
 
 
 def first_examples(source: DatasetSource, n: int, seed: int) -> DatasetSource:
@@ -91,10 +91,10 @@ def build_placement(cfg: TrainConfig, n_devices: int, devices: Any = None) -> tu
     trainer share every device; otherwise they split them (trainer fsdp, decode tp) unless the
     config names both meshes. An impossible shape fails here, naming it. ``devices``: default
     ``jax.devices()``; ``python -m jaxrl_orch.tools.aot`` passes a TPU topology's."""
-    colocated = (n_devices == 1) if cfg.colocated is None else cfg.colocated
+    colocated = (n_devices == 1) if cfg.processes.colocated is None else cfg.processes.colocated
     half = n_devices if colocated else n_devices // 2
-    trainer_shape = dict(cfg.trainer_mesh) or {"fsdp": half}
-    decode_shape = dict(cfg.decode_mesh) or {"tp": n_devices if colocated else n_devices - half}
+    trainer_shape = dict(cfg.trainer.mesh) or {"fsdp": half}
+    decode_shape = dict(cfg.engine.mesh) or {"tp": n_devices if colocated else n_devices - half}
     decode_mesh, trainer_mesh = make_meshes(
         decode_shape, trainer_shape, devices=devices, colocated=colocated
     )
@@ -113,18 +113,22 @@ class DataSources:
 
 
 def build_data(cfg: TrainConfig) -> DataSources:
-    """The sources of ``TrainConfig.dataset`` / ``eval_dataset``. A text file is split in two
+    """The sources of ``Data.dataset`` / ``eval_dataset``. A text file is split in two
     unless a separate eval set is named: then all of it trains, an eval text file is held out
     whole (datasets use their own splits), and a line in both fails."""
-    train_split = "all" if cfg.eval_dataset and text_file_path(cfg.dataset) else "train"
-    train = make_source(cfg.dataset, split=train_split, data_dir=cfg.data_dir, seed=cfg.seed)
-    if cfg.rl_prompt_pool is not None:
-        train = first_examples(train, cfg.rl_prompt_pool, cfg.seed)
-    sft = make_source(cfg.dataset, split=train_split, data_dir=cfg.data_dir, seed=cfg.seed + 1)
-    eval_name = cfg.eval_dataset or cfg.dataset
-    eval_split = "all" if cfg.eval_dataset and text_file_path(eval_name) else "eval"
+    train_split = "all" if cfg.data.eval_dataset and text_file_path(cfg.data.dataset) else "train"
+    train = make_source(
+        cfg.data.dataset, split=train_split, data_dir=cfg.data.data_dir, seed=cfg.seed
+    )
+    if cfg.data.rl_prompt_pool is not None:
+        train = first_examples(train, cfg.data.rl_prompt_pool, cfg.seed)
+    sft = make_source(
+        cfg.data.dataset, split=train_split, data_dir=cfg.data.data_dir, seed=cfg.seed + 1
+    )
+    eval_name = cfg.data.eval_dataset or cfg.data.dataset
+    eval_split = "all" if cfg.data.eval_dataset and text_file_path(eval_name) else "eval"
     held_out = [
-        make_source(eval_name, split=eval_split, data_dir=cfg.data_dir, shuffle=False)
+        make_source(eval_name, split=eval_split, data_dir=cfg.data.data_dir, shuffle=False)
         for _ in range(2)
     ]
     if train_split == "all" and eval_split == "all":
@@ -133,7 +137,7 @@ def build_data(cfg: TrainConfig) -> DataSources:
         if shared:
             raise ValueError(
                 f"{len(shared)} of {len(held_out[0])} lines of eval_dataset {eval_name!r} "
-                f"also appear in dataset {cfg.dataset!r} (e.g. {shared[0]!r}); eval lines must "
-                "be held out of training"
+                f"also appear in dataset {cfg.data.dataset!r} (e.g. {shared[0]!r}); eval lines "
+                "must be held out of training"
             )
     return DataSources(train, sft, *held_out)

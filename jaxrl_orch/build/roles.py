@@ -35,7 +35,7 @@ from sharding.mesh import make_meshes
 def placement(cfg: TrainConfig, role: Role) -> tuple[bool, Any, Any]:
     """(colocated, decode mesh, trainer mesh) of a multi-process role (see the docstring)."""
     local = jax.local_devices()
-    decode_shape = dict(cfg.decode_mesh) or {"tp": len(local)}
+    decode_shape = dict(cfg.engine.mesh) or {"tp": len(local)}
     size = int(np.prod(list(decode_shape.values())))
     if role.kind == "trainer" and size > len(local):
         # Staged on this host in a smaller layout; replicas reshard it on their own devices.
@@ -44,7 +44,7 @@ def placement(cfg: TrainConfig, role: Role) -> tuple[bool, Any, Any]:
     decode, _ = make_meshes(decode_shape, {"fsdp": size}, devices=local, colocated=True)
     if role.kind == "engine":
         return False, decode, None
-    trainer_shape = dict(cfg.trainer_mesh) or {"fsdp": len(jax.devices())}
+    trainer_shape = dict(cfg.trainer.mesh) or {"fsdp": len(jax.devices())}
     n = int(np.prod(list(trainer_shape.values())))
     _, trainer = make_meshes({"tp": n}, trainer_shape, colocated=True)
     return False, decode, trainer
@@ -56,8 +56,8 @@ def serve_replica(cfg: TrainConfig, engine: Any, role: Role, address: str) -> di
         engine,
         address=address,
         replica=role.replica,
-        pull_timeout_s=cfg.weight_pull_timeout_s,
-        warm_up=cfg.engine_warmup,
+        pull_timeout_s=cfg.processes.weight_pull_timeout_s,
+        warm_up=cfg.engine.warmup,
     )
     stage("engine replica", f"{role.describe()} on {address}, {len(jax.local_devices())} devices")
 

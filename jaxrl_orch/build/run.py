@@ -76,7 +76,7 @@ class RunParts:
     @property
     def sampled_eval(self) -> str:
         """Eval-env name of the held-out set sampled at the training temperature."""
-        return f"{self.env.name}@t{self.cfg.temperature:g}"
+        return f"{self.env.name}@t{self.cfg.rl.temperature:g}"
 
     def sft_sample(self, ex: dict[str, Any]) -> Sample:
         """A warm-up sample: the prompt, then the demonstrator's completion and EOS."""
@@ -86,25 +86,27 @@ class RunParts:
     def sft_batches(self) -> Iterator[list[Sample]]:
         while True:
             source = self.data.sft
-            yield [self.sft_sample(source.next_example()) for _ in range(self.cfg.sft_batch_size)]
+            yield [
+                self.sft_sample(source.next_example()) for _ in range(self.cfg.warmup.batch_size)
+            ]
 
 
 def build_run(
     cfg: TrainConfig, workdir: Any, role: Role, engine_addresses: tuple[str, ...] = ()
 ) -> RunParts:
     """The run's parts, every check done (see the module docstring)."""
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    model_cfg = accel_model_config(model_config(cfg.model, tokenizer), cfg)
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    model_cfg = accel_model_config(model_config(cfg.model.name, tokenizer), cfg)
     if role.kind == "single":
         placement = Placement(*build_placement(cfg, len(jax.devices())))
     else:
         placement = Placement(*roles.placement(cfg, role))
-    env_kwargs = {} if cfg.instruction is None else {"instruction": cfg.instruction}
-    env = make_env(cfg.env, tokenizer=tokenizer, **env_kwargs)
-    wants_demos = cfg.sft_steps or cfg.demonstrations or cfg.after_warmup == "sft"
-    demonstrator = MixedDemonstrator(env, cfg.demonstrations) if wants_demos else None
+    env_kwargs = {} if cfg.data.instruction is None else {"instruction": cfg.data.instruction}
+    env = make_env(cfg.data.env, tokenizer=tokenizer, **env_kwargs)
+    wants_demos = cfg.warmup.steps or cfg.warmup.demonstrations or cfg.rl.after_warmup == "sft"
+    demonstrator = MixedDemonstrator(env, cfg.warmup.demonstrations) if wants_demos else None
     _check_warmup_from(cfg)
-    engine_factory(cfg.engine)  # a bad spec fails here, before any work
+    engine_factory(cfg.engine.kind)  # a bad spec fails here, before any work
     parts = RunParts(
         cfg=cfg,
         workdir=as_path(workdir),  # local, or a gs:// URL kept as one
@@ -123,26 +125,29 @@ def build_run(
 
 
 def _check_warmup_from(cfg: TrainConfig) -> None:
-    if cfg.warmup_from is not None and not (as_path(cfg.warmup_from) / "sft").is_dir():
+    if (
+        cfg.warmup.from_workdir is not None
+        and not (as_path(cfg.warmup.from_workdir) / "sft").is_dir()
+    ):
         raise ValueError(
-            f"warmup_from {cfg.warmup_from!r} has no sft/ checkpoint directory; name the "
+            f"warmup_from {cfg.warmup.from_workdir!r} has no sft/ checkpoint directory; name the "
             "workdir of a run whose warm-up finished"
         )
 
 
 def _announce_data(parts: RunParts) -> None:
     cfg, data = parts.cfg, parts.data
-    mix = ", ".join(f"{b} {x:.0%}" for b, x in cfg.demonstrations) or "always right"
+    mix = ", ".join(f"{b} {x:.0%}" for b, x in cfg.warmup.demonstrations) or "always right"
     stage(
         "data",
-        f"{cfg.env} on {cfg.dataset}: {len(data.train)} train / {len(data.eval)} held-out "
-        f"examples (eval on {cfg.eval_examples}); warm-up demonstrator: {mix}",
+        f"{cfg.data.env} on {cfg.data.dataset}: {len(data.train)} train / {len(data.eval)} "
+        f"held-out examples (eval on {cfg.rl.eval_examples}); warm-up demonstrator: {mix}",
     )
 
 
 def pretrained_params(parts: RunParts) -> Any:
-    """The HF checkpoint's weights when ``TrainConfig.model`` names one, else None."""
-    path = hf_checkpoint_dir(parts.cfg.model)
+    """The HF checkpoint's weights when ``Model.name`` names one, else None."""
+    path = hf_checkpoint_dir(parts.cfg.model.name)
     if path is None:
         return None
     mc = parts.model_cfg
@@ -166,10 +171,10 @@ def build_trainer(
     cfg = parts.cfg
     # The warm-up takes one plain step per batch (minibatches and epochs are RL settings).
     rows = RowLayout(
-        row_len=cfg.row_len,
-        num_rows=cfg.rows_per_batch,
+        row_len=cfg.trainer.row_len,
+        num_rows=cfg.trainer.rows_per_batch,
         # A row per sample at most: one shape all run long (no recompiles mid-run).
-        min_rows=cfg.batch_size if kind == "rl" else cfg.sft_batch_size,
+        min_rows=cfg.rl.batch_size if kind == "rl" else cfg.warmup.batch_size,
         pad_id=parts.tokenizer.pad_id,
     )
     return Trainer(

@@ -103,15 +103,15 @@ class LeaderSide:
 
     def __init__(self, cfg: TrainConfig, engine: Any, trainer_mesh: Any, addresses: tuple) -> None:
         self.stager = EngineStager(trainer_mesh, engine.param_shardings, engine.param_dtype)
-        self.channel = Channel(leader=True) if cfg.trainer_processes > 1 else None
+        self.channel = Channel(leader=True) if cfg.processes.trainer_processes > 1 else None
         on_batch = None if self.channel is None else self._send_batch
         self.hooks = StepHooks(on_batch=on_batch)
         self.offer = WeightOffer()
         self.pool = RemotePool(
             addresses,
             self.offer,
-            request_timeout_s=cfg.replica_request_timeout_s,
-            pull_timeout_s=cfg.weight_pull_timeout_s,
+            request_timeout_s=cfg.processes.replica_request_timeout_s,
+            pull_timeout_s=cfg.processes.weight_pull_timeout_s,
             # Every load names the staged layout: a replica whose decode mesh differs (its host
             # has more devices than a trainer host) pulls in it and reshards on its own devices.
             layout=self.stager.transfer_layout(),

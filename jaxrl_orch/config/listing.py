@@ -1,14 +1,14 @@
 """What ``python -m jaxrl_orch.train`` tells a newcomer: every setting, and the shipped configs.
 
-``--list_config`` prints every ``TrainConfig`` field with its type, default and meaning. The
-field set comes from ``dataclasses.fields``, so a new field is listed without touching this
-file; the meanings are read from the comments in the class's own source (``inspect`` +
-``tokenize``), so ``config.py`` stays the one place a setting is documented:
+``--list_config`` prints every setting, grouped by section (``RL``, ``Engine``, ...), each as
+``Section.name: type = default`` with its meaning: exactly the name a gin binding uses. The
+field set comes from ``dataclasses.fields`` (a field whose default is a dataclass is a section,
+listed field by field under its heading), so a new field is listed without touching this file;
+the meanings are read from the comments in the class's own source (``inspect`` + ``tokenize``),
+so ``config/train.py`` stays the one place a setting is documented:
 
 - a trailing ``# ...`` on the field's line is that field's meaning;
-- a block of comment lines directly above a field is printed above it as written; in
-  ``config.py`` such a block is either a section heading (``# RL``) or the documentation of
-  the field below it (``demonstrations``), and printed in place it reads right as either.
+- a block of comment lines directly above a field is printed above it as written.
 
 Without the source (a build that ships only ``.pyc``) the listing still has every field, its
 type and default; only the meanings are missing.
@@ -84,12 +84,8 @@ def _default(field: dataclasses.Field) -> str:
     return "(required)"
 
 
-def field_docs(cls: type | None = None) -> list[FieldDoc]:
-    """One entry per field of ``cls`` (default ``TrainConfig``), in declaration order."""
-    if cls is None:
-        from jaxrl_orch.config.train import TrainConfig
-
-        cls = TrainConfig
+def field_docs(cls: type, prefix: str = "") -> list[FieldDoc]:
+    """One entry per field of ``cls``, in declaration order, named ``prefix + name``."""
     comments: dict[str, tuple[str | None, tuple[str, ...]]] = {}
     for klass in reversed(cls.__mro__):  # a subclass's comment on a field wins over its base's
         if dataclasses.is_dataclass(klass):
@@ -98,20 +94,47 @@ def field_docs(cls: type | None = None) -> list[FieldDoc]:
     for f in dataclasses.fields(cls):
         comment, above = comments.get(f.name, (None, ()))
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        docs.append(FieldDoc(f.name, kind, _default(f), comment, above))
+        docs.append(FieldDoc(prefix + f.name, kind, _default(f), comment, above))
     return docs
+
+
+def _section(f: dataclasses.Field) -> type | None:
+    """The section class a field holds (its default is built by a dataclass), else None."""
+    factory = f.default_factory
+    if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+        return factory
+    return None
 
 
 def format_config_listing(cls: type | None = None) -> str:
     """The ``--list_config`` text: a header, then each field as ``name: type = default`` with
-    its meaning indented below it and any comment block above it kept in place."""
-    docs = field_docs(cls)
-    name = "TrainConfig" if cls is None else cls.__name__
+    its meaning indented below it and any comment block above it kept in place; a section's
+    fields come under its heading as ``Section.name``."""
+    if cls is None:
+        from jaxrl_orch.config.train import TrainConfig
+
+        cls = TrainConfig
+    name = cls.__name__
+    plain = [f for f in dataclasses.fields(cls) if _section(f) is None]
+    sections = [s for f in dataclasses.fields(cls) if (s := _section(f)) is not None]
+    groups = [(name, [d for d in field_docs(cls) if d.name in {f.name for f in plain}])]
+    groups += [(s.__name__, field_docs(s, prefix=f"{s.__name__}.")) for s in sections]
+    count = sum(len(docs) for _, docs in groups)
+    example = f"{sections[0].__name__}.NAME" if sections else f"{name}.NAME"
     out = [
-        f"{name}: {len(docs)} settings, shown with their built-in defaults (configs/*.gin "
+        f"{name}: {count} settings, shown with their built-in defaults (configs/*.gin "
         "override some).",
-        f"Set one with --gin_param='{name}.NAME = VALUE', or with that line in a gin file.",
+        f"Set one with --gin_param='{example} = VALUE', or with that line in a gin file.",
     ]
+    for heading, docs in groups:
+        if sections:
+            out.extend(["", f"[{heading}]"])
+        out.extend(_entry_lines(docs))
+    return "\n".join(out)
+
+
+def _entry_lines(docs: list[FieldDoc]) -> list[str]:
+    out: list[str] = []
     for d in docs:
         if d.above:
             out.append("")
@@ -119,7 +142,7 @@ def format_config_listing(cls: type | None = None) -> str:
         out.append(f"  {d.name}: {d.type} = {d.default}")
         if d.comment:
             out.extend(_wrap(d.comment))
-    return "\n".join(out)
+    return out
 
 
 def _wrap(text: str, max_lines: int | None = None) -> list[str]:

@@ -3,9 +3,9 @@ climbing.
 
 What it owns: ``OrchestratorConfig`` (the loop's own settings: step target, batch and group
 sizes, the staleness bound S, concurrency, the observed-age policy, eval cadence, timeouts) and
-``AGE_POLICIES``, with their validation and defaults. ``TrainConfig`` (``config/train.py``)
-composes it from its flat gin fields (``TrainConfig.orchestrator``), so a user still binds
-``TrainConfig.max_staleness = 2``; the orchestrator gets only this, never the root config.
+``AGE_POLICIES``, with their validation and defaults. ``TrainConfig.loop`` (``config/train.py``)
+composes it from the ``RL`` and ``Orchestrator`` sections users bind (``Orchestrator.max_staleness
+= 2``); the orchestrator gets only this, never the root config.
 
 Invariants: a built ``OrchestratorConfig`` is valid and fully resolved (``max_concurrent`` is
 an int: its default is derived here and nowhere else). S bounds both the admission gate and the

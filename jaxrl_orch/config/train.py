@@ -1,18 +1,28 @@
-"""TrainConfig: every setting of ``python -m jaxrl_orch.train``, bound by gin.
+"""TrainConfig: every setting of ``python -m jaxrl_orch.train``, in sections, bound by gin.
 
-It sits below the orchestrator: it imports only ``settings`` (the orchestrator's own settings
-dataclass, which ``TrainConfig.orchestrator`` composes from the flat fields) and the
-algorithm registry (to fail on an unknown name at parse time).
+Each section is a frozen dataclass that gin configures by its own name, read by the code it
+names: ``Model`` (the network, its precision and kernels: ``build.accel``), ``Data`` (the task
+and its examples: ``build.parts``), ``Warmup`` (the SFT stage: ``run.warmup``), ``RL`` (the
+algorithm, its optimizer, sampling and evals: ``run.rl``, ``build.accel``), ``Trainer`` (rows
+and the trainer mesh), ``Engine`` (the decoding engine: ``build.engines``, ``build.sides``),
+``Orchestrator`` (staleness, concurrency and timeouts of the loop: ``TrainConfig.loop``),
+``Processes`` (a multi-process layout: ``distributed``, ``build.roles``) and ``Outputs``
+(checkpoints, logging, export). A gin file binds ``RL.steps = 40``; ``TrainConfig`` itself
+holds the seed and builds each section from its bindings. An unknown binding fails at parse
+time naming it (a name from before the sections names where it went, ``MOVED``); every value
+is checked here, before any work, naming the setting and what is allowed.
 
-One frozen dataclass, so the whole run is described by one gin file; an unknown binding fails
-at parse time naming the parameter. The defaults are the embedded CPU scenario (tiny byte-level
-model, bundled reverse-text task); ``configs/*.gin`` override them.
+The defaults are the embedded CPU scenario (tiny byte-level model, bundled reverse-text task);
+``configs/*.gin`` override them. Pure: no JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import gin
 
@@ -21,41 +31,89 @@ from jaxrl_orch.config.orchestrator import AGE_POLICIES, OrchestratorConfig
 DTYPES = ("float32", "bfloat16")
 
 
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _at_least(section: object, floor: int, *names: str) -> None:
+    kind = type(section).__name__
+    for name in names:
+        value = getattr(section, name)
+        _require(value >= floor, f"{kind}.{name} must be >= {floor}, got {value}")
+
+
+def _one_of(section: object, name: str, allowed: tuple) -> None:
+    value = getattr(section, name)
+    kind = type(section).__name__
+    _require(value in allowed, f"{kind}.{name} must be one of {allowed}, got {value!r}")
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    model: str = "tiny-byte"  # a preset name, or an HF checkpoint directory (config.json)
+class Model:
+    name: str = "tiny-byte"  # a preset name, or an HF checkpoint directory (config.json)
     tokenizer: str = "byte"  # "byte", or a tokenizer.json path / directory holding one
+    # accelerator path: precision and kernels (python -m jaxrl_orch.tools.aot checks the fit)
+    compute_dtype: str = "auto"  # matmuls, activations; "auto": bfloat16 on TPU/GPU, else float32
+    param_dtype: str = "float32"  # the trainer's master weights and Adam moments (or "bfloat16")
+    attention: str = "auto"  # auto: splash on TPU, xla on GPU, chunked on CPU; einsum: reference
+    remat: str = "none"  # per-block rematerialisation: none, full, dots, dots_no_batch
+    scan_layers: bool = False  # trainer forward as one lax.scan over layers (fast TPU compile)
+
+    def __post_init__(self) -> None:
+        _one_of(self, "compute_dtype", ("auto", *DTYPES))
+        _one_of(self, "param_dtype", DTYPES)
+        _one_of(self, "attention", ("auto", "einsum", "xla", "chunked", "splash"))
+        _one_of(self, "remat", ("none", "full", "dots", "dots_no_batch"))
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Data:
     env: str = "reverse_text"
     instruction: str | None = None  # None: the env's default instruction
     dataset: str = "jaxrl_reverse_text"  # bundled, a prepared tfds name, or text:PATH / *.txt
     eval_dataset: str | None = None  # None: the held-out split of `dataset`
     data_dir: str | None = None
-    seed: int = 0
-    # SFT warm-up
-    sft_steps: int = 300
-    warmup_from: str | None = None  # another workdir whose sft/ checkpoint this run starts from
-    sft_batch_size: int = 64
-    sft_learning_rate: float = 3e-3
-    sft_warmup_steps: int = 10  # linear warmup, then cosine decay to 10% at sft_steps
-    sft_checkpoint_every: int = 50  # warm-up checkpoints (and one on SIGTERM): resume mid-way
+    rl_prompt_pool: int | None = None  # RL prompts from only the first N train examples (a probe)
+
+    def __post_init__(self) -> None:
+        pool = self.rl_prompt_pool
+        _require(pool is None or pool >= 1, f"Data.rl_prompt_pool must be >= 1 or None, got {pool}")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Warmup:
+    steps: int = 300  # SFT steps before RL (0: RL from the initial or pretrained weights)
+    from_workdir: str | None = None  # another workdir whose sft/ checkpoint this run starts from
+    batch_size: int = 64
+    learning_rate: float = 3e-3
+    lr_warmup_steps: int = 10  # linear warmup, then cosine decay to 10% at `steps`
+    checkpoint_every: int = 50  # warm-up checkpoints (and one on SIGTERM): resume mid-way
     # Mixed-quality warm-up: (behaviour, share) pairs the demonstrator uses instead of the
     # reference answer for that share of examples (envs/demonstrator.py); () = always right.
     demonstrations: tuple[tuple[str, float], ...] = ()
-    # RL, or its imitation control: "sft" spends the RL stage's optimizer updates on more SFT
-    # of the demonstrations instead, evaluated alike (control.py)
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "batch_size", "checkpoint_every")
+        _at_least(self, 0, "steps", "lr_warmup_steps")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RL:
+    # "rl", or the imitation control "sft": the RL stage's optimizer updates spent on more SFT
+    # of the demonstrations instead, evaluated alike (run/control.py)
     after_warmup: str = "rl"
-    rl_steps: int = 60
+    steps: int = 60
     prompts_per_step: int = 8
-    rl_prompt_pool: int | None = None  # RL prompts from only the first N train examples (a probe)
     group_size: int = 16
-    max_staleness: int = 1
-    age_policy: str = "admit"
-    max_concurrent: int | None = None  # default: (max_staleness + 1) * batch
-    algorithm: str = "grpo"  # mean-centred (seed 003); "permuted:grpo" = its noise-only control
+    algorithm: str = "grpo"  # mean-centred GRPO; "permuted:grpo" = its noise-only control
     dynamic_sampling: bool = True  # drop flat groups and wait for groups with signal (DAPO)
-    rl_learning_rate: float = 1e-4
-    rl_warmup_steps: int = 10  # linear LR warmup (fresh Adam moments on noisy policy gradients)
+    learning_rate: float = 1e-4
+    lr_warmup_steps: int = 10  # linear LR warmup (fresh Adam moments on noisy policy gradients)
     temperature: float = 1.0
     max_new_tokens: int = 68
     eps_low: float = 0.2
@@ -70,161 +128,33 @@ class TrainConfig:
     minibatches: int = 1  # optimizer steps per RL batch (the batch split into this many parts)
     ppo_epochs: int = 1  # passes over the batch per RL step
     kl_beta: float = 0.0
-    # packing / shapes
-    row_len: int = 256  # one or two bundled reverse-text samples a row
-    # None: one row per sample (the most a batch can need; padding chunks are skipped on
-    # device), more if a batch needs more: a fixed shape, compiled once
-    rows_per_batch: int | None = None
-    chunk_rows: int = 8
-    # engine: "builtin", or "package.module:factory" for a JetStream-shaped engine
-    engine: str = "builtin"
-    decode_slots: int = 32
-    max_target_length: int = 256
-    steps_per_call: int = 8
-    # run every prompt bucket's prefill and every decode width once before the first rollout,
-    # so nothing compiles mid-run (JetStream's model warm-up)
-    engine_warmup: bool = True
-    # placement: {} means all devices split evenly; colocated shares one set of devices
-    trainer_mesh: tuple[tuple[str, int], ...] = ()
-    decode_mesh: tuple[tuple[str, int], ...] = ()
-    colocated: bool | None = None  # None: colocated iff there is one device
-    # S >= 1, engine in this process: "overlapped" (generate while training), "sliced" (the
-    # engine pauses during train steps) or "auto" (where they share cores: measure, keep faster)
-    overlap: str = "auto"
-    # processes (DESIGN.md section 8): a trainer group of this many jax.distributed processes
-    # (SPMD over one mesh spanning them; process 0 also runs the orchestrator) ...
-    trainer_processes: int = 1
-    # ... and this many engine replicas, each its own process serving over gRPC; 0: the
-    # engine lives in the trainer's process (jaxrl-launch-local starts both)
-    engine_replicas: int = 0
-    weight_pull_timeout_s: float = 120.0  # a replica's pull of a new version longer: it fails
-    replica_request_timeout_s: float = 600.0  # one generate request to a replica longer: an error
-    # accelerator path: precision, kernels, memory (python -m jaxrl_orch.tools.aot checks the fit)
-    compute_dtype: str = "auto"  # matmuls, activations; "auto": bfloat16 on TPU/GPU, else float32
-    param_dtype: str = "float32"  # the trainer's master weights and Adam moments (or "bfloat16")
-    engine_param_dtype: str | None = None  # the engine's copy of the weights; None: its compute
-    engine_compute_dtype: str | None = None  # the engine's matmuls; None: compute_dtype
-    attention: str = "auto"  # auto: splash on TPU, xla on GPU, chunked on CPU; einsum: reference
-    remat: str = "none"  # per-block rematerialisation: none, full, dots, dots_no_batch
-    logprob_chunk: int = 0  # trainer log-probs and loss in chunks of this many positions; 0: off
-    scan_layers: bool = False  # trainer forward as one lax.scan over layers (fast TPU compile)
-    tpu_topology: str | None = None  # the slice this config is sized for, e.g. "v5e:2x4" (aot)
-    # evaluation / checkpoints / logging
-    eval_every: int = 10
-    eval_examples: int = 128
-    checkpoint_every: int = 10
-    max_to_keep: int = 2
-    stall_timeout_s: float = 600.0  # no rollout landed, no step shipped or trained: fail
-    env_timeout_s: float = 600.0  # one rollout (generation + environment) longer: cancelled
-    drain_timeout_s: float = 60.0  # SIGTERM / Ctrl-C: in-flight work past it is cancelled
-    loop_block_warn_s: float = 2.0  # code blocking the event loop longer is named
-    log_interval_s: float = 30.0
-    # Weights & Biases (pip install 'jaxrl-orch[wandb]'): off while wandb_project is None
-    wandb_project: str | None = None
-    wandb_run_name: str | None = None  # None: the workdir's name
-    wandb_mode: str | None = None  # "online", "offline", "disabled"; None: W&B's own (WANDB_MODE)
-    export_hf: bool = True  # write the final policy as an HF checkpoint to WORKDIR/export
+    eval_every: int = 10  # RL steps between two evals of the held-out set (0: first and last)
+    eval_examples: int = 128  # held-out examples each eval decodes (greedy, and sampled)
 
     def __post_init__(self) -> None:
         from jaxrl_orch.algorithms.advantages import get_algorithm
 
-        get_algorithm(self.algorithm)  # an unknown name fails here, naming the known ones
-        if self.rl_prompt_pool is not None and self.rl_prompt_pool < 1:
-            raise ValueError(
-                f"TrainConfig.rl_prompt_pool must be >= 1 or None (all), got {self.rl_prompt_pool}"
-            )
-
-        token_sum = getattr(get_algorithm(self.algorithm), "token_sum_normalization", False)
-        if token_sum and self.loss_norm not in (None, "constant"):
-            raise ValueError(
-                f"algorithm {self.algorithm!r} normalises the loss by a constant (Dr. GRPO); "
-                f"loss_norm {self.loss_norm!r} contradicts it: leave loss_norm unset"
-            )
-        if self.loss_norm not in (None, "token", "sequence", "constant"):
-            raise ValueError(
-                f"TrainConfig.loss_norm must be None, 'token', 'sequence' or 'constant', got "
-                f"{self.loss_norm!r}"
-            )
-        if self.wandb_mode not in (None, "online", "offline", "disabled"):
-            raise ValueError(
-                f"TrainConfig.wandb_mode must be None, 'online', 'offline' or 'disabled', got "
-                f"{self.wandb_mode!r}"
-            )
-        if self.after_warmup not in ("rl", "sft"):
-            raise ValueError(
-                f"TrainConfig.after_warmup must be 'rl' or 'sft' (the imitation control), got "
-                f"{self.after_warmup!r}"
-            )
-        if self.age_policy not in AGE_POLICIES:
-            raise ValueError(f"age_policy must be one of {AGE_POLICIES}, got {self.age_policy!r}")
-        if self.group_size < 2:
-            raise ValueError(
-                f"TrainConfig.group_size must be >= 2, got {self.group_size}: group-relative "
-                "advantages compare the rollouts of one prompt, so a group of one has none"
-            )
-        for name in (
-            "rl_steps",
-            "prompts_per_step",
-            "sft_batch_size",
-            "minibatches",
-            "ppo_epochs",
-            "sft_checkpoint_every",
-            "trainer_processes",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_new_tokens >= self.row_len:
-            raise ValueError(
-                f"TrainConfig.max_new_tokens ({self.max_new_tokens}) must be < row_len "
-                f"({self.row_len}): a rollout is its prompt plus up to max_new_tokens tokens"
-            )
-        for name, value, allowed in (
-            ("compute_dtype", self.compute_dtype, ("auto", *DTYPES)),
-            ("param_dtype", self.param_dtype, DTYPES),
-            ("engine_param_dtype", self.engine_param_dtype, (None, *DTYPES)),
-            ("engine_compute_dtype", self.engine_compute_dtype, (None, *DTYPES)),
-            ("attention", self.attention, ("auto", "einsum", "xla", "chunked", "splash")),
-            ("remat", self.remat, ("none", "full", "dots", "dots_no_batch")),
-            ("overlap", self.overlap, ("auto", "overlapped", "sliced")),
-        ):
-            if value not in allowed:
-                raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {value!r}")
-        if self.logprob_chunk < 0:
-            raise ValueError(
-                f"TrainConfig.logprob_chunk must be >= 0 (0: off), got {self.logprob_chunk}"
-            )
-        if self.engine_replicas and self.after_warmup == "sft":
-            raise ValueError(
-                "TrainConfig.after_warmup='sft' (the imitation control) runs in one process; "
-                f"set engine_replicas = 0 (got {self.engine_replicas})"
-            )
-        for name in ("weight_pull_timeout_s", "replica_request_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(
-                    f"TrainConfig.{name} must be > 0 seconds, got {getattr(self, name)}"
-                )
-        names = ("sft_steps", "max_staleness", "rl_warmup_steps", "sft_warmup_steps")
-        for name in (*names, "engine_replicas"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        algorithm = get_algorithm(self.algorithm)  # an unknown name fails, naming the known
+        _one_of(self, "after_warmup", ("rl", "sft"))
+        _one_of(self, "loss_norm", (None, "token", "sequence", "constant"))
+        token_sum = getattr(algorithm, "token_sum_normalization", False)
+        _require(
+            not token_sum or self.loss_norm in (None, "constant"),
+            f"algorithm {self.algorithm!r} normalises the loss by a constant (Dr. GRPO); "
+            f"loss_norm {self.loss_norm!r} contradicts it: leave loss_norm unset",
+        )
+        _require(
+            self.group_size >= 2,
+            f"RL.group_size must be >= 2, got {self.group_size}: group-relative advantages "
+            "compare the rollouts of one prompt, so a group of one has none",
+        )
+        _at_least(self, 1, "steps", "prompts_per_step", "minibatches", "ppo_epochs")
+        _at_least(self, 0, "lr_warmup_steps", "eval_every")
 
     @property
-    def orchestrator(self) -> OrchestratorConfig:
-        """The loop's own settings, composed from the flat fields users bind."""
-        return OrchestratorConfig(
-            max_steps=self.rl_steps,
-            batch_size=self.batch_size,
-            group_size=self.group_size,
-            max_staleness=self.max_staleness,
-            max_concurrent=self.max_concurrent or (self.max_staleness + 1) * self.batch_size,
-            age_policy=self.age_policy,
-            eval_every=self.eval_every,
-            stall_timeout_s=self.stall_timeout_s,
-            env_timeout_s=self.env_timeout_s,
-            drain_timeout_s=self.drain_timeout_s,
-            loop_block_warn_s=self.loop_block_warn_s,
-            request_seed=self.seed,  # a run's samples do not depend on its replica count
-        )
+    def batch_size(self) -> int:
+        """Rollouts per training batch."""
+        return self.prompts_per_step * self.group_size
 
     @property
     def resolved_loss_norm(self) -> str:
@@ -236,9 +166,177 @@ class TrainConfig:
         token_sum = getattr(get_algorithm(self.algorithm), "token_sum_normalization", False)
         return "constant" if token_sum else "token"
 
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    row_len: int = 256  # tokens a packed row holds: one or two bundled reverse-text samples
+    # None: one row per sample (the most a batch can need; padding chunks are skipped on
+    # device), more if a batch needs more: a fixed shape, compiled once
+    rows_per_batch: int | None = None
+    chunk_rows: int = 8
+    logprob_chunk: int = 0  # log-probs and loss in chunks of this many positions; 0: off
+    mesh: tuple[tuple[str, int], ...] = ()  # () with Engine.mesh (): the devices split evenly
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "logprob_chunk")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    kind: str = "builtin"  # "builtin", or "package.module:factory" for a JetStream-shaped engine
+    slots: int = 32  # concurrent decodes (continuous batching)
+    max_target_length: int = 256  # KV cache positions: prompt plus completion
+    steps_per_call: int = 8
+    # run every prompt bucket's prefill and every decode width once before the first rollout,
+    # so nothing compiles mid-run (JetStream's model warm-up)
+    warmup: bool = True
+    mesh: tuple[tuple[str, int], ...] = ()
+    param_dtype: str | None = None  # the engine's copy of the weights; None: its compute dtype
+    compute_dtype: str | None = None  # the engine's matmuls; None: Model.compute_dtype
+    # S >= 1, engine in this process: "overlapped" (generate while training), "sliced" (the
+    # engine pauses during train steps) or "auto" (where they share cores: measure, keep faster)
+    overlap: str = "auto"
+
+    def __post_init__(self) -> None:
+        _one_of(self, "param_dtype", (None, *DTYPES))
+        _one_of(self, "compute_dtype", (None, *DTYPES))
+        _one_of(self, "overlap", ("auto", "overlapped", "sliced"))
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Orchestrator:
+    max_staleness: int = 1  # S: trained rollouts are at most S policy versions old (0: sync)
+    age_policy: str = "admit"  # admit, drop or pace (DESIGN.md section 4)
+    max_concurrent: int | None = None  # train rollouts in flight; None: (S + 1) * batch
+    stall_timeout_s: float = 600.0  # no rollout landed, no step shipped or trained: fail
+    env_timeout_s: float = 600.0  # one rollout (generation + environment) longer: cancelled
+    drain_timeout_s: float = 60.0  # SIGTERM / Ctrl-C: in-flight work past it is cancelled
+    loop_block_warn_s: float = 2.0  # code blocking the event loop longer is named
+
+    def __post_init__(self) -> None:
+        _one_of(self, "age_policy", AGE_POLICIES)
+        _at_least(self, 0, "max_staleness")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Processes:
+    # a trainer group of this many jax.distributed processes (SPMD over one mesh spanning them;
+    # process 0 also runs the orchestrator) ...
+    trainer_processes: int = 1
+    # ... and this many engine replicas, each its own process serving over gRPC; 0: the
+    # engine lives in the trainer's process (jaxrl-launch-local starts both)
+    engine_replicas: int = 0
+    colocated: bool | None = None  # engine and trainer on one set of devices; None: iff 1 device
+    weight_pull_timeout_s: float = 120.0  # a replica's pull of a new version longer: it fails
+    replica_request_timeout_s: float = 600.0  # one generate request to a replica longer: an error
+    tpu_topology: str | None = None  # the slice this config is sized for, e.g. "v5e:2x4" (aot)
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "trainer_processes")
+        _at_least(self, 0, "engine_replicas")
+        for name in ("weight_pull_timeout_s", "replica_request_timeout_s"):
+            value = getattr(self, name)
+            _require(value > 0, f"Processes.{name} must be > 0 seconds, got {value}")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+    checkpoint_every: int = 10  # RL steps between two checkpoints (and one at the end)
+    max_to_keep: int = 2  # RL checkpoints kept
+    log_interval_s: float = 30.0  # component gauges to gauges.jsonl and TensorBoard
+    # Weights & Biases (pip install 'jaxrl-orch[wandb]'): off while wandb_project is None
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None  # None: the workdir's name
+    wandb_mode: str | None = None  # "online", "offline", "disabled"; None: W&B's own (WANDB_MODE)
+    export_hf: bool = True  # write the final policy as an HF checkpoint to WORKDIR/export
+
+    def __post_init__(self) -> None:
+        _one_of(self, "wandb_mode", (None, "online", "offline", "disabled"))
+
+
+SECTIONS = (Model, Data, Warmup, RL, Trainer, Engine, Orchestrator, Processes, Outputs)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0  # every random choice of the run (init, data order, sampling) derives from it
+    model: Model = dataclasses.field(default_factory=Model)
+    data: Data = dataclasses.field(default_factory=Data)
+    warmup: Warmup = dataclasses.field(default_factory=Warmup)
+    rl: RL = dataclasses.field(default_factory=RL)
+    trainer: Trainer = dataclasses.field(default_factory=Trainer)
+    engine: Engine = dataclasses.field(default_factory=Engine)
+    orchestrator: Orchestrator = dataclasses.field(default_factory=Orchestrator)
+    processes: Processes = dataclasses.field(default_factory=Processes)
+    outputs: Outputs = dataclasses.field(default_factory=Outputs)
+
+    def __post_init__(self) -> None:
+        """The checks that span two sections."""
+        rl, trainer = self.rl, self.trainer
+        _require(
+            rl.max_new_tokens < trainer.row_len,
+            f"RL.max_new_tokens ({rl.max_new_tokens}) must be < Trainer.row_len "
+            f"({trainer.row_len}): a rollout is its prompt plus up to max_new_tokens tokens",
+        )
+        _require(
+            not (self.processes.engine_replicas and rl.after_warmup == "sft"),
+            "RL.after_warmup='sft' (the imitation control) runs in one process; set "
+            f"Processes.engine_replicas = 0 (got {self.processes.engine_replicas})",
+        )
+
     @property
-    def batch_size(self) -> int:
-        return self.prompts_per_step * self.group_size
+    def loop(self) -> OrchestratorConfig:
+        """The orchestrator loop's own settings, from the RL and Orchestrator sections."""
+        o = self.orchestrator
+        return OrchestratorConfig(
+            max_steps=self.rl.steps,
+            batch_size=self.rl.batch_size,
+            group_size=self.rl.group_size,
+            max_staleness=o.max_staleness,
+            max_concurrent=o.max_concurrent,
+            age_policy=o.age_policy,
+            eval_every=self.rl.eval_every,
+            stall_timeout_s=o.stall_timeout_s,
+            env_timeout_s=o.env_timeout_s,
+            drain_timeout_s=o.drain_timeout_s,
+            loop_block_warn_s=o.loop_block_warn_s,
+            request_seed=self.seed,  # a run's samples do not depend on its replica count
+        )
+
+
+# A binding of a name from before the sections fails naming where it went.
+MOVED = {
+    "model": "Model.name",
+    "warmup_from": "Warmup.from_workdir",
+    "sft_warmup_steps": "Warmup.lr_warmup_steps",
+    "rl_warmup_steps": "RL.lr_warmup_steps",
+    "trainer_mesh": "Trainer.mesh",
+    "decode_mesh": "Engine.mesh",
+    "engine": "Engine.kind",
+    "decode_slots": "Engine.slots",
+    "engine_warmup": "Engine.warmup",
+    "engine_param_dtype": "Engine.param_dtype",
+    "engine_compute_dtype": "Engine.compute_dtype",
+    **{f"sft_{n}": f"Warmup.{n}" for n in ("steps", "batch_size", "learning_rate")},
+    "sft_checkpoint_every": "Warmup.checkpoint_every",
+    **{f"rl_{n}": f"RL.{n}" for n in ("steps", "learning_rate")},
+}
+
+
+def moved_name(old: str) -> str | None:
+    """Where the flat setting ``old`` lives now (``"RL.group_size"``), or None."""
+    if old in MOVED:
+        return MOVED[old]
+    for section in SECTIONS:
+        if old in {f.name for f in dataclasses.fields(section)}:
+            return f"{section.__name__}.{old}"
+    return None
 
 
 def load_config(gin_files: list[str], gin_params: list[str]) -> TrainConfig:
@@ -251,9 +349,37 @@ def load_config(gin_files: list[str], gin_params: list[str]) -> TrainConfig:
         gin.parse_config_files_and_bindings(gin_files, gin_params)
     except (ValueError, KeyError, SyntaxError) as exc:
         gin.clear_config()
-        raise ValueError(f"bad gin config: {exc}") from exc
+        raise ValueError(f"bad gin config: {exc}{_moved_hint(str(exc))}") from exc
     try:
         return TrainConfig()
     except ValueError:
         gin.clear_config()  # a refused config must not linger for the next TrainConfig()
         raise
+
+
+def _moved_hint(message: str) -> str:
+    found = re.search(r"'TrainConfig'.*?parameter named '(\w+)'", message)
+    new = moved_name(found.group(1)) if found else None
+    return f" (TrainConfig.{found.group(1)} is now {new})" if new else ""
+
+
+def make_config(settings: Mapping[str, Any] | None = None) -> TrainConfig:
+    """A config built in code from ``{"RL.steps": 40, "seed": 3}`` (a section's name and one
+    of its fields, or a ``TrainConfig`` field), checked like a gin file's bindings."""
+    by_section: dict[str, dict[str, Any]] = {}
+    root: dict[str, Any] = {}
+    for key, value in (settings or {}).items():
+        section, _, name = key.rpartition(".")
+        (by_section.setdefault(section, {}) if section else root)[name] = value
+    attrs = {type(f.default_factory()).__name__: f.name for f in _section_fields()}
+    unknown = sorted(set(by_section) - set(attrs))
+    _require(not unknown, f"unknown config sections {unknown}; the sections are {list(attrs)}")
+    made = {attrs[s]: SECTION_BY_NAME[s](**kw) for s, kw in by_section.items()}
+    return TrainConfig(**root, **made)
+
+
+def _section_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(TrainConfig) if f.default_factory in SECTIONS]
+
+
+SECTION_BY_NAME = {s.__name__: s for s in SECTIONS}

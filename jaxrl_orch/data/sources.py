@@ -272,7 +272,7 @@ class TextFileSource(DatasetSource):
                 raise ValueError(
                     f"text file source {str(path)!r} has no line in its {split!r} split (about "
                     f"1 in {TEXT_EVAL_BUCKETS} distinct lines goes to 'eval'); add lines, or "
-                    "name a separate eval file with TrainConfig.eval_dataset"
+                    "name a separate eval file with Data.eval_dataset"
                 )
         self.path, self.line_numbers = path, [n for n, _ in numbered]
         records = [{field: s} for _, s in numbered]

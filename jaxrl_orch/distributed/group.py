@@ -1,8 +1,8 @@
 """Processes and roles (DESIGN.md section 8): the layout, the trainer group, its command channel.
 
 What it owns
-    ``Role``: what one process of a run is, from ``TrainConfig.trainer_processes`` (P),
-    ``TrainConfig.engine_replicas`` (R) and the process index K: K < P is trainer process K
+    ``Role``: what one process of a run is, from ``Processes.trainer_processes`` (P),
+    ``Processes.engine_replicas`` (R) and the process index K: K < P is trainer process K
     (K = 0, the leader, also runs the orchestrator), P <= K < P + R is engine replica K - P.
     One process without replicas is ``single`` (every part in one process, the default).
     ``join_group``: ``jax.distributed.initialize`` for a group of P > 1 (explicit coordinator
@@ -78,7 +78,7 @@ def resolve_role(trainer_processes: int, engine_replicas: int, process_index: in
     if p > 1 and r == 0:
         raise ValueError(
             f"trainer_processes={p} with engine_replicas=0: a trainer group serves through "
-            "engine replicas (each its own process); set TrainConfig.engine_replicas >= 1"
+            "engine replicas (each its own process); set Processes.engine_replicas >= 1"
         )
     if process_index is None:
         if p == 1:

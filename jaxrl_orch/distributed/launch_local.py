@@ -7,7 +7,7 @@ What it owns: the processes of one run on this machine. It picks free loopback p
 trainer group's jax.distributed coordinator, one gRPC port per replica), gives every process
 its own ``--devices_per_process`` fake CPU devices (``XLA_FLAGS``) unless told to leave the
 devices alone, and starts ``python -m jaxrl_orch.train`` once per process with the layout
-bound (``TrainConfig.trainer_processes`` / ``engine_replicas``) and that process's
+bound (``Processes.trainer_processes`` / ``engine_replicas``) and that process's
 ``--process_index``: 0..P-1 train (0 also runs the orchestrator), P..P+R-1 serve. Each
 process's output goes to ``WORKDIR/logs/process_<K>_<role>.log``; process 0's is also echoed
 here. The workdir gets the same outputs as the single-process command (``summary.json``,
@@ -109,8 +109,8 @@ class Launcher:
         self.train_args = [
             *train_args,
             f"--workdir={args.workdir}",
-            f"--gin_param=TrainConfig.trainer_processes = {self.p}",
-            f"--gin_param=TrainConfig.engine_replicas = {self.r}",
+            f"--gin_param=Processes.trainer_processes = {self.p}",
+            f"--gin_param=Processes.engine_replicas = {self.r}",
             f"--coordinator_address={self.coordinator}",
             f"--engine_addresses={','.join(self.addresses)}",
         ]

@@ -314,7 +314,7 @@ def make_env(name: str, **kwargs: Any) -> Any:
         return _USER[name](**kwargs)
     if name not in _BUILTIN and ":" in name:
         hint = f"; or one of the built-in envs {env_names()}"
-        return load_factory(name, "TrainConfig.env", hint)(**kwargs)
+        return load_factory(name, "Data.env", hint)(**kwargs)
     if name not in _BUILTIN:
         raise ValueError(f"unknown env {name!r}; available envs: {env_names()}")
     module_name, cls_name = _BUILTIN[name].split(":")

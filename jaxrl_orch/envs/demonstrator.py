@@ -43,13 +43,13 @@ def check_mix(
     for item in mix:
         if not (isinstance(item, Sequence) and len(item) == 2):
             raise ValueError(
-                f"TrainConfig.demonstrations entries are (behaviour, share) pairs, got {item!r}"
+                f"Warmup.demonstrations entries are (behaviour, share) pairs, got {item!r}"
             )
         name, share = item[0], float(item[1])
         if not known:
             raise ValueError(
                 f"env {env_name!r} offers no worse behaviours for a mixed warm-up, but "
-                f"TrainConfig.demonstrations names {name!r}; set TrainConfig.demonstrations = ()"
+                f"Warmup.demonstrations names {name!r}; set Warmup.demonstrations = ()"
             )
         if name not in known:
             raise ValueError(

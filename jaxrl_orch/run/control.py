@@ -1,10 +1,10 @@
 """The imitation controls of the RL demo: the RL stage's update budget spent on SFT instead.
 
 What it owns: ``run_imitation(parts, params, stop)``, the stage that replaces RL when
-``TrainConfig.after_warmup = "sft"``. From the same warm-up, it takes exactly as many optimizer
+``RL.after_warmup = "sft"``. From the same warm-up, it takes exactly as many optimizer
 updates as the RL stage would (``rl_steps * minibatches * ppo_epochs``), with the RL stage's
 optimizer (learning rate, warmup, AdamW settings), on the demonstrator's completions
-(``TrainConfig.demonstrations``: the warm-up's mixed ones for "imitation alone", ``()`` for clean
+(``Warmup.demonstrations``: the warm-up's mixed ones for "imitation alone", ``()`` for clean
 ones, the upper bound). It evaluates the held-out split greedy and at the training temperature
 before the first update, every ``eval_every`` RL-step equivalents and at the end, through the
 same decoding engine and the same ``eval_metrics`` as the RL run, so the controls' rows and
@@ -42,14 +42,14 @@ from jaxrl_orch.types import SamplingParams
 async def evaluate(parts: RunParts, client: EngineClient) -> dict[str, float]:
     """Greedy and sampled eval of the held-out examples, keyed as the RL run's eval rows."""
     cfg, env, data = parts.cfg, parts.env, parts.data
-    greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens)
+    greedy = SamplingParams(temperature=0.0, max_tokens=cfg.rl.max_new_tokens)
     views = {
         env.name: (env, data.eval),
-        parts.sampled_eval: (AtTemperature(env, cfg.temperature), data.sampled_eval),
+        parts.sampled_eval: (AtTemperature(env, cfg.rl.temperature), data.sampled_eval),
     }
     metrics: dict[str, float] = {}
     for name, (env, source) in views.items():
-        n = min(cfg.eval_examples, len(source))
+        n = min(cfg.rl.eval_examples, len(source))
         rollouts = await asyncio.gather(
             *(
                 env.run(client, source.example_at(i), group_id=i, episode_id=0, sampling=greedy)
@@ -65,7 +65,7 @@ async def evaluate(parts: RunParts, client: EngineClient) -> dict[str, float]:
 def run_imitation(parts: RunParts, params: Any, stop: StopFlag) -> dict[str, Any]:
     """The SFT control stage (see the module docstring); returns the summary's RL-stage keys."""
     cfg = parts.cfg
-    trainer = build_trainer(parts, "sft", cfg.rl_learning_rate, optim_kind="rl", init_params=params)
+    trainer = build_trainer(parts, "sft", cfg.rl.learning_rate, optim_kind="rl", init_params=params)
     mesh = parts.placement.decode_mesh
     engine = build_engine(cfg, parts.model_cfg, mesh, parts.tokenizer).engine
     first = jax.tree.map(jax.numpy.copy, trainer.params)
@@ -82,7 +82,7 @@ def run_imitation(parts: RunParts, params: Any, stop: StopFlag) -> dict[str, Any
     return {
         "after_warmup": "sft",
         **eval_summary(evals, parts.env.name, parts.sampled_eval),
-        "eval_temperature": cfg.temperature,
+        "eval_temperature": cfg.rl.temperature,
         "control_updates": float(done),
         "rl_steps": max(evals),
         "rl_seconds": time.perf_counter() - t0,
@@ -101,8 +101,8 @@ def _updates(
     """The control's updates with an eval every ``eval_every`` RL-step equivalents; returns
     how many updates it took."""
     cfg = parts.cfg
-    per_step = cfg.minibatches * cfg.ppo_epochs
-    updates, every = cfg.rl_steps * per_step, cfg.eval_every or cfg.rl_steps
+    per_step = cfg.rl.minibatches * cfg.rl.ppo_epochs
+    updates, every = cfg.rl.steps * per_step, cfg.rl.eval_every or cfg.rl.steps
     client = EngineClient(driver)
     console = ConsoleWriter(keys=["eval/*/reward_mean", "eval/*/behaviour/*", "sft/loss"])
     done = 0

@@ -25,7 +25,7 @@ TOKENIZER_SIDECARS = ("tokenizer_config.json", "chat_template.jinja", "special_t
 def export_policy(parts: RunParts, params: Any) -> epath.Path:
     dest = parts.workdir / "export"
     stage("export", f"the final policy as an HF checkpoint to {dest}")
-    name = parts.cfg.tokenizer
+    name = parts.cfg.model.tokenizer
     tok = None if name == "byte" else tokenizer_json_path(name)
     with tempfile.TemporaryDirectory() as local:
         into = local if is_url(dest) else parts.workdir

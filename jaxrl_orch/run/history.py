@@ -162,14 +162,14 @@ def rl_summary(
     before = json.loads(before_path.read_text()) if before_path.exists() else {}
     return {
         **eval_summary(rl_evals(wd), *env_names, before),
-        "eval_temperature": cfg.temperature,
+        "eval_temperature": cfg.rl.temperature,
         "rl_steps": version,
         "rl_steps_this_run": version - (start - 1),
         "resumed_from_step": start - 1 if start > 1 else None,
         "rl_seconds": secs,
         **train_reward_ends(rl_step_rows(wd)),
         "age_histogram": {str(k): v for k, v in sorted(orch.age_histogram.items())},
-        "age_policy": cfg.age_policy,
+        "age_policy": cfg.orchestrator.age_policy,
         "dropped": orch.dropped_total,
         "env_errors": orch.faults.digest(),
         "rollouts": rollout_counts(orch),

@@ -57,19 +57,19 @@ SNAPSHOT_TIMEOUT_S = 60.0  # the event loop hands the trainer thread the orchest
 async def run_rl(parts: RunParts, sft_params: Any, stop: StopFlag) -> dict[str, Any]:
     cfg = parts.cfg
     built = build_engine(cfg, parts.model_cfg, parts.placement.decode_mesh, parts.tokenizer)
-    if cfg.engine != "builtin":
-        stage("engine", engine_notes(built.engine, cfg.engine, built.recompute))
+    if cfg.engine.kind != "builtin":
+        stage("engine", engine_notes(built.engine, cfg.engine.kind, built.recompute))
     side = _side(parts, built)
     hooks = StepHooks() if side is None else side.hooks
     trainer = build_trainer(
         parts,
         "rl",
-        cfg.rl_learning_rate,
+        cfg.rl.learning_rate,
         recompute=built.recompute,
         init_params=sft_params,
         hooks=hooks,
     )
-    ckpt = Checkpointer(parts.workdir / "checkpoints", max_to_keep=cfg.max_to_keep)
+    ckpt = Checkpointer(parts.workdir / "checkpoints", max_to_keep=cfg.outputs.max_to_keep)
     try:
         orch_state = restore_trainer(ckpt, trainer) if ckpt.latest_step() is not None else {}
         if side is None:  # a peer of the trainer group: the leader's steps, in lockstep
@@ -86,8 +86,10 @@ def _side(parts: RunParts, built: BuiltEngine) -> InProcessSide | LeaderSide | N
     cfg, placement = parts.cfg, parts.placement
     if parts.role.kind == "single":
         backend = jax.default_backend()
-        schedule = schedule_for(cfg.max_staleness, cfg.overlap, placement.colocated, backend)
-        return InProcessSide(built.engine, schedule, cfg.engine_warmup)
+        schedule = schedule_for(
+            cfg.orchestrator.max_staleness, cfg.engine.overlap, placement.colocated, backend
+        )
+        return InProcessSide(built.engine, schedule, cfg.engine.warmup)
     if not parts.role.leader:
         return None
     return LeaderSide(cfg, built.engine, placement.trainer_mesh, parts.engine_addresses)
@@ -108,7 +110,7 @@ async def _lead(
     _trim_history(parts, start_step)
     if isinstance(side, InProcessSide):
         side.attach(trainer, parts.placement.colocated)
-    times = StepTimes(side.engine_seconds, synchronous=cfg.max_staleness == 0)
+    times = StepTimes(side.engine_seconds, synchronous=cfg.orchestrator.max_staleness == 0)
     publisher = InProcessPublisher()
     orch = _orchestrator(parts, built, side, trainer, publisher, times, start_step)
     if orch_state:
@@ -121,11 +123,11 @@ async def _lead(
         save_trainer(ckpt, trainer, version, state, between_steps=True)
         ckpt.wait()  # the next step donates these arrays: the copy to disk must finish first
 
-    every, last = cfg.checkpoint_every, cfg.rl_steps
+    every, last = cfg.outputs.checkpoint_every, cfg.rl.steps
     path = WeightPath(side, times, publisher, checkpoint, checkpoint_every=every, last_step=last)
     await side.start(trainer)
     trainer.start(path.on_publish, copy_params=parts.placement.colocated)
-    drain = asyncio.ensure_future(_drain_on_stop(stop, orch, cfg.drain_timeout_s))
+    drain = asyncio.ensure_future(_drain_on_stop(stop, orch, cfg.orchestrator.drain_timeout_s))
     t0 = time.perf_counter()
     try:
         await orch.run()
@@ -138,7 +140,7 @@ async def _lead(
     names = (parts.env.name, parts.sampled_eval)
     summary = rl_summary(parts.workdir, cfg, names, orch, (trainer.version, start_step, secs))
     summary.update(side.summary())
-    summary["export_dir"] = str(export_policy(parts, params)) if cfg.export_hf else None
+    summary["export_dir"] = str(export_policy(parts, params)) if cfg.outputs.export_hf else None
     return summary
 
 
@@ -159,12 +161,12 @@ def _finish(parts: RunParts, side: Any, trainer: Any, ckpt: Checkpointer, orch: 
 
 def _orchestrator(parts, built, side, trainer, publisher, times, start_step) -> Any:
     cfg, env = parts.cfg, parts.env
-    sampling = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens)
-    greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens)
-    views = {env.name: env, parts.sampled_eval: AtTemperature(env, cfg.temperature)}
+    sampling = SamplingParams(temperature=cfg.rl.temperature, max_tokens=cfg.rl.max_new_tokens)
+    greedy = SamplingParams(temperature=0.0, max_tokens=cfg.rl.max_new_tokens)
+    views = {env.name: env, parts.sampled_eval: AtTemperature(env, cfg.rl.temperature)}
     sources = {env.name: parts.data.eval, parts.sampled_eval: parts.data.sampled_eval}
     return build_orchestrator(
-        cfg.orchestrator,
+        cfg.loop,
         PolicyHandle(trainer.version),
         pool=side.pool,
         envs={env.name: env},
@@ -173,9 +175,12 @@ def _orchestrator(parts, built, side, trainer, publisher, times, start_step) -> 
         trainer=trainer,
         version_source=publisher,
         reload_fn=side.swap,
-        algorithm=cfg.algorithm,
-        sink_kwargs={"dynamic_sampling": cfg.dynamic_sampling, "engine_logprobs": built.logprobs},
-        eval_plan=EvalPlan(views, sources, cfg.eval_examples, greedy),
+        algorithm=cfg.rl.algorithm,
+        sink_kwargs={
+            "dynamic_sampling": cfg.rl.dynamic_sampling,
+            "engine_logprobs": built.logprobs,
+        },
+        eval_plan=EvalPlan(views, sources, cfg.rl.eval_examples, greedy),
         telemetry=rl_telemetry(parts, side.gauge_source, trainer, start_step),
         on_step=times.on_ship,
         step_metrics=times.step_metrics,
@@ -184,7 +189,7 @@ def _orchestrator(parts, built, side, trainer, publisher, times, start_step) -> 
 
 def _trim_history(parts: RunParts, start_step: int) -> None:
     """Rows an interrupted attempt wrote past the restored step are written again."""
-    dropped = trim_for_rl(parts.workdir, start_step, parts.cfg.orchestrator.eval_at_start)
+    dropped = trim_for_rl(parts.workdir, start_step, parts.cfg.loop.eval_at_start)
     if any(dropped.values()):
         what = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in dropped.items())
         stage("resume", f"at step {start_step}; the earlier attempt's rows past it: {what}")

@@ -66,17 +66,18 @@ def run(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
         params, info = run_warmup(parts, writer, stop)
     finally:
         writer.close()
-    summary: dict[str, Any] = {**info, "max_staleness": cfg.max_staleness}
+    summary: dict[str, Any] = {**info, "max_staleness": cfg.orchestrator.max_staleness}
     if params is None:
         return summary
-    if cfg.after_warmup == "sft":
-        stage("imitation control", f"SFT for the {cfg.rl_steps} RL steps' updates instead")
+    if cfg.rl.after_warmup == "sft":
+        stage("imitation control", f"SFT for the {cfg.rl.steps} RL steps' updates instead")
         summary.update(run_imitation(parts, params, stop))
         return summary
+    rl, orch = cfg.rl, cfg.orchestrator
     stage(
         "RL",
-        f"{cfg.algorithm}, {cfg.rl_steps} steps of {cfg.prompts_per_step} prompts x "
-        f"{cfg.group_size} samples, max_staleness {cfg.max_staleness} ({cfg.age_policy})",
+        f"{rl.algorithm}, {rl.steps} steps of {rl.prompts_per_step} prompts x {rl.group_size} "
+        f"samples, max_staleness {orch.max_staleness} ({orch.age_policy})",
     )
     summary.update(asyncio.run(run_rl(parts, params, stop)))
     return summary

@@ -1,7 +1,7 @@
 """Where the RL stage's numbers go: ``rl_telemetry(parts, ...)`` builds its ``Telemetry``.
 
 Step and eval rows: ``metrics.jsonl``, TensorBoard (``tb/steps``), the console, a progress bar,
-the pre-RL eval record (``history.BeforeRLRecorder``) and, when ``TrainConfig.wandb_project``
+the pre-RL eval record (``history.BeforeRLRecorder``) and, when ``Outputs.wandb_project``
 is set, a Weights & Biases run (``orchestrator.wandb_writer``; the ``wandb`` extra). Gauges:
 ``gauges.jsonl`` and ``tb/``, pulled from the components plus the driver and the trainer.
 Rollouts and error records: ``rollouts/``. Every path is under the workdir, local or ``gs://``.
@@ -45,28 +45,28 @@ def rl_telemetry(parts: RunParts, engines: Any, trainer: Any, start_step: int) -
         TensorBoardWriter(wd / "tb" / "steps"),
         ConsoleWriter(keys=CONSOLE_KEYS),
         ProgressWriter(
-            cfg.rl_steps,
-            initial=min(start_step - 1, cfg.rl_steps),
+            cfg.rl.steps,
+            initial=min(start_step - 1, cfg.rl.steps),
             postfix_keys=["train/reward_mean", "orch/age_max"],
         ),
         BeforeRLRecorder(wd / "eval_before_rl.json", parts.env.name, parts.sampled_eval),
     ]
-    if cfg.wandb_project is not None:
+    if cfg.outputs.wandb_project is not None:
         from jaxrl_orch.orchestrator.metrics.wandb import WandbWriter
 
         writers.append(
             WandbWriter(
-                cfg.wandb_project,
-                run_name=cfg.wandb_run_name or wd.name,
+                cfg.outputs.wandb_project,
+                run_name=cfg.outputs.wandb_run_name or wd.name,
                 directory=None if is_url(wd) else os.fspath(wd),  # W&B writes local files
                 config=dataclasses.asdict(cfg),
-                mode=cfg.wandb_mode,
+                mode=cfg.outputs.wandb_mode,
             )
         )
     return Telemetry(
         writers=writers,
         gauge_writers=[JsonlWriter(wd / "gauges.jsonl"), TensorBoardWriter(wd / "tb")],
         gauge_sources=[engines, trainer],
-        log_interval_s=cfg.log_interval_s,
+        log_interval_s=cfg.outputs.log_interval_s,
         store_dir=os.fspath(wd / "rollouts"),
     )

@@ -41,26 +41,26 @@ def run_warmup(
 ) -> tuple[Any, dict[str, float]]:
     """The warm-up, or its checkpoint: complete (skip), partial (continue), or none."""
     cfg, own = parts.cfg, parts.workdir / "sft"
-    if cfg.warmup_from is not None and not has_steps(own) and parts.role.leader:
+    if cfg.warmup.from_workdir is not None and not has_steps(own) and parts.role.leader:
         # Start from that run's warm-up: copied, so this workdir stays self-contained.
         if own.exists():
             own.rmtree()
-        copy_tree(as_path(cfg.warmup_from) / "sft", own)
+        copy_tree(as_path(cfg.warmup.from_workdir) / "sft", own)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("warm-up checkpoint in place")
     ckpt = Checkpointer(own, max_to_keep=1, async_save=False)
     latest = ckpt.latest_step()
     resuming = latest is not None or has_steps(parts.workdir / "checkpoints")
     init = None if resuming else pretrained_params(parts)
-    trainer = build_trainer(parts, "sft", cfg.sft_learning_rate, init_params=init)
-    info: dict[str, float] = {"sft_steps": float(cfg.sft_steps)}
+    trainer = build_trainer(parts, "sft", cfg.warmup.learning_rate, init_params=init)
+    info: dict[str, float] = {"sft_steps": float(cfg.warmup.steps)}
     try:
         done = 0
         if latest is not None:
             state = restore_trainer(ckpt, trainer)
             latest = ckpt.latest_step()  # a corrupt newest one was set aside: the restored one
             # Checkpoints without the flag are complete warm-ups (e.g. via warmup_from).
-            if state.get("complete", True) or latest >= cfg.sft_steps:
+            if state.get("complete", True) or latest >= cfg.warmup.steps:
                 stage("warm-up", f"restored after {latest} SFT steps from {own}")
                 # The warm-up that was run (e.g. another run's), not the setting.
                 info.update(sft_restored=1.0, sft_steps=float(latest))
@@ -71,7 +71,7 @@ def run_warmup(
         # Rows an interrupted attempt wrote past the restored step are written again.
         if parts.role.leader:
             trim_for_sft(parts.workdir, done)
-        if not cfg.sft_steps:
+        if not cfg.warmup.steps:
             return trainer.params, info
         return _train(parts, trainer, ckpt, writer, stop, done, info)
     finally:
@@ -90,9 +90,9 @@ def _train(
     """SFT steps ``done + 1 .. sft_steps``, checkpointed on the way (see the docstring)."""
     cfg = parts.cfg
     more = f", continuing after step {done}" if done else ""
-    stage("warm-up", f"{cfg.sft_steps} SFT steps of {cfg.sft_batch_size} examples{more}")
+    stage("warm-up", f"{cfg.warmup.steps} SFT steps of {cfg.warmup.batch_size} examples{more}")
     t0 = time.perf_counter()
-    bar = ProgressWriter(cfg.sft_steps, initial=done, desc="sft", postfix_keys=["sft/loss"])
+    bar = ProgressWriter(cfg.warmup.steps, initial=done, desc="sft", postfix_keys=["sft/loss"])
     console = ConsoleWriter(keys=["sft/loss", "sft/lr"])
     last = [done]
 
@@ -104,18 +104,18 @@ def _train(
         last[0] = i
         writer.write(i, m)
         bar.write(i, m)
-        if i % 25 == 0 or i == cfg.sft_steps:
+        if i % 25 == 0 or i == cfg.warmup.steps:
             console.write(i, m)
-        if i % cfg.sft_checkpoint_every == 0 and i < cfg.sft_steps:
+        if i % cfg.warmup.checkpoint_every == 0 and i < cfg.warmup.steps:
             save(i, complete=False)
         if stop.group_requested():
             raise _Stopped
 
     try:
-        hist = run_sft(trainer, parts.sft_batches(), cfg.sft_steps, start=done, on_step=log)
+        hist = run_sft(trainer, parts.sft_batches(), cfg.warmup.steps, start=done, on_step=log)
     except _Stopped:
         if last[0] and last[0] not in ckpt.all_steps():
-            save(last[0], complete=last[0] >= cfg.sft_steps)
+            save(last[0], complete=last[0] >= cfg.warmup.steps)
         info["sft_steps"] = float(last[0])
         return None, info
     finally:
@@ -123,7 +123,7 @@ def _train(
     info["sft_seconds"] = time.perf_counter() - t0
     if hist:
         info["sft_final_loss"] = hist[-1]["sft/loss"]
-    save(cfg.sft_steps, complete=True)
+    save(cfg.warmup.steps, complete=True)
     return trainer.params, info
 
 

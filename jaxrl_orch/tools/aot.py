@@ -96,13 +96,13 @@ def _sds(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
 def compile_train_step(cfg: TrainConfig, model_cfg, mesh) -> tuple[Any, Any, int]:
     """The RL step on ``rows_per_batch`` rows (or one chunk), lowered and compiled."""
     step_cfg = step_config(cfg, "rl")
-    rows = cfg.rows_per_batch or step_cfg.rows_multiple
+    rows = cfg.trainer.rows_per_batch or step_cfg.rows_multiple
     progs = build_programs(
         model_cfg,
         mesh,
         step_cfg,
-        optim_config(cfg, "rl", cfg.rl_learning_rate),
-        row_len=cfg.row_len,
+        optim_config(cfg, "rl", cfg.rl.learning_rate),
+        row_len=cfg.trainer.row_len,
     )
     params = abstract_arrays(progs.abstract_params, progs.param_shardings)
     opt = abstract_arrays(progs.abstract_opt_state, progs.opt_shardings)
@@ -115,7 +115,8 @@ def compile_train_step(cfg: TrainConfig, model_cfg, mesh) -> tuple[Any, Any, int
         "temperatures": jnp.float32,
     }
     batch = {
-        k: _sds((rows, cfg.row_len), dtypes.get(k, jnp.int32), bsh) for k in step_lib.BATCH_FIELDS
+        k: _sds((rows, cfg.trainer.row_len), dtypes.get(k, jnp.int32), bsh)
+        for k in step_lib.BATCH_FIELDS
     }
     rng = _sds((2,), jnp.uint32, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     ref = params if step_cfg.kind == "rl" and step_cfg.loss.kl_beta > 0 else None
@@ -136,8 +137,8 @@ def build_engine(cfg: TrainConfig, model_cfg, mesh) -> DecodeEngine:
 
 
 def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], dict[str, Any]]:
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    model_cfg = accel_model_config(model_config(cfg.model, tokenizer), cfg, "tpu")
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    model_cfg = accel_model_config(model_config(cfg.model.name, tokenizer), cfg, "tpu")
     colocated, decode_mesh, trainer_mesh = build_placement(cfg, len(devices), devices=devices)
     n_tr, n_dec = trainer_mesh.devices.size, decode_mesh.devices.size
     out: list[Compiled] = []
@@ -164,7 +165,7 @@ def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], d
         cast = cast_program.lower(floats, dt).compile()
         out.append(Compiled("reshard", cast, n_tr, mc["reshard"]))
     info = {
-        "model": cfg.model,
+        "model": cfg.model.name,
         "model_config": {
             k: str(v)
             for k, v in dataclasses.asdict(model_cfg).items()
@@ -187,9 +188,9 @@ def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], d
         "decode_mesh_size": n_dec,
         "colocated": colocated,
         "train_rows": rows,
-        "row_len": cfg.row_len,
-        "decode_slots": cfg.decode_slots,
-        "steps_per_call": cfg.steps_per_call,
+        "row_len": cfg.trainer.row_len,
+        "decode_slots": cfg.engine.slots,
+        "steps_per_call": cfg.engine.steps_per_call,
         "engine_param_dtype": str(dt),
         "transfer_bytes": sum(x.size * jnp.dtype(dt).itemsize for x in leaves),
     }
@@ -207,7 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--topology",
         default=None,
-        help="e.g. v5e:2x4 (default: TrainConfig.tpu_topology of the config)",
+        help="e.g. v5e:2x4 (default: Processes.tpu_topology of the config)",
     )
     p.add_argument(
         "--max_fraction",
@@ -225,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.max_fraction <= 1:
             raise ValueError(f"--max_fraction must be in (0, 1], got {args.max_fraction}")
         cfg = load_config(args.gin_file, args.gin_param)
-        topology = args.topology or cfg.tpu_topology
+        topology = args.topology or cfg.processes.tpu_topology
         if topology is None:
             raise ValueError(
-                "no topology: pass --topology (e.g. v5e:2x4) or set TrainConfig.tpu_topology"
+                "no topology: pass --topology (e.g. v5e:2x4) or set Processes.tpu_topology"
             )
         chip, devices = topology_devices(topology)
         programs, info = compile_all(cfg, devices)

@@ -66,11 +66,11 @@ def model_costs(
     hd = c.n_heads * c.head_dim
     kv_row = nl * 2 * c.n_kv_heads * c.head_dim  # cache entries per position
     pbytes, mbytes = _itemsize(c.dtype), _itemsize(c.param_dtype)
-    t = cfg.row_len
+    t = cfg.trainer.row_len
     tokens = rows * t
     fwd = 2 * n_mat * tokens + 2 * hd * t * t * rows * nl
-    passes = cfg.ppo_epochs * (3 + (c.remat != "none"))
-    passes += int(bool(cfg.recompute_old_logprobs)) + int(cfg.kl_beta > 0)
+    passes = cfg.rl.ppo_epochs * (3 + (c.remat != "none"))
+    passes += int(bool(cfg.rl.recompute_old_logprobs)) + int(cfg.rl.kl_beta > 0)
     train = {
         "flops": fwd * passes,
         "bytes": n_total * (mbytes * 7 + pbytes * passes),

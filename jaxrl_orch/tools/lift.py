@@ -9,7 +9,7 @@ row of the table can be rerun by hand), then writing ``WORKDIR/comparison.md`` (
 ``WORKDIR/comparison.png`` (held-out greedy eval vs RL step, one line per run). Runs:
 
 - ``seed<k>``: the gin file as given with ``TrainConfig.seed = k`` (warm-up, then RL);
-- from ``seed<first>``'s warm-up (``TrainConfig.warmup_from``), the same RL budget spent as
+- from ``seed<first>``'s warm-up (``Warmup.from_workdir``), the same RL budget spent as
   ``permuted`` (``algorithm = 'permuted:<algorithm>'``: the same updates with each group's
   advantages shuffled, i.e. the update noise alone), ``imitation`` (``after_warmup = 'sft'``:
   more SFT on the same mixed demonstrations, the same number of optimizer updates), and
@@ -60,23 +60,23 @@ def run_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     control = [
         *base,
         f"--gin_param=TrainConfig.seed={args.seeds[0]}",
-        f'--gin_param=TrainConfig.warmup_from="{warm}"',
+        f'--gin_param=Warmup.from_workdir="{warm}"',
     ]
     runs["permuted"] = [
         *control,
         f"--workdir={root / 'permuted'}",
-        f'--gin_param=TrainConfig.algorithm="permuted:{args.algorithm}"',
+        f'--gin_param=RL.algorithm="permuted:{args.algorithm}"',
     ]
     runs["imitation"] = [
         *control,
         f"--workdir={root / 'imitation'}",
-        '--gin_param=TrainConfig.after_warmup="sft"',
+        '--gin_param=RL.after_warmup="sft"',
     ]
     runs["clean_sft"] = [
         *control,
         f"--workdir={root / 'clean_sft'}",
-        '--gin_param=TrainConfig.after_warmup="sft"',
-        "--gin_param=TrainConfig.demonstrations=()",
+        '--gin_param=RL.after_warmup="sft"',
+        "--gin_param=Warmup.demonstrations=()",
     ]
     return runs
 

@@ -198,11 +198,11 @@ def test_registry(tok):
 
 
 def test_env_by_importable_factory_name(tok):
-    # What every process of a multi-process run does with TrainConfig.env = "module:factory".
+    # What every process of a multi-process run does with Data.env = "module:factory".
     assert make_env("collections:OrderedDict", a=1) == {"a": 1}
     with pytest.raises(ValueError, match=r"env 'no_such_mod:make'.*no_such_mod.*built-in envs"):
         make_env("no_such_mod:make")
-    with pytest.raises(ValueError, match=r"TrainConfig.env 'collections:nope': cannot load 'nope'"):
+    with pytest.raises(ValueError, match=r"Data.env 'collections:nope': cannot load 'nope'"):
         make_env("collections:nope")
     with pytest.raises(ValueError, match=r"'collections:__name__' names a str, not a callable"):
         make_env("collections:__name__")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrl_orch.build.accel import accel_model_config, engine_model_config
-from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.config.train import TrainConfig, make_config
 from jaxrl_orch.models.attention import einsum_attention
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.models.matmul import dot32, matmul
@@ -125,19 +125,20 @@ def test_bf16_attention_backward_runs_bf16_dots():
 
 def test_accel_sets_the_copy_for_low_precision_on_cpu_only():
     base = get_config("tiny-byte")
-    bf16 = TrainConfig(compute_dtype="bfloat16")
+    bf16 = make_config({"Model.compute_dtype": "bfloat16"})
     assert accel_model_config(base, bf16, "cpu").grad_transpose_copy
     assert not accel_model_config(base, bf16, "tpu").grad_transpose_copy
     assert not accel_model_config(base, TrainConfig(), "cpu").grad_transpose_copy  # float32
 
 
 def test_engine_dtypes_follow_the_trainer_unless_set():
-    base = accel_model_config(get_config("tiny-byte"), TrainConfig(compute_dtype="bfloat16"), "cpu")
-    same = engine_model_config(base, TrainConfig(compute_dtype="bfloat16"), "cpu")
+    bf16 = make_config({"Model.compute_dtype": "bfloat16"})
+    base = accel_model_config(get_config("tiny-byte"), bf16, "cpu")
+    same = engine_model_config(base, bf16, "cpu")
     assert (same.dtype, same.param_dtype) == (jnp.bfloat16, jnp.bfloat16)
-    cfg = TrainConfig(compute_dtype="bfloat16", engine_compute_dtype="float32")
+    cfg = make_config({"Model.compute_dtype": "bfloat16", "Engine.compute_dtype": "float32"})
     split = engine_model_config(base, cfg, "cpu")
     assert (split.dtype, split.param_dtype) == (jnp.float32, jnp.float32)
     assert dataclasses.replace(split, dtype=base.dtype, param_dtype=base.param_dtype) == base
-    with pytest.raises(ValueError, match="engine_compute_dtype must be one of .*'fp16'"):
-        TrainConfig(engine_compute_dtype="fp16")
+    with pytest.raises(ValueError, match="Engine.compute_dtype must be one of .*'fp16'"):
+        make_config({"Engine.compute_dtype": "fp16"})

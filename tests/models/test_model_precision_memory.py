@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxrl_orch.build.accel import accel_model_config, engine_param_dtype
-from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.config.train import TrainConfig, make_config
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.models.transformer import ModelConfig, Transformer
 
@@ -127,7 +127,8 @@ def test_cpu_default_resolves_to_the_plain_model_with_blocked_attention():
     base = get_config("tiny-byte")
     cpu = accel_model_config(base, TrainConfig(), "cpu")
     assert cpu == dataclasses.replace(base, attention="chunked", attention_block=128)
-    assert accel_model_config(base, TrainConfig(attention="einsum"), "cpu") == base
+    einsum = make_config({"Model.attention": "einsum"})
+    assert accel_model_config(base, einsum, "cpu") == base
     assert engine_param_dtype(TrainConfig(), "cpu") == jnp.float32
     tpu = accel_model_config(base, TrainConfig(), "tpu")
     assert (tpu.dtype, tpu.param_dtype, tpu.attention) == (
@@ -143,10 +144,10 @@ def test_bad_settings_are_named():
         dataclasses.replace(CFG, remat="sometimes")
     with pytest.raises(ValueError, match="attention must be one of .*'flash'"):
         dataclasses.replace(CFG, attention="flash")
-    with pytest.raises(ValueError, match="compute_dtype must be one of .*'fp8'"):
-        TrainConfig(compute_dtype="fp8")
-    with pytest.raises(ValueError, match="logprob_chunk must be >= 0"):
-        TrainConfig(logprob_chunk=-1)
+    with pytest.raises(ValueError, match="Model.compute_dtype must be one of .*'fp8'"):
+        make_config({"Model.compute_dtype": "fp8"})
+    with pytest.raises(ValueError, match="Trainer.logprob_chunk must be >= 0"):
+        make_config({"Trainer.logprob_chunk": -1})
 
 
 def test_scanned_cached_forward_matches_unrolled():
