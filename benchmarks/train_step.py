@@ -20,8 +20,8 @@ MLP kernels plus the LM head; the embedding gather is not a matmul):
 - ``mfu``: ``6 * N_matmul + 6 * A * row_len``, MaxText's convention (its
   ``calculate_tflops_training_per_device``: causal attention is half the ``T x T`` scores), the
   row taken as one sequence as packed trainers count it.
-- ``mfu_palm``: ``6 * N_matmul + 12 * A * row_len``, PaLM's (appendix B), un-halved; the
-  README's rows before c7abd9e are this count.
+- ``mfu_palm``: ``6 * N_matmul + 12 * A * row_len``, PaLM's (appendix B), un-halved; older
+  sittings in docs/benchmarks.md quote this count.
 - ``mfu_visible``: ``6 * N_matmul + 12 * A * pairs / tokens`` with ``pairs`` the (query, key)
   pairs the causal segment mask lets attend: only the work the model needs. The tiled kernel
   skips the tiles of other segments, so at long packed rows the first two count pairs it never

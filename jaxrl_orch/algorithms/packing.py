@@ -3,7 +3,7 @@
 What this owns: ``pack_samples`` and its output ``PackedBatch``. Samples are placed whole into
 rows of ``row_len`` tokens by first-fit-decreasing (longest sample first, into the first row
 with room; ties keep input order), so the trainer runs a few dense rows instead of many
-padded ones. With seed 003's numbers, 128 samples of ~150 tokens (~19,000 tokens) in rows of
+padded ones. For example, 128 samples of ~150 tokens (~19,000 tokens) in rows of
 2,048 pack 13 to a row into 10 rows.
 
 Per-token arrays (numpy, ``[R, row_len]``):

@@ -1,23 +1,20 @@
 """The accelerator settings of a ``TrainConfig``, resolved for a backend.
 
-What it owns: turning ``compute_dtype`` / ``param_dtype`` / ``engine_param_dtype`` /
-``attention`` / ``remat`` / ``scan_layers`` / ``logprob_chunk`` (with their ``"auto"`` values)
-into what the parts
-are built with: the ``ModelConfig`` the trainer and the engine share (``accel_model_config``),
-the engine's parameter dtype (``engine_param_dtype``) and the train step's settings
-(``step_config``, which reads the same fields the experiment's trainer does).
+What it owns: turning the ``Model`` section (``compute_dtype``, ``param_dtype``, ``attention``,
+``remat``, ``scan_layers``, with their ``"auto"`` values), the ``Engine`` section's dtypes and the
+RL and ``Trainer`` settings of the step into what the parts are built with: the ``ModelConfig``
+the trainer and the engine share (``accel_model_config``), the engine's dtypes
+(``engine_model_config``) and the train step's settings (``step_config``).
 
 ``"auto"`` (the defaults) resolve by backend: on TPU and GPU bfloat16 compute (and engine
 params), splash attention on TPU and XLA's on GPU; on CPU float32 and ``"chunked"`` attention in
 blocks of ``CPU_ATTENTION_BLOCK``: tiles that skip what no query sees (causally and by segment,
 ``models/tiled_attention.py``) in the trainer, the length-aware cache read in the engine. Same
-function as the einsum reference up to float rounding; measured here
-(``benchmarks/train_step.py``, small-byte, same sitting): a 2 x 2048 step 13.5 s with the
-einsum -> 2.6 s with causal query blocks -> 1.0 s with the tiles (a later sitting, 2.1 s
-before them); 8 x 512 3.47 s -> 2.45 s -> 0.75 s (1.01 before); a 32-slot decode step
-~1.5x faster (``benchmarks/engine_throughput.py``). Master weights,
-Adam moments, log-probs, the loss and the ratios stay float32 unless ``param_dtype`` says
-``bfloat16`` (log-probs and the loss are float32 always).
+function as the einsum reference up to float rounding, and on CPU several times faster than it
+for long rows (``benchmarks/train_step.py``, ``benchmarks/engine_throughput.py``; the figures
+are in docs/benchmarks.md). Master weights, Adam moments, log-probs, the loss and the ratios
+stay float32 unless ``Model.param_dtype`` says ``bfloat16`` (log-probs and the loss are float32
+always).
 
 Pure functions of the config; nothing here touches devices.
 """
@@ -103,10 +100,10 @@ def engine_model_config(
     model_cfg: ModelConfig, cfg: TrainConfig, backend: str | None = None
 ) -> ModelConfig:
     """The run's model config (``accel_model_config``) as the engine runs it: its matmuls in
-    ``engine_compute_dtype``, its weights in ``engine_param_dtype``. On this project's 2-core
-    Sapphire Rapids machine (AMX) a bf16 train step is ~1.5x faster than float32 and a bf16
-    decode step ~1.6x slower (README, Benchmarks): ``compute_dtype=bfloat16,
-    engine_compute_dtype=float32`` is the fast pair there (benchmarks/peer_tunix.py)."""
+    ``Engine.compute_dtype``, its weights in ``Engine.param_dtype``. Two settings, because the
+    fast pair depends on the chip: on a 2-core Sapphire Rapids CPU (AMX) a bf16 train step is
+    ~1.5x faster than float32 and a bf16 decode step ~1.6x slower (docs/benchmarks.md), so
+    ``Model.compute_dtype=bfloat16, Engine.compute_dtype=float32`` is the fast pair there."""
     return dataclasses.replace(
         model_cfg,
         dtype=engine_compute_dtype(cfg, backend),

@@ -70,7 +70,7 @@ class ReverseTextConfig(tfds.core.BuilderConfig):
 
 
 class JaxrlReverseText(tfds.core.GeneratorBasedBuilder):
-    """Sentences to reverse (seed 003's task), from a one-sentence-per-line corpus."""
+    """Sentences to reverse (the reverse-text task), from a one-sentence-per-line corpus."""
 
     name = "jaxrl_reverse_text"
     code_path = _CODE_PATH

@@ -1,7 +1,7 @@
 """Seeded sentence grammar behind the bundled reverse-text corpus (``corpus/sentences.txt``).
 
 The corpus is synthetic on purpose: it is ours to ship, it is reproducible bit for bit from
-``(count, seed)``, and its sentences have the shape of seed 003's example ("In 1891 the
+``(count, seed)``, and its sentences have the shape of a short encyclopedia line ("In 1891 the
 community inaugurated its own cemetery"): a short clause of subject, verb, object, with an
 optional year or place, 20 to 47 characters long, so that with the default reverse-text
 instruction and the byte chat template every prompt is at most 80 tokens (mean ~72).

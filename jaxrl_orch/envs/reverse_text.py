@@ -1,9 +1,9 @@
 """Reverse-text environment: reverse a short sentence character by character.
 
-The task of seed 003's worked example. The prompt asks for the reversal inside
+The RL demo's task. The prompt asks for the reversal inside
 ``<answer>...</answer>``; the reward is partial credit, ``difflib.SequenceMatcher(None,
 extracted, truth).ratio()`` between the text inside the first complete answer-tag pair
-(surrounding whitespace stripped) and the true reversal. Missing tags score 0. On the seed's
+(surrounding whitespace stripped) and the true reversal. Missing tags score 0. On the
 sentence "In 1891 the community inaugurated its own cemetery": a perfect reversal scores 1.0,
 one dropped letter ~0.99, an unreversed year 0.98, the words in reverse order but spelled
 forwards 0.40.

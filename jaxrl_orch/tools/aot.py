@@ -44,13 +44,11 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxrl_orch.build.accel import (  # noqa: E402
     accel_model_config,
-    engine_model_config,
     step_config,
 )
-from jaxrl_orch.build.engines import engine_limits  # noqa: E402
+from jaxrl_orch.build.engines import build_engine  # noqa: E402
 from jaxrl_orch.build.parts import build_placement, model_config, optim_config  # noqa: E402
 from jaxrl_orch.config.train import TrainConfig, load_config  # noqa: E402
-from jaxrl_orch.inference.engine import DecodeEngine  # noqa: E402
 from jaxrl_orch.models.tokenizer import load_tokenizer  # noqa: E402
 from jaxrl_orch.tools import aot_report  # noqa: E402
 from jaxrl_orch.trainer import step as step_lib  # noqa: E402
@@ -124,18 +122,6 @@ def compile_train_step(cfg: TrainConfig, model_cfg, mesh) -> tuple[Any, Any, int
     return compiled, params, rows
 
 
-def build_engine(cfg: TrainConfig, model_cfg, mesh) -> DecodeEngine:
-    """The built-in engine with the run's limits and TPU dtypes (only its shapes are used)."""
-    model_cfg = engine_model_config(model_cfg, cfg, "tpu")
-    return DecodeEngine(
-        model_cfg,
-        mesh=mesh,
-        limits=engine_limits(cfg),
-        param_dtype=model_cfg.param_dtype,
-        seed=cfg.seed,
-    )
-
-
 def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], dict[str, Any]]:
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     model_cfg = accel_model_config(model_config(cfg.model.name, tokenizer), cfg, "tpu")
@@ -143,7 +129,8 @@ def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], d
     n_tr, n_dec = trainer_mesh.devices.size, decode_mesh.devices.size
     out: list[Compiled] = []
 
-    engine = build_engine(cfg, model_cfg, decode_mesh)
+    # The run's own builder, for TPU dtypes: only the engine's shapes and programs are used.
+    engine = build_engine(cfg, model_cfg, decode_mesh, tokenizer, backend="tpu").engine
     train, tparams, rows = compile_train_step(cfg, model_cfg, trainer_mesh)
     mc = aot_report.model_costs(model_cfg, cfg, rows, engine.limits)
     out.append(Compiled("train_step", train, n_tr, mc["train_step"]))
