@@ -4,7 +4,7 @@
 
 What is compared (one model, one packed batch of ``--rows x --row-len`` tokens, one device):
 - ``reference``: einsum attention (full ``[B, H, T, T]`` scores, kept for the backward pass),
-  log-probs over the full ``[rows, T, V]`` float32 logits, no remat: the step before the memory work.
+  log-probs over the full ``[rows, T, V]`` float32 logits, no remat: the unoptimised step.
 - ``new``: chunked attention (``--block`` x ``--block`` tiles with an online softmax and a
   written-out backward, ``models/tiled_attention.py``: ``O(T)`` residuals) and chunked
   log-probs (``--logprob-chunk`` positions at a time, ``jax.checkpoint``-ed).

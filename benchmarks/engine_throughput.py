@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_orch.build import accel
-from jaxrl_orch.config.train import make_config
+from jaxrl_orch.config.load import make_config
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.inference.limits import EngineLimits

@@ -43,7 +43,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 from jax import monitoring  # noqa: E402
 
 from jaxrl_orch.build.overlap import probe_steps  # noqa: E402
-from jaxrl_orch.config.train import make_config  # noqa: E402
+from jaxrl_orch.config.load import make_config  # noqa: E402
 from jaxrl_orch.distributed.group import resolve_role  # noqa: E402
 from jaxrl_orch.run import stages  # noqa: E402
 from jaxrl_orch.run.stop import StopFlag  # noqa: E402

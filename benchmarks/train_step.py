@@ -72,7 +72,7 @@ def main() -> None:
     from jaxrl_orch.algorithms import losses
     from jaxrl_orch.algorithms.packing import pack_samples
     from jaxrl_orch.build import accel
-    from jaxrl_orch.config.train import make_config
+    from jaxrl_orch.config.load import make_config
     from jaxrl_orch.models.transformer import get_config
     from jaxrl_orch.trainer import step as step_lib
     from jaxrl_orch.trainer.trainer import RowLayout, Trainer

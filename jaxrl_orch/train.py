@@ -45,7 +45,8 @@ from typing import Any
 import gin
 
 from jaxrl_orch.config import listing
-from jaxrl_orch.config.train import RL, TrainConfig, Warmup, load_config
+from jaxrl_orch.config.load import load_config
+from jaxrl_orch.config.train import RL, TrainConfig, Warmup
 from jaxrl_orch.paths import as_path
 
 DEFAULT_COMMAND = (

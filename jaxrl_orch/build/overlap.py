@@ -19,7 +19,7 @@ A step period is the time from one train step's start to the next one's: in a st
 exactly the run's time per step. Measured on the trainer's worker thread (``training()`` wraps
 each step); the engine's driver waits on ``engine_may_run`` between calls.
 
-Who uses it: ``schedule_for(cfg, colocated)`` is the one place that decides between synchronous,
+Who uses it: ``schedule_for`` is the one place that decides between synchronous,
 overlapped and measured, for an engine in the trainer's process (``sides.InProcessSide``;
 replicas on other hosts never share the trainer's cores); ``Engine.overlap`` names the mode.
 """
@@ -114,11 +114,11 @@ class OverlapSchedule:
         self._announce(f"{verdict} (overlapped {over:.2f} s/step, time-sliced {sliced:.2f})")
 
 
-def schedule_for(max_staleness: int, mode: str, colocated: bool, backend: str) -> OverlapSchedule:
-    """S = 0 is synchronous: the engine never waits, nothing to time. ``auto`` measures only
-    where engine and trainer share cores (a CPU host, or one set of devices); separate chips
-    always overlap."""
-    if max_staleness == 0:
+def schedule_for(synchronous: bool, mode: str, colocated: bool, backend: str) -> OverlapSchedule:
+    """A synchronous run (S = 0) never overlaps: the engine never waits, nothing to time.
+    ``auto`` measures only where engine and trainer share cores (a CPU host, or one set of
+    devices); separate chips always overlap."""
+    if synchronous:
         return OverlapSchedule("overlapped", synchronous=True)
     if mode == "auto" and not (colocated or backend == "cpu"):
         mode = "overlapped"

@@ -9,8 +9,9 @@ and the trainer mesh), ``Engine`` (the decoding engine: ``build.engines``, ``bui
 ``Processes`` (a multi-process layout: ``distributed``, ``build.roles``) and ``Outputs``
 (checkpoints, logging, export). A gin file binds ``RL.steps = 40``; ``TrainConfig`` itself
 holds the seed and builds each section from its bindings. An unknown binding fails at parse
-time naming it (a name from before the sections names where it went, ``MOVED``); every value
-is checked here, before any work, naming the setting and what is allowed.
+time naming it; every value
+is checked here, before any work, naming the setting and what is allowed. How a config is made
+(gin files and bindings, or settings in code) is ``config.load``.
 
 The defaults are the embedded CPU scenario (tiny byte-level model, bundled reverse-text task);
 ``configs/*.gin`` override them. Pure: no JAX.
@@ -19,14 +20,10 @@ The defaults are the embedded CPU scenario (tiny byte-level model, bundled rever
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
 
 import gin
 
-from jaxrl_orch.config.orchestrator import AGE_POLICIES, OrchestratorConfig
+from jaxrl_orch.config.orchestrator import OrchestratorConfig
 
 DTYPES = ("float32", "bfloat16")
 
@@ -205,20 +202,27 @@ class Engine:
         _one_of(self, "overlap", ("auto", "overlapped", "sliced"))
 
 
+# The loop's own defaults and checks (config/orchestrator.py) are the only ones: the section
+# takes its defaults from there and TrainConfig checks it by building the loop's settings.
+_LOOP = {f.name: f.default for f in dataclasses.fields(OrchestratorConfig)}
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class Orchestrator:
-    max_staleness: int = 1  # S: trained rollouts are at most S policy versions old (0: sync)
-    age_policy: str = "admit"  # admit, drop or pace (DESIGN.md section 4)
-    max_concurrent: int | None = None  # train rollouts in flight; None: (S + 1) * batch
-    stall_timeout_s: float = 600.0  # no rollout landed, no step shipped or trained: fail
-    env_timeout_s: float = 600.0  # one rollout (generation + environment) longer: cancelled
-    drain_timeout_s: float = 60.0  # SIGTERM / Ctrl-C: in-flight work past it is cancelled
-    loop_block_warn_s: float = 2.0  # code blocking the event loop longer is named
+    max_staleness: int = _LOOP["max_staleness"]  # S: trained rollouts at most S versions old
+    age_policy: str = _LOOP["age_policy"]  # admit, drop or pace (DESIGN.md section 4)
+    max_concurrent: int | None = _LOOP["max_concurrent"]  # rollouts in flight; None: (S+1) * batch
+    stall_timeout_s: float = _LOOP["stall_timeout_s"]  # nothing landed, shipped or trained: fail
+    env_timeout_s: float = _LOOP["env_timeout_s"]  # one rollout (generation + env) longer: cancel
+    drain_timeout_s: float = _LOOP["drain_timeout_s"]  # SIGTERM: in-flight work past it cancelled
+    loop_block_warn_s: float = _LOOP["loop_block_warn_s"]  # the event loop blocked longer: named
 
-    def __post_init__(self) -> None:
-        _one_of(self, "age_policy", AGE_POLICIES)
-        _at_least(self, 0, "max_staleness")
+    @property
+    def synchronous(self) -> bool:
+        """S = 0: every batch trains on the version that generated it; generation and training
+        never overlap (the baseline that tells an algorithm bug from an asynchrony bug)."""
+        return self.max_staleness == 0
 
 
 @gin.configurable
@@ -289,6 +293,7 @@ class TrainConfig:
             "RL.after_warmup='sft' (the imitation control) runs in one process; set "
             f"Processes.engine_replicas = 0 (got {self.processes.engine_replicas})",
         )
+        _ = self.loop  # the loop's own checks: age policy, staleness, concurrency, timeouts
 
     @property
     def loop(self) -> OrchestratorConfig:
@@ -308,78 +313,3 @@ class TrainConfig:
             loop_block_warn_s=o.loop_block_warn_s,
             request_seed=self.seed,  # a run's samples do not depend on its replica count
         )
-
-
-# A binding of a name from before the sections fails naming where it went.
-MOVED = {
-    "model": "Model.name",
-    "warmup_from": "Warmup.from_workdir",
-    "sft_warmup_steps": "Warmup.lr_warmup_steps",
-    "rl_warmup_steps": "RL.lr_warmup_steps",
-    "trainer_mesh": "Trainer.mesh",
-    "decode_mesh": "Engine.mesh",
-    "engine": "Engine.kind",
-    "decode_slots": "Engine.slots",
-    "engine_warmup": "Engine.warmup",
-    "engine_param_dtype": "Engine.param_dtype",
-    "engine_compute_dtype": "Engine.compute_dtype",
-    **{f"sft_{n}": f"Warmup.{n}" for n in ("steps", "batch_size", "learning_rate")},
-    "sft_checkpoint_every": "Warmup.checkpoint_every",
-    **{f"rl_{n}": f"RL.{n}" for n in ("steps", "learning_rate")},
-}
-
-
-def moved_name(old: str) -> str | None:
-    """Where the flat setting ``old`` lives now (``"RL.group_size"``), or None."""
-    if old in MOVED:
-        return MOVED[old]
-    for section in SECTIONS:
-        if old in {f.name for f in dataclasses.fields(section)}:
-            return f"{section.__name__}.{old}"
-    return None
-
-
-def load_config(gin_files: list[str], gin_params: list[str]) -> TrainConfig:
-    """Parse gin and build the config; every error names the bad file/binding/value."""
-    for f in gin_files:
-        if not Path(f).is_file():
-            raise ValueError(f"gin file {f!r} does not exist")
-    gin.clear_config()
-    try:
-        gin.parse_config_files_and_bindings(gin_files, gin_params)
-    except (ValueError, KeyError, SyntaxError) as exc:
-        gin.clear_config()
-        raise ValueError(f"bad gin config: {exc}{_moved_hint(str(exc))}") from exc
-    try:
-        return TrainConfig()
-    except ValueError:
-        gin.clear_config()  # a refused config must not linger for the next TrainConfig()
-        raise
-
-
-def _moved_hint(message: str) -> str:
-    found = re.search(r"'TrainConfig'.*?parameter named '(\w+)'", message)
-    new = moved_name(found.group(1)) if found else None
-    return f" (TrainConfig.{found.group(1)} is now {new})" if new else ""
-
-
-def make_config(settings: Mapping[str, Any] | None = None) -> TrainConfig:
-    """A config built in code from ``{"RL.steps": 40, "seed": 3}`` (a section's name and one
-    of its fields, or a ``TrainConfig`` field), checked like a gin file's bindings."""
-    by_section: dict[str, dict[str, Any]] = {}
-    root: dict[str, Any] = {}
-    for key, value in (settings or {}).items():
-        section, _, name = key.rpartition(".")
-        (by_section.setdefault(section, {}) if section else root)[name] = value
-    attrs = {type(f.default_factory()).__name__: f.name for f in _section_fields()}
-    unknown = sorted(set(by_section) - set(attrs))
-    _require(not unknown, f"unknown config sections {unknown}; the sections are {list(attrs)}")
-    made = {attrs[s]: SECTION_BY_NAME[s](**kw) for s, kw in by_section.items()}
-    return TrainConfig(**root, **made)
-
-
-def _section_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(TrainConfig) if f.default_factory in SECTIONS]
-
-
-SECTION_BY_NAME = {s.__name__: s for s in SECTIONS}

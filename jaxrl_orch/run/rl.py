@@ -87,7 +87,7 @@ def _side(parts: RunParts, built: BuiltEngine) -> InProcessSide | LeaderSide | N
     if parts.role.kind == "single":
         backend = jax.default_backend()
         schedule = schedule_for(
-            cfg.orchestrator.max_staleness, cfg.engine.overlap, placement.colocated, backend
+            cfg.orchestrator.synchronous, cfg.engine.overlap, placement.colocated, backend
         )
         return InProcessSide(built.engine, schedule, cfg.engine.warmup)
     if not parts.role.leader:
@@ -110,7 +110,7 @@ async def _lead(
     _trim_history(parts, start_step)
     if isinstance(side, InProcessSide):
         side.attach(trainer, parts.placement.colocated)
-    times = StepTimes(side.engine_seconds, synchronous=cfg.orchestrator.max_staleness == 0)
+    times = StepTimes(side.engine_seconds, synchronous=cfg.orchestrator.synchronous)
     publisher = InProcessPublisher()
     orch = _orchestrator(parts, built, side, trainer, publisher, times, start_step)
     if orch_state:

@@ -48,7 +48,8 @@ from jaxrl_orch.build.accel import (  # noqa: E402
 )
 from jaxrl_orch.build.engines import build_engine  # noqa: E402
 from jaxrl_orch.build.parts import build_placement, model_config, optim_config  # noqa: E402
-from jaxrl_orch.config.train import TrainConfig, load_config  # noqa: E402
+from jaxrl_orch.config.load import load_config  # noqa: E402
+from jaxrl_orch.config.train import TrainConfig  # noqa: E402
 from jaxrl_orch.models.tokenizer import load_tokenizer  # noqa: E402
 from jaxrl_orch.tools import aot_report  # noqa: E402
 from jaxrl_orch.trainer import step as step_lib  # noqa: E402
