@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxrl_orch.config.train import make_config
+from jaxrl_orch.config.load import make_config
 from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.tools import aot, aot_report

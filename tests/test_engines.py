@@ -12,7 +12,7 @@ from jaxrl_orch.build.engines import (
     recompute_old_logprobs,
     reports_logprobs,
 )
-from jaxrl_orch.config.train import make_config
+from jaxrl_orch.config.load import make_config
 from jaxrl_orch.inference.engine import DecodeEngine
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import string
 from typing import Any
 
-from jaxrl_orch.config.train import TrainConfig, make_config
+from jaxrl_orch.config.load import make_config
+from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.envs.base import SingleTurnEnv, register_env
 
 NEW_TOKENS = 12

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jaxrl_orch.build.accel import accel_model_config, engine_model_config
-from jaxrl_orch.config.train import TrainConfig, make_config
+from jaxrl_orch.config.load import make_config
+from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.models.attention import einsum_attention
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.models.matmul import dot32, matmul
