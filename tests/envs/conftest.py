@@ -1,7 +1,7 @@
-"""Fixtures for env tests (the fakes themselves live in env_fakes.py)."""
+"""Fixtures for env tests (the fakes themselves live in support/env_fakes.py)."""
 
 import pytest
-from env_fakes import FakeByteTokenizer, ScriptedClient
+from support.env_fakes import FakeByteTokenizer, ScriptedClient
 
 
 @pytest.fixture

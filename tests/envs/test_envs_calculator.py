@@ -4,9 +4,9 @@ import asyncio
 from fractions import Fraction
 
 import pytest
-from env_fakes import FakeByteTokenizer, ScriptedClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.env_fakes import FakeByteTokenizer, ScriptedClient
 
 from jaxrl_orch.envs.calculator import CalculatorEnv, find_call, tool_reply
 from jaxrl_orch.envs.expression import ExpressionError, evaluate, format_value

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from toy_engine import ToyEngine, expected_tokens, greedy_logprob
+from support.toy_engine import ToyEngine, expected_tokens, greedy_logprob
 
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver

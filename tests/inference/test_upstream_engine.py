@@ -4,20 +4,15 @@ its completions carry NaN log-probs (for the trainer to recompute) and the drive
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from support.upstream_engines import UpstreamShapedEngine
 
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.models.transformer import ModelConfig
 from jaxrl_orch.types import SamplingParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from upstream_engines import UpstreamShapedEngine  # noqa: E402
 
 CFG = ModelConfig(
     vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128

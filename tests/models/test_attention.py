@@ -149,7 +149,7 @@ def test_bf16_tiles_match_the_bf16_einsum(qkv):
 
 def test_splash_interpret_matches_einsum_forward_and_grad(qkv):
     """The TPU kernel's own code path, run by the Pallas interpreter on CPU (its deviceless
-    TPU compile is checked by tests/test_aot.py)."""
+    TPU compile is checked by tests/tools/test_aot.py)."""
     q, k, v, seg, qi = qkv
     ref = _self(q, k, v, seg, qi, "einsum")
     got = _self(q, k, v, seg, qi, "splash", block=128, interpret=True)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from chat_checkpoints import (
+import transformers  # the dev extra has it: a missing one fails, never skips
+from support.chat_checkpoints import (
     LLAMA3_TEMPLATE,
     QWEN_TEMPLATE,
     write_llama3_tokenizer,
@@ -16,8 +17,6 @@ from chat_checkpoints import (
 
 from jaxrl_orch.models.chat_template import ChatTemplate, find_chat_template
 from jaxrl_orch.models.tokenizer import HFTokenizer, chatml, llama3_chat, load_tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 CONVERSATIONS = {
     "user_only": [{"role": "user", "content": "Reverse in <answer></answer>:\nhello world"}],

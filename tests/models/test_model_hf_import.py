@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch  # the dev extra has torch and transformers: a missing one fails, never skips
+import transformers
 from flax import nnx
 
 from jaxrl_orch.models import hf_import
@@ -21,9 +23,6 @@ from jaxrl_orch.models.hf_import import (
     save_hf_checkpoint,
 )
 from jaxrl_orch.models.transformer import Transformer, get_config
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 TINY = dict(
     vocab_size=97,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_tokenizers import write_bpe
+from support.tiny_tokenizers import write_bpe
 
 from jaxrl_orch.models.tokenizer import (
     SPECIAL_TOKENS,

@@ -7,10 +7,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import model_np_reference as ref
 import numpy as np
 import pytest
 from flax import nnx
+from support import model_np_reference as ref
 
 from jaxrl_orch.models import transformer as tf
 from jaxrl_orch.models.tokenizer import ByteTokenizer

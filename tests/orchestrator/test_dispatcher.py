@@ -9,7 +9,9 @@ import asyncio
 import random
 
 import pytest
-from dispatch_fakes import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.dispatch_fakes import (
     SAMPLING,
     CountingSource,
     FakeGate,
@@ -20,8 +22,6 @@ from dispatch_fakes import (
     run_virtual,
     until,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from jaxrl_orch.orchestrator.dispatcher.dispatch import DispatchConfig, EvalPlan, RolloutDispatcher
 from jaxrl_orch.types import PolicyHandle, SamplingParams

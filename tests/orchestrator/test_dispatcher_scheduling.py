@@ -8,7 +8,15 @@ from __future__ import annotations
 import asyncio
 import random
 
-from dispatch_fakes import CountingSource, FakeGate, ScriptedEnv, drain, make, run_virtual, until
+from support.dispatch_fakes import (
+    CountingSource,
+    FakeGate,
+    ScriptedEnv,
+    drain,
+    make,
+    run_virtual,
+    until,
+)
 
 
 def test_runs_on_a_standard_event_loop_with_real_time():

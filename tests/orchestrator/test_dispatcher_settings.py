@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from dispatch_fakes import (
+from support.dispatch_fakes import (
     SAMPLING,
     CountingSource,
     FakePool,

@@ -18,6 +18,7 @@ import sys
 import zlib
 
 import pytest
+from wandb.proto import wandb_internal_pb2 as pb  # the dev extra has wandb: no skip
 
 from jaxrl_orch.orchestrator.metrics.wandb import STEP_KEY, WandbWriter
 from jaxrl_orch.types import MetricsWriter
@@ -43,8 +44,6 @@ def offline(tmp_path, monkeypatch):
 
 
 def _records(path: str) -> list:
-    from wandb.proto import wandb_internal_pb2 as pb
-
     with open(path, "rb") as f:
         raw = f.read()
     assert raw[:4] == b":W&B", raw[:8]
@@ -76,7 +75,6 @@ def _items(items) -> dict:
 
 
 def test_rows_land_in_the_offline_run(offline):
-    pytest.importorskip("wandb", reason="the wandb extra is not installed")
     writer = WandbWriter("jaxrl-test", run_name="tiny", config={"rl_steps": 3, "lr": 1e-6})
     assert isinstance(writer, MetricsWriter)
     rows = [
@@ -114,7 +112,6 @@ def test_rows_land_in_the_offline_run(offline):
 
 
 def test_explicit_offline_mode_and_directory(tmp_path, monkeypatch):
-    pytest.importorskip("wandb", reason="the wandb extra is not installed")
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.setenv("WANDB_SILENT", "true")

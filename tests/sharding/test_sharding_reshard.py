@@ -1,12 +1,9 @@
 """reshard: placement, bit-equality, source-side casting, donation; the two-process transfer."""
 
 import json
-import os
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.checkout import helper_cmd, subprocess_env
 
 from sharding.mesh import make_meshes
 from sharding.reshard import reshard, reshard_cross_process
@@ -179,17 +177,14 @@ def _free_ports(n):
 
 @pytest.mark.multiprocess
 def test_two_process_transfer(tmp_path):
-    worker = Path(__file__).with_name("xproc_worker.py")
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env = subprocess_env()
     coord, *sock_ports = _free_ports(3)
     logs = [tmp_path / f"{i}.log" for i in range(2)]
     procs = []
     for i in range(2):
         with open(logs[i], "w") as log:
-            cmd = [sys.executable, str(worker), str(i), str(coord), str(sock_ports[i])]
-            cmd.append(str(tmp_path / f"{i}.json"))
+            ports = (str(coord), str(sock_ports[i]))
+            cmd = helper_cmd("xproc_worker", str(i), *ports, str(tmp_path / f"{i}.json"))
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
         deadline = time.monotonic() + 120

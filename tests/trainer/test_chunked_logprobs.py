@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, make_batch
 from flax import nnx
 from jax.sharding import Mesh
+from support.trainer_batches import TINY, make_batch
 
 from jaxrl_orch.algorithms import losses
 from jaxrl_orch.algorithms.packing import pack_samples

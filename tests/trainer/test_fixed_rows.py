@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import TINY, make_batch
 from jax.sharding import Mesh
+from support.trainer_batches import TINY, make_batch
 
 from jaxrl_orch.trainer import step as step_lib
 from jaxrl_orch.trainer.trainer import RowLayout, Trainer

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, make_batch
+from support.trainer_batches import TINY, make_batch
 
 from jaxrl_orch.trainer import step as step_lib
 from jaxrl_orch.trainer.checkpoint import (

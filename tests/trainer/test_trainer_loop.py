@@ -7,8 +7,8 @@ import threading
 import jax
 import numpy as np
 import pytest
-from conftest import TINY
 from jax.sharding import Mesh
+from support.trainer_batches import TINY, make_batch, make_sample
 
 from jaxrl_orch.trainer import step as step_lib
 from jaxrl_orch.trainer.trainer import RowLayout, StepHooks, Trainer
@@ -109,8 +109,6 @@ def test_hooks_wrap_worker_steps_and_a_follower_takes_the_leaders_step(tiny_conf
     """``around_step`` wraps each worker step, ``on_batch`` gets the packed arrays, the
     ``copy_params`` callback gets params of its own, and a peer following those arrays lands
     on the leader's params and version."""
-    from conftest import make_batch
-
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     entered, handed, published = [], [], []
 
@@ -142,8 +140,6 @@ def test_hooks_wrap_worker_steps_and_a_follower_takes_the_leaders_step(tiny_conf
 
 
 def test_rl_pack_truncates_overlong_rollouts_and_sft_pack_refuses(tiny_config):
-    from conftest import make_sample
-
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     rng = np.random.default_rng(3)
     samples = [make_sample(rng, 20), make_sample(rng, 40), make_sample(rng, 33)]

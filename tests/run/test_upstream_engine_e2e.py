@@ -4,39 +4,25 @@ no log-probs, so the trainer recomputes the behaviour log-probs and the run trai
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from test_train_e2e import TINY, _env, _rl_rows
+from support.train_cmd import rl_rows, run_train
 
 pytestmark = pytest.mark.slow
-
-TESTS = Path(__file__).resolve().parent
 
 
 def test_two_rl_steps_on_an_upstream_shaped_engine_with_recomputed_logprobs(tmp_path):
     wd = tmp_path / "upstream"
-    params = [
-        *TINY,
+    # The engine is named like a user's (``tests/`` is on the command's PYTHONPATH).
+    res = run_train(
+        wd,
         "RL.steps = 2",
         "Orchestrator.max_staleness = 0",
-        "Engine.kind = 'upstream_engines:UpstreamShapedEngine'",
-    ]
-    env = {**_env(1), "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run(
-        [sys.executable, "-m", "jaxrl_orch.train", f"--workdir={wd}"]
-        + [f"--gin_param={p}" for p in params],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        "Engine.kind = 'support.upstream_engines:UpstreamShapedEngine'",
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "reports no log-probs: the trainer recomputes them" in res.stdout
-    rows = _rl_rows(wd)
+    rows = rl_rows(wd)
     assert [r["step"] for r in rows] == [1, 2]
     first = rows[0]
     # Step 1: the recomputed old log-probs come from the very weights that sampled, and the

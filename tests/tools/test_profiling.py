@@ -1,13 +1,12 @@
-"""The profile summary of ``benchmarks/profiling.py``: self times and categories."""
+"""The profile summary of ``benchmarks/profiling.py``: self times and categories.
+
+``benchmarks/`` is on the tests' import path (``pythonpath`` in ``pyproject.toml``)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace as Ev
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from profiling import _category, _self_times  # noqa: E402
+from profiling import _category, _self_times
 
 
 def test_self_times_subtract_children_so_nothing_counts_twice():

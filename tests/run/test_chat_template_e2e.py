@@ -19,11 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from chat_checkpoints import write_llama3_tokenizer, write_qwen_tokenizer
+import transformers  # the dev extra has it: a missing one fails, never skips
+from support.chat_checkpoints import write_llama3_tokenizer, write_qwen_tokenizer
 
 pytestmark = pytest.mark.slow
-
-transformers = pytest.importorskip("transformers")
 
 INSTRUCTION = "Reverse:"
 TRAIN = ["hello world", "the lazy dog", "brown fox jumps", "reverse the text", "quick wörld ✓"]

@@ -1,5 +1,5 @@
 """Faults a user meets, end to end: the train command with a faulty user environment
-(``tests/fault_envs.py``), a signal during a drain that cannot finish, a second signal.
+(``tests/support/fault_envs.py``), a signal during a drain that cannot finish, a second signal.
 
 Each asserts what the run does and what it keeps: it finishes or stops cleanly, counts and
 names each fault, and leaves a checkpoint the same command resumes from.
@@ -10,26 +10,24 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from test_train_e2e import TINY, _checkpoints, _env, _rl_rows
+from support.checkout import helper_cmd
+from support.train_cmd import checkpoints, rl_rows, train_cmd, train_env
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).parent / "fault_envs.py"
-
 
 def _cmd(workdir: Path, *params: str) -> list[str]:
-    args = [sys.executable, str(SCRIPT), f"--workdir={workdir}"]
-    params = [*TINY, "Data.env = 'faulty_reverse_text'", *params]
-    return args + [f"--gin_param={p}" for p in params]
+    # ``python -m support.fault_envs``: registers the faulty environment, then trains.
+    faulty = "Data.env = 'faulty_reverse_text'"
+    return train_cmd(workdir, faulty, *params, program=tuple(helper_cmd("fault_envs")))
 
 
 def _faulty_env(mode: str) -> dict[str, str]:
-    return {**_env(1), "JAXRL_TEST_FAULTS": mode}
+    return {**train_env(1), "JAXRL_TEST_FAULTS": mode}
 
 
 def test_hanging_raising_nan_and_blocking_env_faults_are_counted_and_the_run_finishes(tmp_path):
@@ -87,36 +85,31 @@ def _start_until_rl(wd: Path, *params: str) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 300
-    while not ((wd / "metrics.jsonl").exists() and _rl_rows(wd)):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"no RL step within 300 s: {proc.stderr.read()[-2000:]}")
+    while not ((wd / "metrics.jsonl").exists() and rl_rows(wd)):
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before its first RL step: {proc.stderr.read()[-2000:]}")
         time.sleep(0.2)
     return proc
 
 
-def test_sigterm_with_a_hung_env_exits_zero_within_the_drain_deadline(tmp_path):
+def test_sigterm_with_a_hung_env_exits_zero_once_the_drain_deadline_cancels_it(tmp_path):
     wd = tmp_path / "hung"
     # No env timeout: the hung rollouts never finish, so only the deadline ends the drain.
     proc = _start_until_rl(
         wd, "Orchestrator.env_timeout_s = 100000.0", "Orchestrator.drain_timeout_s = 3.0"
     )
     try:
-        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=120)
-        took = time.monotonic() - t0
+        # Without the deadline this never returns: the timeout only keeps a hang from the suite.
+        _, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
-    err = proc.stderr.read()
-    assert rc == 0, err[-3000:]
+    assert proc.returncode == 0, err[-3000:]
+    # The deadline, not the hung rollouts, ended the drain: they were cancelled.
     assert "drain deadline (drain_timeout_s=3) passed: cancelled" in err
-    # A behaviour bound, not a benchmark: without the deadline this never returns.
-    assert took < 3 + 60
     summary = json.loads((wd / "summary.json").read_text())
     assert summary["stopped_by_signal"] == signal.SIGTERM
-    assert _checkpoints(wd)[-1] == summary["rl_steps"] >= 1  # the last trained step is kept
+    assert checkpoints(wd)[-1] == summary["rl_steps"] >= 1  # the last trained step is kept
 
 
 def test_a_second_signal_exits_at_once_non_zero(tmp_path):

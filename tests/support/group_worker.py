@@ -1,7 +1,8 @@
-"""``python tests/group_worker.py K PORT OUT``: process K of a 2-process trainer group (2 fake
-devices each). The leader sends TRAIN (arrays), CHECKPOINT (a body) and STOP through
-``group.Channel``; both stage a params tree through ``group.EngineStager``; each writes what it
-received and its staged local copy to ``OUT/K.npz`` for the test to compare."""
+"""``python -m support.group_worker K PORT OUT`` (``tests/`` on ``PYTHONPATH``): process K of a
+2-process trainer group (2 fake devices each). The leader sends TRAIN (arrays), CHECKPOINT (a
+body) and STOP through ``group.Channel``; both stage a params tree through
+``group.EngineStager``; each writes what it received and its staged local copy to ``OUT/K.npz``
+for the test to compare."""
 
 from __future__ import annotations
 

@@ -3,18 +3,14 @@ periods, pauses the engine only during train steps when sliced, and the driver h
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import pytest
+from support.toy_engine import ToyEngine
 
 from jaxrl_orch.build.overlap import OverlapSchedule
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.types import SamplingParams
-
-sys.path.insert(0, str(Path(__file__).parent / "inference"))
-from toy_engine import ToyEngine  # noqa: E402
 
 
 class Clock:

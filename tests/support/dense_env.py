@@ -1,9 +1,10 @@
-"""A user environment plugged by name (``Data.env = 'dense_env:make'``) for runs that must
+"""A user environment plugged by name (``Data.env = 'support.dense_env:make'``) for runs that must
 see learning signal from an untrained model: the bundled reverse-text task, scored by the share
 of lowercase letters and spaces in the completion (in [0, 1], different for almost every
 sample), so every group has non-zero advantages from the first step.
 
-Importable from every process of a multi-process run (``PYTHONPATH`` holds ``tests/``)."""
+Importable from every process of a multi-process run (``PYTHONPATH`` holds ``tests/``:
+``support.checkout.subprocess_env``)."""
 
 from __future__ import annotations
 

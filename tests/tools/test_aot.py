@@ -21,13 +21,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from support.checkout import ROOT
 
 from jaxrl_orch.config.load import make_config
 from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.tools import aot, aot_report
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"v5e": "configs/tpu_v5e_8.gin", "v6e": "configs/tpu_v6e_8.gin"}
 _OUT = Path(tempfile.mkdtemp(prefix="aot_test_"))
 _script = " && ".join(

@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pytest
 from support.runs import prepare, run
-from toy_rl import toy_config
+from support.toy_rl import toy_config
 
 pytestmark = pytest.mark.slow
 

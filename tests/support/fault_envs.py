@@ -1,4 +1,5 @@
-"""``python tests/fault_envs.py <train args>``: the train command with a faulty user environment.
+"""``python -m support.fault_envs <train args>`` (``tests/`` on ``PYTHONPATH``): the train command
+with a faulty user environment.
 
 The environment is the bundled reverse-text task with faults scheduled by episode id (so every
 run meets them at the same points), chosen by ``JAXRL_TEST_FAULTS``:

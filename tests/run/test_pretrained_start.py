@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from support.runs import prepare, run, warmup
-from tiny_tokenizers import write_bpe
-from toy_rl import toy_config
+from support.tiny_tokenizers import write_bpe
+from support.toy_rl import toy_config
 
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.models.configs import get_config

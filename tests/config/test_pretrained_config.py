@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from chat_checkpoints import write_qwen_tokenizer
+from support.chat_checkpoints import write_qwen_tokenizer
+from support.checkout import ROOT
 
 from jaxrl_orch.train import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/pretrained.gin"
 PLACEHOLDER = "/path/to/Qwen2.5-0.5B-Instruct"
 

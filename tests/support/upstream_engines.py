@@ -8,7 +8,7 @@ here: ``ResultTokens`` carries only token, validity and length columns, and
 ``insert(prefix, decode_state, slot)`` takes no per-request sampling and ``generate(params,
 decode_state)`` no version. The sampler is the engine's own (fixed at construction).
 
-``Engine.kind = 'upstream_engines:UpstreamShapedEngine'`` (with ``tests/`` on the path)
+``Engine.kind = 'support.upstream_engines:UpstreamShapedEngine'`` (with ``tests/`` on the path)
 plugs it into a run as a user would plug in theirs: the run calls it as a plug-in engine factory,
 ``(model_config, mesh=..., limits=EngineLimits(...), tokenizer=..., seed=...)``.
 """

@@ -7,15 +7,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gcs_emulator import BUCKET, Emulator
-from test_train_e2e import TINY, _env
+from support.gcs_emulator import BUCKET, Emulator
+from support.train_cmd import train_cmd, train_env
 
 from jaxrl_orch.orchestrator.store import RolloutStore
 from jaxrl_orch.paths import JsonlAppender, as_path, copy_tree, is_url, write_atomic
@@ -98,13 +97,13 @@ def test_the_rollout_store_and_the_resume_trim_on_gcs(gcs):
 @pytest.mark.slow
 def test_a_run_writes_resumes_and_reads_back_through_gcs(gcs, tmp_path):
     url = f"gs://{BUCKET}/runs/demo"
-    env = {**_env(1), **gcs.env}
+    env = {**train_env(1), **gcs.env}
 
     def train(steps):
-        cmd = [sys.executable, "-m", "jaxrl_orch.train", f"--workdir={url}"]
-        params = [*TINY, f"RL.steps = {steps}"]
-        res = subprocess.run(cmd + [f"--gin_param={p}" for p in params], env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
+        cmd = train_cmd(url, f"RL.steps = {steps}")
+        res = subprocess.run(
+            cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         return res
 

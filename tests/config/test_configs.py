@@ -1,12 +1,10 @@
 """Every shipped gin config parses into a valid TrainConfig (the files users copy must work)."""
 
-from pathlib import Path
-
 import pytest
+from support.checkout import ROOT
 
 from jaxrl_orch.train import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.gin"))
 
 

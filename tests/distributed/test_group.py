@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support.checkout import helper_cmd, subprocess_env
 
 from jaxrl_orch.distributed.group import resolve_role
 from jaxrl_orch.distributed.launch_local import free_ports
-
-WORKER = Path(__file__).parent / "group_worker.py"
 
 
 def test_layout_gives_each_index_its_role():
@@ -50,7 +48,8 @@ def test_two_process_group_channel_and_stage(tmp_path: Path):
     port = free_ports(1)[0]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(k), str(port), str(tmp_path)],
+            helper_cmd("group_worker", str(k), str(port), str(tmp_path)),
+            env=subprocess_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -1,6 +1,6 @@
 """One side of the two-process reshard test (run by test_sharding_reshard.py, not by pytest).
 
-Usage: python xproc_worker.py PROCESS_ID COORDINATOR_PORT SOCKET_PORT RESULT_JSON
+Usage: python -m support.xproc_worker PROCESS_ID COORDINATOR_PORT SOCKET_PORT RESULT_JSON
 
 Process 0 owns the trainer mesh (its 4 devices) and sends; process 1 owns the decode mesh and
 receives. Both build the same reference params from a fixed seed, so the receiver can check

@@ -1,4 +1,5 @@
-"""A test engine replica: ``python replica_main.py [--max-queued N]``.
+"""A test engine replica: ``python -m support.replica_main [--max-queued N]`` (``tests/`` on
+``PYTHONPATH``).
 
 Builds a ``DecodeEngine`` of ``tiny-byte`` on a tp=2 decode mesh over this process's 2 local
 CPU devices (the caller sets ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` and
