@@ -48,7 +48,8 @@ class InProcessSide:
     def __init__(self, engine: Any, schedule: OverlapSchedule, engine_warmup: bool) -> None:
         self.engine, self.schedule = engine, schedule
         self._warm_up = engine_warmup
-        self.driver: InferenceDriver | None = None
+        self.driver: InferenceDriver | None = None  # attach: it starts on the trainer's params
+        self.pool: ClientPool | None = None
         self.hooks = StepHooks(around_step=schedule.training)
 
     def attach(self, trainer: Any, colocated: bool) -> None:
