@@ -14,7 +14,7 @@ What it owns
     ``EngineStager``: after every step each process runs one jitted program that casts the
     params to the engine's dtype and lays them out as the replicas' decode sharding, replicated
     over processes; the leader's shards then form an array on its own devices, laid out like a
-    replica's, which replicas pull device to device (``remote.weights``). No host round trip.
+    replica's, which replicas pull device to device (``transfer``). No host round trip.
 
 Lockstep: every process of the group issues the same collectives in the same order. The leader
 issues them from its trainer thread (per step: TRAIN, the step, the stage, maybe CHECKPOINT) or,
@@ -186,7 +186,7 @@ class EngineStager:
 
     def transfer_layout(self) -> dict[str, Any]:
         """How ``local`` lays the arrays out, for a replica whose decode mesh differs (JSON:
-        mesh axis sizes, one spec per leaf; ``remote.server.transfer_targets`` reads it)."""
+        mesh axis sizes, one spec per leaf; ``server.transfer_targets`` reads it)."""
         specs = [
             [list(p) if isinstance(p, tuple) else p for p in s.spec]
             for s in jax.tree.leaves(self._local)

@@ -13,7 +13,7 @@ What it owns
 
 Weights: ``start`` waits (bounded) until every replica answers, then loads the first version
 into each; ``load_weights(version, params)`` offers the params to each live replica
-(``remote.weights.WeightOffer``, one pull per offer) and awaits every pull and swap; a replica
+(``transfer.WeightOffer``, one pull per offer) and awaits every pull and swap; a replica
 lost meanwhile is marked lost, a pull that fails or times out raises ``WeightPullError`` naming
 the replica and version. ``watch`` (a background task) probes lost replicas; one that answers
 again (restarted) gets the current weights before it is live again, so it never serves an old

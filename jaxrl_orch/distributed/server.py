@@ -13,7 +13,7 @@ devices into its decode sharding (``transfer_targets``).
 
 Lifecycle: the replica starts with NO weights (``Health.ready`` False, version -1; ``Generate``
 fails FAILED_PRECONDITION). ``LoadWeights`` pulls an offered pytree device to device
-(``remote.weights.pull``) straight into ``engine.param_shardings`` with ``engine.param_dtype``;
+(``transfer.pull``) straight into ``engine.param_shardings`` with ``engine.param_dtype``;
 the first load builds and starts the driver, later ones ``swap_params`` and wait until the
 driver has switched (between two decode steps, so per-token versions stay exact). Loads are
 serialised; a version older than the current one is refused (INVALID_ARGUMENT).
