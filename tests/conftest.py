@@ -4,7 +4,10 @@ XLA reads the flag once, when jax initialises its backends, so it must be set be
 test module imports jax. conftest.py is imported by pytest before test collection.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import gin  # neither imports jax: the flag below still comes first
 import pytest
@@ -13,6 +16,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+# One XLA compilation cache for the session, started empty: a program compiled again (a resumed
+# run, a second engine of the same shape, a subprocess of the same model) loads instead of
+# compiling. Subprocesses inherit it through the environment. jit's in-memory caches, which the
+# tests that count compiles read, are unaffected.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="jaxrl-orch-tests-xla-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 
 def pytest_collection_finish(session):
