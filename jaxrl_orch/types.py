@@ -88,7 +88,8 @@ class Completion:
     """One engine generation: per generated token its id, behavior log-prob and params version.
 
     ``finish_reason`` is ``"stop"`` (a stop token was sampled; it is included in ``token_ids``),
-    ``"length"`` (max tokens or the cache ran out) or ``"cancelled"``.
+    ``"length"`` (max tokens or the cache ran out), ``"abort"`` (ended by the engine's
+    ``pause("abort")`` with the tokens it had) or ``"cancelled"``.
     """
 
     token_ids: list[int]

@@ -1,8 +1,8 @@
 """InferenceDriver: continuous batching over an engine's decode slots, in one background thread.
 
 Owns: the request queue, the slot table (which request lives in which engine slot), the
-decode state, the current ``(params, version)`` and the optional prefix cache. Nothing else
-touches the engine while the driver runs.
+decode state, the current ``(params, version)`` and the prefills (``prefixes.Prefixes``, with
+its optional cache). Nothing else touches the engine while the driver runs.
 
 How a request flows: ``submit(prompt_ids, sampling, n)`` queues one *group* (n samples of one
 prompt, each with its own ``SamplingParams`` if a list is given; a pending submission of an
@@ -13,11 +13,8 @@ that prefix into each of the group's slots as slots come free (prefix sharing), 
 ``generate`` and routes every valid token to its slot's request. A slot whose request finishes
 (stop token, max tokens, cache full) or is cancelled is refilled before the next generate.
 
-Narrow decoding: when the engine offers ``decode_widths`` with ``generate(..., width=w)`` and
-``move_slot``, each call runs only the narrowest width holding every running request, after
-packing requests at or above it into free lower slots (refills always take the lowest free
-slot, so packing is rare: a drain moves at most ``slots - 1`` requests). A near-empty batch then
-costs a fraction of a full step instead of a full one (the tail of every finite batch).
+Narrow decoding (``narrow.py``): each call runs only the narrowest width holding every running
+request, when the engine offers narrow widths.
 
 Invariants:
 - ``swap_params`` takes effect at the next ``generate`` call; every token carries the version
@@ -27,6 +24,16 @@ Invariants:
   raised (an engine error never kills the thread or the process), or ``RuntimeError`` when
   the driver stops first. A cancelled future frees its slot at the next loop turn.
 - ``stop()`` joins the thread: no thread is left behind.
+
+Pause (vLLM's three modes, for weight updates between decode steps): ``pause("keep")`` stops
+decoding after the current step with every request holding its slot and KV, so it continues
+where it stopped after ``resume()``; ``pause("wait")`` admits nothing new and pauses once the
+running requests have finished; ``pause("abort")`` ends every running and queued request now
+with what it has (``finish_reason="abort"``). While paused, submissions queue and swaps land, so
+the tokens a kept request generates after ``resume()`` carry the new version.
+
+Streaming: ``submit(..., on_token=f)`` calls ``f(token_id, logprob, version)`` from the loop
+thread per token recorded (the futures still resolve); it must be quick (its errors are dropped).
 
 Finishing rules are applied here on the host (stop ids, ``max_tokens``, cache length from the
 engine's optional ``max_target_length``), so any engine with the JetStream method shape can
@@ -39,22 +46,26 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from jaxrl_orch.inference.narrow import decode_widths, pack, warm_up
+from jaxrl_orch.inference.pause import PauseState
+from jaxrl_orch.inference.prefixes import Prefixes
+from jaxrl_orch.inference.rate import TokenRate
 from jaxrl_orch.inference.requests import (
+    ABORTED,
     NO_LP,
     STOPPED,
     Group,
     Seq,
     accepts,
     check_request,
-    decode_widths,
-    first_token,
     resolve,
     slot_columns,
 )
@@ -73,17 +84,14 @@ class InferenceDriver:
         rate_window_s: float = 10.0,
         gate: threading.Event | None = None,  # decode only while set (overlap.OverlapSchedule)
     ) -> None:
-        if prefix_cache_size < 0:
-            raise ValueError(f"prefix_cache_size must be >= 0, got {prefix_cache_size!r}")
         self.engine = engine
         self._params, self._version = params, int(version)
         self._pending_swap: tuple[Any, int] | None = None
         self._swap_waiters: list[concurrent.futures.Future] = []
-        self._prefix_cache_size = prefix_cache_size
-        self._prefix_cache: collections.OrderedDict = collections.OrderedDict()
+        self._prefixes = Prefixes(engine, prefix_cache_size)
         self._idle_wait_s = idle_wait_s
         self._gate = gate
-        self._rate_window_s = rate_window_s
+        self._rate = TokenRate(rate_window_s)
         self._n_slots = int(engine.max_concurrent_decodes)
         self._max_prefill = int(engine.max_prefill_length)
         self._cache_len = getattr(engine, "max_target_length", None)
@@ -99,27 +107,30 @@ class InferenceDriver:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stopped = False
-        self._token_times: collections.deque[tuple[float, int]] = collections.deque()
-        self._prefill_s = 0.0
+        self._listeners: dict[concurrent.futures.Future, Callable[[int, float, int], Any]] = {}
+        self._pause = PauseState()
         self._decode_s = 0.0
-        self.num_prefills = 0
-
-    # ------------------------------------------------------------------ public API
 
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def paused(self) -> bool:
+        return self._pause.paused
 
     def submit(
         self,
         prompt_ids: Any,
         sampling: SamplingParams | Sequence[SamplingParams],
         n: int | None = None,
+        on_token: Callable[[int, float, int], Any] | None = None,
     ) -> list[concurrent.futures.Future]:
         """Queue samples of one prompt; returns one future per sample (thread-safe).
 
         ``sampling`` is one ``SamplingParams`` for all ``n`` samples (default 1), or a sequence
-        with one per sample (then ``n`` defaults to, and must equal, its length).
+        with one per sample (then ``n`` defaults to, and must equal, its length). ``on_token``:
+        see Streaming in the module docstring.
         """
         prompt, samplings = check_request(
             prompt_ids, sampling, n, max_prefill=self._max_prefill, max_stop=self._max_stop
@@ -129,6 +140,8 @@ class InferenceDriver:
         with self._cv:
             if self._stopped or self._stopping:
                 raise RuntimeError("InferenceDriver is stopped; submit() needs a running driver")
+            if on_token is not None:
+                self._listeners.update((f, on_token) for f in futures)
             for group in self._pending:  # identical prompt: share its prefill
                 if np.array_equal(group.prompt, prompt):
                     group.members.extend(members)
@@ -155,25 +168,30 @@ class InferenceDriver:
             self._cv.notify_all()
         return done
 
+    def pause(self, mode: str = "keep") -> concurrent.futures.Future:
+        """Pause decoding (see Pause in the module docstring); the future resolves with True once
+        the pause is in effect: no decode step runs until ``resume()``."""
+        with self._cv:
+            if self._stopped or self._stopping:
+                raise RuntimeError(STOPPED)
+            done = self._pause.ask(mode)
+            self._cv.notify_all()
+        return done
+
+    def resume(self) -> None:
+        """Decode again: kept requests continue, queued ones are admitted (a no-op when running)."""
+        with self._cv:
+            self._pause.resume()
+            self._cv.notify_all()
+
+    @property
+    def num_prefills(self) -> int:
+        return self._prefixes.count
+
     def warm_up(self) -> float:
-        """Run every program the loop can call once, on a scratch decode state: each prompt
-        bucket's prefill and insert, each decode width, a slot move (JetStream's model warm-up),
-        so none compiles mid-run. Call before ``start``; returns the seconds it took."""
-        t0 = time.perf_counter()
-        state = self.engine.init_decode_state()
-        kwargs = {"sampling": SamplingParams()} if self._pass_sampling else {}
-        for b in sorted({self._bucket(n) for n in range(1, self._max_prefill + 1)}):
-            pad = np.zeros(b, np.int32)
-            prefix, _ = self.engine.prefill(params=self._params, padded_tokens=pad, true_length=1)
-            state = self.engine.insert(prefix, state, 0, **kwargs)
-        if len(self._widths) > 1:
-            state = self.engine.move_slot(state, 0, 1)
-        for w in self._widths:
-            step = {"version": self._version} if self._pass_version else {}
-            step.update({"width": w} if w != self._n_slots else {})
-            state, result = self.engine.generate(self._params, state, **step)
-            result.convert_to_numpy()  # waits for the device
-        return time.perf_counter() - t0
+        """Compile every program the loop can call (``narrow.warm_up``) before ``start``, so
+        none compiles mid-run; returns the seconds it took."""
+        return warm_up(self.engine, self._params, self._version, self._widths)
 
     def start(self) -> None:
         with self._cv:
@@ -194,32 +212,31 @@ class InferenceDriver:
             for waiter in self._swap_waiters:
                 resolve(waiter, error=RuntimeError(STOPPED))
             self._swap_waiters.clear()
+            self._pause.fail(RuntimeError(STOPPED))
 
     def gauges(self) -> dict[str, float]:
         with self._cv:  # submit() may be growing the queue from another thread
             queued = sum(len(g.members) for g in self._pending)
-        now = time.monotonic()
-        window = [(t, k) for t, k in list(self._token_times) if now - t <= self._rate_window_s]
-        span = (now - window[0][0]) if len(window) > 1 else 0.0
-        rate = sum(k for _, k in window[1:]) / span if span > 0 else 0.0
         return {
             "inference/active_slots": float(sum(s is not None for s in self._slots)),
             "inference/queue_depth": float(queued),
-            "inference/tokens_per_s": float(rate),
-            "inference/prefill_s": self._prefill_s,  # cumulative seconds in prefill
+            "inference/tokens_per_s": self._rate.per_second(),
+            "inference/prefill_s": self._prefixes.seconds,  # cumulative seconds in prefill
             "inference/decode_s": self._decode_s,  # cumulative seconds in generate
             "inference/version": float(self._version),
             "inference/decode_width": float(self._width),  # slots the last generate ran
+            "inference/paused": float(self._pause.paused),
         }
 
-    # ------------------------------------------------------------------ loop thread
+    def _has_work(self) -> bool:
+        if self._stopping or self._pending_swap or self._pause.mode:
+            return True
+        return not self._pause.paused and (bool(self._pending) or any(self._slots))
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._stopping or self._pending or self._pending_swap) and not any(
-                    self._slots
-                ):
+                while not self._has_work():
                     self._cv.wait(self._idle_wait_s)
                 if self._stopping:
                     return
@@ -228,11 +245,17 @@ class InferenceDriver:
                     for waiter in self._swap_waiters:
                         resolve(waiter, result=self._version)
                     self._swap_waiters.clear()
+                if self._pause.mode == "abort":
+                    self._abort_all()
+                self._pause.settle(running=any(self._slots))
+                if self._pause.paused:
+                    continue
             while self._gate is not None and not self._gate.is_set() and not self._stopping:
                 self._gate.wait(self._idle_wait_s)  # the trainer's step has the cores
             try:
                 self._reap_cancelled()
-                self._admit()
+                if self._pause.mode is None:  # "wait": the running ones finish, nothing new
+                    self._admit()
                 if any(self._slots):
                     self._step()
                 else:
@@ -242,11 +265,23 @@ class InferenceDriver:
             except Exception as exc:  # noqa: BLE001 - the loop must outlive any engine error
                 self._fail_active(exc)
 
+    def _abort_all(self) -> None:
+        """Under ``_cv``, in the loop thread: end every request now with what it has."""
+        for i, seq in enumerate(self._slots):
+            if seq is not None:
+                self._finish(i, seq, ABORTED)
+        while self._pending:
+            for f, _ in self._pending.popleft().members:
+                self._listeners.pop(f, None)
+                resolve(f, result=Completion([], [], [], ABORTED))
+
     def _reap_cancelled(self) -> None:
         for i, seq in enumerate(self._slots):
             if seq is not None and seq.future.cancelled():
                 self._slots[i] = None
         with self._cv:
+            for f in [f for f in self._listeners if f.cancelled()]:
+                del self._listeners[f]
             for group in list(self._pending):
                 group.members = [m for m in group.members if not m[0].cancelled()]
                 if not group.members:
@@ -275,7 +310,9 @@ class InferenceDriver:
                 if future.cancelled():
                     continue
                 slot = free.pop(0)
-                seq = Seq(future, sampling, int(group.prompt.size))
+                with self._cv:
+                    listener = self._listeners.pop(future, None)
+                seq = Seq(future, sampling, int(group.prompt.size), on_token=listener)
                 self._slots[slot] = seq
                 kwargs = {"sampling": sampling} if self._pass_sampling else {}
                 state = self._decode_state
@@ -289,53 +326,17 @@ class InferenceDriver:
     def _ensure_prefix(self, group: Group) -> None:
         if group.prefix is not None and group.prefix_version == self._version:
             return
-        key = (group.prompt.tobytes(), self._version)
-        cached = self._prefix_cache.get(key)
-        if cached is not None:
-            self._prefix_cache.move_to_end(key)
-            group.prefix, group.first = cached
-        else:
-            padded = np.zeros(self._bucket(group.prompt.size), dtype=np.int32)
-            padded[: group.prompt.size] = group.prompt
-            t0 = time.perf_counter()
-            prefix, result = self.engine.prefill(
-                params=self._params,
-                existing_prefix=None,
-                padded_tokens=padded,
-                true_length=int(group.prompt.size),
-            )
-            group.prefix, group.first = prefix, first_token(result)
-            self._prefill_s += time.perf_counter() - t0
-            self.num_prefills += 1
-            if self._prefix_cache_size:
-                self._prefix_cache[key] = (group.prefix, group.first)
-                while len(self._prefix_cache) > self._prefix_cache_size:
-                    self._prefix_cache.popitem(last=False)
+        group.prefix, group.first = self._prefixes.get(group.prompt, self._params, self._version)
         group.prefix_version = self._version
 
-    def _bucket(self, length: int) -> int:
-        """Pad prompts to power-of-two lengths so prefill compiles once per bucket."""
-        bucket = 8
-        while bucket < length:
-            bucket *= 2
-        return min(bucket, self._max_prefill)
-
     def _narrow(self) -> dict[str, int]:
-        """Pick the narrowest decode width holding every running request, packing requests
-        that sit at or above it into free slots below it. ``generate`` kwargs to use."""
-        running = [i for i, s in enumerate(self._slots) if s is not None]
-        width = next(w for w in self._widths if w >= len(running))
-        if width == self._n_slots:
-            self._width = width
-            return {}
-        free = (i for i in range(width) if self._slots[i] is None)
-        for src in running:
-            if src >= width:
-                dst = next(free)
-                self._decode_state = self.engine.move_slot(self._decode_state, src, dst)
-                self._slots[dst], self._slots[src] = self._slots[src], None
-        self._width = width
-        return {"width": width}
+        """Pack the running requests below the narrowest width (``narrow.pack``); the
+        ``generate`` kwargs that width needs."""
+        self._width, moves = pack(self._slots, self._widths)
+        for src, dst in moves:
+            self._decode_state = self.engine.move_slot(self._decode_state, src, dst)
+            self._slots[dst], self._slots[src] = self._slots[src], None
+        return {} if self._width == self._n_slots else {"width": self._width}
 
     def _step(self) -> None:
         kwargs = {"version": self._version} if self._pass_version else {}
@@ -357,16 +358,16 @@ class InferenceDriver:
                 produced += 1
                 if self._append(slot, seq, int(tokens[j]), lp, ver):
                     break
-        self._token_times.append((time.monotonic(), produced))
-        horizon = time.monotonic() - self._rate_window_s
-        while self._token_times and self._token_times[0][0] < horizon:
-            self._token_times.popleft()
+        self._rate.record(produced)
 
     def _append(self, slot: int, seq: Seq, token: int, logprob: float, version: int) -> bool:
         """Record one token; finish and free the slot when a rule says so. True if finished."""
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(version)
+        if seq.on_token is not None:
+            with contextlib.suppress(Exception):  # a listener must never stop the decode loop
+                seq.on_token(token, logprob, version)
         n = len(seq.token_ids)
         cache_full = self._cache_len is not None and seq.prompt_len + n > self._cache_len
         reason = None
@@ -376,9 +377,12 @@ class InferenceDriver:
             reason = "length"
         if reason is None:
             return False
+        self._finish(slot, seq, reason)
+        return True
+
+    def _finish(self, slot: int, seq: Seq, reason: str) -> None:
         self._slots[slot] = None
         resolve(seq.future, result=Completion(seq.token_ids, seq.logprobs, seq.versions, reason))
-        return True
 
     def _fail_active(self, exc: BaseException) -> None:
         """An engine call failed mid-batch: its callers get the error; the state starts over."""
@@ -390,6 +394,7 @@ class InferenceDriver:
 
     def _fail_everything(self, exc: BaseException) -> None:
         self._fail_active(exc)
+        self._listeners.clear()
         while self._pending:
             for f, _ in self._pending.popleft().members:
                 resolve(f, error=exc)

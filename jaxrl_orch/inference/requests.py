@@ -6,8 +6,8 @@ log-probs and versions generated so far); ``resolve`` (settle a future exactly o
 the caller did with it); ``accepts`` (whether an engine method takes an optional keyword, so a
 plain JetStream-shaped engine can be driven too); ``first_token`` (the token a JetStream-style
 engine samples at prefill); ``check_request`` (a submission validated against the engine's
-limits; sample i of one seeded ``SamplingParams`` for n samples gets seed ``seed + i``) and
-``decode_widths`` (which narrow decode widths an engine supports). Host-side only; the
+limits; sample i of one seeded ``SamplingParams`` for n samples gets seed ``seed + i``).
+Host-side only; the
 thread that uses them is ``driver.py``'s.
 """
 
@@ -24,6 +24,8 @@ import numpy as np
 from jaxrl_orch.types import SamplingParams
 
 STOPPED = "InferenceDriver stopped before the request finished"
+ABORTED = "abort"  # the finish reason of requests a pause("abort") ended (vLLM's word)
+PAUSE_MODES = ("keep", "wait", "abort")  # weakest first
 # An engine that reports no log-probs yields NaN: the trainer must recompute them (DESIGN 5).
 NO_LP = float("nan")
 
@@ -42,6 +44,7 @@ class Seq:
     future: concurrent.futures.Future
     sampling: SamplingParams
     prompt_len: int
+    on_token: Any = None  # called with (token, logprob, version) as each token is recorded
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -124,18 +127,3 @@ def check_request(
                 f"holds at most max_stop_tokens={max_stop}"
             )
     return prompt, samplings
-
-
-def decode_widths(engine: Any, n_slots: int) -> tuple[int, ...]:
-    """The decode widths to use: the engine's ``decode_widths`` when it offers both halves of
-    narrow decoding (width-limited ``generate`` and ``move_slot``), else the full width."""
-    # Narrow decoding needs both halves of the extension: width-limited generate calls and
-    # a way to pack running requests below the width.
-    widths = getattr(engine, "decode_widths", None)
-    narrow = (
-        widths
-        and max(widths) == n_slots
-        and accepts(engine.generate, "width")
-        and hasattr(engine, "move_slot")
-    )
-    return tuple(sorted(int(w) for w in widths)) if narrow else (n_slots,)
