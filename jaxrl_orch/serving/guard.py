@@ -1,0 +1,99 @@
+"""What a request must pass before any route sees it: the API key and the body size limit.
+
+What it owns: ``Limits`` (the server's bounds: ``max_body_bytes``, ``request_timeout_s``) and
+``Guard``, a plain ASGI middleware (not Starlette's ``BaseHTTPMiddleware``, which would hide a
+client's disconnect from ``waiting.await_completions``).
+
+Invariants:
+- With a key, every request but ``GET /health`` carries ``Authorization: Bearer <key>``,
+  compared with ``hmac.compare_digest`` (no timing hint about the key); a missing header and a
+  wrong key are both 401, and the message says which.
+- A body over ``max_body_bytes`` is refused with 413 before anything parses it: at once from its
+  ``Content-Length``, or, for a chunked body, as soon as the bytes read pass the limit.
+- Refusals use the contract's error body (``errors.error_body``).
+
+Driven by uvicorn through the app ``app.make_app`` builds; holds no state between requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+from typing import Any
+
+from starlette.exceptions import HTTPException
+
+from jaxrl_orch.serving.errors import error_body
+
+OPEN = {("GET", "/health")}  # what a pool or a load balancer probes without the key
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 32 * 2**20
+    request_timeout_s: float = 600.0  # a generation that runs longer fails 504 and is cancelled
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be a positive int, got {self.max_body_bytes!r}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(
+                f"request_timeout_s must be a positive number, got {self.request_timeout_s!r}"
+            )
+
+
+class Guard:
+    def __init__(self, app: Any, *, api_key: str | None, limits: Limits) -> None:
+        self.app, self.limits = app, limits
+        self._key = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            return await _reply(send, *refusal)
+        limit, seen = self.limits.max_body_bytes, 0
+
+        async def counted_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:  # FastAPI passes an HTTPException from the body read on
+                    raise HTTPException(413, self._too_large(f"more than {limit}")[1])
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+    def _refusal(self, scope: dict) -> tuple[int, str, str | None] | None:
+        headers = dict(scope["headers"])
+        if self._key is not None and (scope["method"], scope["path"]) not in OPEN:
+            given = headers.get(b"authorization")
+            if given is None:
+                return 401, "missing API key: send the header 'Authorization: Bearer <key>'", None
+            if not hmac.compare_digest(given, self._key):
+                return 401, "wrong API key in the Authorization header", None
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                return 400, f"Content-Length must be an int, got {length.decode()!r}", None
+            if n > self.limits.max_body_bytes:
+                return self._too_large(str(n))
+        return None
+
+    def _too_large(self, size: str) -> tuple[int, str, str | None]:
+        limit = self.limits.max_body_bytes
+        return 413, f"request body of {size} bytes is over the limit of {limit} bytes", None
+
+
+async def _reply(send: Any, status: int, message: str, param: str | None) -> None:
+    body = json.dumps(error_body(status, message, param)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,177 @@
+"""EngineHost: one engine and its driver as the HTTP contract sees them (DESIGN.md section 5).
+
+What it owns
+    The served model's name and limits (``max_model_len``: prompt plus completion, the engine's
+    cache length; ``max_prompt_len``: what one prefill takes), its tokenizer (for the OpenAI
+    text endpoints; the token endpoint needs none), the driver and the version it decodes with,
+    the pause state, and where weight updates come from. The HTTP layer (``app``) validates
+    requests and shapes responses; this class is what they act on.
+
+Two ways to hold a driver
+    ``EngineHost(engine, driver=d)``: a driver someone else runs (the train command's in-process
+    engine, whose weights the trainer swaps in); ``update_weights`` is then refused.
+    ``EngineHost(engine, source=s)``: this host builds the driver at the first weight update
+    (``ready`` False and version -1 until then, unless ``params`` are given) and swaps later
+    ones in between two decode steps. ``source(uuid, layout, timeout_s) -> params`` fetches an
+    offered pytree into the engine's decode shardings: it is bound to one sender when the
+    server starts (``distributed.transfer``), so a request only ever names an offer, never an
+    address.
+
+Threads: ``submit`` / ``pause`` / ``resume`` are thread-safe (the driver's); ``update_weights``
+is a coroutine for the server's event loop and runs the pull in a worker thread; loads are
+serialised and a version older than the one held is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxrl_orch.inference.driver import InferenceDriver
+from jaxrl_orch.types import SamplingParams
+
+WeightSource = Callable[[int, Any, float], Any]  # (uuid, layout or None, timeout_s) -> params
+
+
+class NotReady(RuntimeError):
+    """The host holds no weights yet (a replica before its first update)."""
+
+
+class UpdateRefused(ValueError):
+    """A weight update this host cannot take (no source, or a version going backwards)."""
+
+
+class NoWeightSource(UpdateRefused):
+    """This host was started without a weight source (or borrows a driver someone else feeds)."""
+
+
+class Busy(RuntimeError):
+    """``max_queued`` samples are already waiting or decoding: come back later (HTTP 429)."""
+
+
+class EngineHost:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        model: str,
+        tokenizer: Any = None,
+        driver: InferenceDriver | None = None,
+        params: Any = None,
+        version: int = 0,
+        source: WeightSource | None = None,
+        prefix_cache_size: int = 16,
+        warm_up: bool = False,
+        max_queued: int = 4096,
+    ) -> None:
+        if driver is not None and (params is not None or source is not None):
+            raise ValueError("EngineHost: give a running driver, or params / a source, not both")
+        self.engine, self.model, self.tokenizer = engine, model, tokenizer
+        self.max_prompt_len = int(engine.max_prefill_length)
+        self.max_model_len = int(getattr(engine, "max_target_length", self.max_prompt_len))
+        # Ids a prompt may hold (None: unknown, e.g. a plug-in engine without a model config).
+        self.vocab_size = int(getattr(getattr(engine, "config", None), "vocab_size", 0)) or None
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued!r}")
+        self.max_queued = int(max_queued)
+        self.in_flight = 0  # samples submitted over HTTP and not yet finished
+        self._count_lock = threading.Lock()
+        self._source = source
+        self._prefix_cache_size = prefix_cache_size
+        self._warm_up = warm_up
+        self._owns_driver = driver is None
+        self._load_lock = asyncio.Lock()
+        self.driver = driver
+        if driver is None and params is not None:
+            self.driver = self._start_driver(params, version)
+
+    @property
+    def ready(self) -> bool:
+        return self.driver is not None
+
+    @property
+    def version(self) -> int:
+        return self.driver.version if self.driver is not None else -1
+
+    @property
+    def paused(self) -> bool:
+        return self.driver is not None and self.driver.paused
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        samplings: Sequence[SamplingParams],
+        on_token: Callable[[int, float, int], Any] | None = None,
+    ) -> list[concurrent.futures.Future]:
+        """One future per sampling, all of ``prompt_ids`` (sharing one prefill). Refused with
+        ``Busy`` when they would take more than ``max_queued`` samples in flight."""
+        if self.driver is None:
+            raise NotReady(f"{self.model} holds no weights yet: POST /update_weights first")
+        if self.in_flight + len(samplings) > self.max_queued:
+            raise Busy(
+                f"{self.in_flight} samples in flight and {len(samplings)} more asked for; the "
+                f"bound is max_queued={self.max_queued}"
+            )
+        futures = self.driver.submit(prompt_ids, list(samplings), on_token=on_token)
+        with self._count_lock:
+            self.in_flight += len(futures)
+        for f in futures:
+            f.add_done_callback(self._done)
+        return futures
+
+    def _done(self, _future: concurrent.futures.Future) -> None:
+        with self._count_lock:  # called from the driver's thread, or the canceller's
+            self.in_flight -= 1
+
+    async def pause(self, mode: str) -> None:
+        if self.driver is None:
+            raise NotReady(f"{self.model} holds no weights yet: nothing to pause")
+        await asyncio.wrap_future(self.driver.pause(mode))
+
+    def resume(self) -> None:
+        if self.driver is not None:
+            self.driver.resume()
+
+    async def update_weights(
+        self, version: int, uuid: int, layout: Any = None, timeout_s: float = 120.0
+    ) -> dict[str, float]:
+        """Fetch offer ``uuid`` from this host's source and decode with it as ``version`` from
+        the next decode step on. Returns ``{"version", "pull_s", "swap_s"}``."""
+        if self._source is None:
+            raise NoWeightSource(
+                f"{self.model} takes no weight updates: it was started without a weight source"
+            )
+        async with self._load_lock:
+            if version < self.version:
+                raise UpdateRefused(
+                    f"version must not go backwards: holds {self.version}, asked for {version}"
+                )
+            t0 = time.perf_counter()
+            params = await asyncio.to_thread(self._source, uuid, layout, timeout_s)
+            pull_s, t1 = time.perf_counter() - t0, time.perf_counter()
+            if self.driver is None:
+                self.driver = await asyncio.to_thread(self._start_driver, params, version)
+            else:
+                await asyncio.wrap_future(self.driver.swap_params(params, version))
+            return {"version": version, "pull_s": pull_s, "swap_s": time.perf_counter() - t1}
+
+    def _start_driver(self, params: Any, version: int) -> InferenceDriver:
+        driver = InferenceDriver(
+            self.engine, params, version, prefix_cache_size=self._prefix_cache_size
+        )
+        if self._warm_up:  # every program compiled before the first request is served
+            print(f"{self.model}: engine warm-up {driver.warm_up():.1f} s", flush=True)
+        driver.start()
+        return driver
+
+    def gauges(self) -> dict[str, float]:
+        return self.driver.gauges() if self.driver is not None else {}
+
+    def stop(self) -> None:
+        """Stop the driver this host started (a borrowed one is its owner's to stop)."""
+        if self.driver is not None and self._owns_driver:
+            self.driver.stop()

@@ -1,0 +1,180 @@
+"""vLLM's RL routes: token-in/token-out generation, pause and resume, weight updates.
+
+What it owns: ``rl_routes(host, limits, metrics)``, an ``APIRouter`` with
+``POST /inference/v1/generate``, ``POST /pause?mode=keep|wait|abort`` (vLLM's default mode:
+abort; any other query parameter is refused), ``POST /resume``, ``GET /is_paused`` and
+``POST /update_weights``, and the checks a request needs the served model for (its vocabulary,
+its prompt and context lengths, its queue bound), each refusal naming the bad value and the
+bound.
+
+Invariants:
+- A generate response holds one choice per sample, one log-prob entry and one policy version
+  per token id (``choices[i].logprobs.content[j].token == "token_id:<id>"``); a log-prob the
+  engine did not report (NaN) is ``null``. A request ended by ``pause("abort")`` answers 200
+  with its partial tokens and ``finish_reason: "abort"``.
+- A sample that outlives ``limits.request_timeout_s`` or whose client goes away is cancelled and
+  frees its slot (``waiting.await_completions``).
+- ``/update_weights`` names an offer (``uuid``) of the one source the server was started with,
+  never an address; a failed pull leaves the host serving the weights it had.
+
+Driven by the app's event loop; the driver's futures are awaited, never blocked on.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid as uuidlib
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from jaxrl_orch.inference.requests import PAUSE_MODES
+from jaxrl_orch.serving.errors import ApiError
+from jaxrl_orch.serving.guard import Limits
+from jaxrl_orch.serving.host import UpdateRefused
+from jaxrl_orch.serving.ops import Metrics
+from jaxrl_orch.serving.schemas import GenerateRequest, UpdateWeights, to_samplings
+from jaxrl_orch.serving.waiting import await_completions
+from jaxrl_orch.types import Completion
+
+
+def rl_routes(host: Any, limits: Limits, metrics: Metrics) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/inference/v1/generate")
+    async def generate(body: GenerateRequest, request: Request) -> dict:
+        max_tokens = check_generate(host, body)
+        try:
+            futures = host.submit(body.token_ids, to_samplings(body.sampling_params, max_tokens))
+        except ValueError as exc:  # the engine's own limits (e.g. stop ids per slot)
+            raise ApiError(400, str(exc)) from None
+        outs = await await_completions(request, futures, limits.request_timeout_s)
+        metrics.count_generated(sum(len(c.token_ids) for c in outs))
+        request_id = body.request_id or f"gen-{uuidlib.uuid4().hex}"
+        return generate_response(request_id, len(body.token_ids), outs)
+
+    @router.post("/pause")
+    async def pause(request: Request, mode: str = "abort") -> dict:
+        unknown = sorted(set(request.query_params) - {"mode"})
+        if unknown:  # older vLLM's wait_for_inflight_requests=true, ignored, would abort instead
+            raise ApiError(
+                400,
+                f"unknown query parameter {unknown[0]!r}; /pause takes only mode=",
+                param=unknown[0],
+            )
+        if mode not in PAUSE_MODES:
+            raise ApiError(
+                400, f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode"
+            )
+        await host.pause(mode)
+        return {"status": "paused" if host.paused else "resumed", "mode": mode}
+
+    @router.post("/resume")
+    async def resume() -> dict:
+        host.resume()
+        return {"status": "resumed"}
+
+    @router.get("/is_paused")
+    async def is_paused() -> dict:
+        return {"is_paused": host.paused}
+
+    @router.post("/update_weights")
+    async def update_weights(body: UpdateWeights) -> dict:
+        try:
+            return await host.update_weights(body.version, body.uuid, body.layout, body.timeout_s)
+        except UpdateRefused:
+            raise
+        except TimeoutError as exc:
+            raise ApiError(
+                504,
+                f"pulling offer uuid={body.uuid} did not finish within timeout_s="
+                f"{body.timeout_s:g} ({exc}); still serving version {host.version}",
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - the pull failed; the server keeps serving
+            raise ApiError(
+                500,
+                f"weight update to version {body.version} failed: {type(exc).__name__}: {exc}; "
+                f"still serving version {host.version}",
+            ) from None
+
+    return router
+
+
+def check_generate(host: Any, body: GenerateRequest) -> int:
+    """The request's ``max_tokens`` (resolved); raises ``ApiError`` naming what is out of
+    bounds for the served model."""
+    if body.model is not None and body.model != host.model:
+        raise ApiError(
+            404,
+            f"model {body.model!r} is not served here; this server serves {host.model!r}",
+            param="model",
+        )
+    ids, sp = body.token_ids, body.sampling_params
+    n, limit, context = len(ids), host.max_prompt_len, host.max_model_len
+    if n > limit:
+        raise ApiError(
+            400,
+            f"the prompt has {n} tokens; the max prompt length is {limit} "
+            f"(max_model_len={context} holds prompt plus completion)",
+            param="token_ids",
+        )
+    if sp.n > host.max_queued:  # could never be admitted: a 429 would invite endless retries
+        raise ApiError(
+            400,
+            f"n={sp.n} samples can never be in flight at once here: max_queued={host.max_queued}",
+            param="sampling_params.n",
+        )
+    _check_ids(host, ids, "token_ids")
+    _check_ids(host, sp.stop_token_ids, "sampling_params.stop_token_ids")
+    max_tokens = context - n if sp.max_tokens is None else sp.max_tokens
+    if n + max_tokens > context or max_tokens < 1:
+        raise ApiError(
+            400,
+            f"the prompt has {n} tokens and max_tokens={max_tokens}: {n + max_tokens} is past "
+            f"the context of max_model_len={context}; ask for at most {context - n} tokens",
+            param="sampling_params.max_tokens",
+        )
+    return max_tokens
+
+
+def _check_ids(host: Any, ids: list[int], param: str) -> None:
+    vocab = host.vocab_size
+    for i, t in enumerate(ids):
+        if t < 0 or (vocab is not None and t >= vocab):
+            bound = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise ApiError(
+                400,
+                f"{param}[{i}]={t} is outside the vocabulary: ids must be in {bound}",
+                param=param,
+            )
+
+
+def generate_response(request_id: str, prompt_len: int, outs: list[Completion]) -> dict:
+    choices = []
+    for i, c in enumerate(outs):
+        content = [
+            {
+                "token": f"token_id:{t}",
+                "logprob": None if math.isnan(lp) else lp,
+                "bytes": None,
+                "top_logprobs": [],
+            }
+            for t, lp in zip(c.token_ids, c.logprobs, strict=True)
+        ]
+        reason = "abort" if c.finish_reason == "cancelled" else c.finish_reason
+        choices.append(
+            {
+                "index": i,
+                "token_ids": list(c.token_ids),
+                "logprobs": {"content": content},
+                "finish_reason": reason,
+                "policy_versions": list(c.versions),
+            }
+        )
+    generated = sum(len(c.token_ids) for c in outs)
+    usage = {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": generated,
+        "total_tokens": prompt_len + generated,
+    }
+    return {"request_id": request_id, "choices": choices, "prompt_logprobs": None, "usage": usage}

@@ -1,0 +1,46 @@
+"""Awaiting the driver for one HTTP request: its futures, its client, its deadline.
+
+``await_completions(request, futures, timeout_s)`` returns the completions in order. While it
+waits it watches the connection: a client that goes away cancels every future, which frees the
+slots at the driver's next loop turn (a disconnected client must not keep decoding). Past
+``timeout_s`` the futures are cancelled too and the request fails 504. An engine error fails
+it 500 naming the error. Runs on the server's event loop and never blocks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import Request
+
+from jaxrl_orch.serving.errors import ApiError
+
+DISCONNECT_POLL_S = 0.1  # how often a waiting request asks whether its client is still there
+
+
+async def await_completions(
+    request: Request, futures: Sequence[concurrent.futures.Future], timeout_s: float
+) -> list[Any]:
+    waiting = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    try:
+        return await asyncio.wait_for(_unless_gone(request, waiting), timeout_s)
+    except TimeoutError:
+        raise ApiError(504, f"the request did not finish within timeout_s={timeout_s:g}") from None
+    except (RuntimeError, ValueError) as exc:  # the engine's error, this request's only
+        raise ApiError(500, f"generation failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        for f in futures:
+            f.cancel()  # no-op for finished ones; frees the slots of the rest
+
+
+async def _unless_gone(request: Request, waiting: asyncio.Future) -> list[Any]:
+    while True:
+        done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return waiting.result()
+        if await request.is_disconnected():
+            waiting.cancel()
+            raise ApiError(499, "the client went away before the request finished")
