@@ -6,12 +6,12 @@ What it measures
     ``python -m jaxrl_orch.train`` in one process on ``P*D + R*D`` fake CPU devices (trainer
     mesh fsdp over P*D, decode tp over D), and
     ``python -m jaxrl_orch.distributed.launch_local`` with P
-    trainer processes and R engine replicas of D devices each (gRPC requests, weights pulled
+    trainer processes and R engine replicas of D devices each (HTTP requests, weights pulled
     with ``jax.experimental.transfer``). Per run: the median ``orch/step_s`` (wall time between
     two shipped batches) over the steps after ``--skip`` warm-up steps, the median weight
     transfer time per step, and the wall time of the whole command. The headline is
     ``step_ratio = multi / single``. On one machine the processes share its cores, so this
-    shows what the process boundary costs (requests over gRPC, the group's batch broadcast, the
+    shows what the process boundary costs (requests over HTTP, the group's batch broadcast, the
     stage and pull of every version), not the scale-out a multi-host slice gives.
 
 How to run

@@ -101,7 +101,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     roles.add_argument(
         "--engine_addresses",
         default="",
-        help="HOST:PORT,... the gRPC address of every engine replica, in replica order",
+        help="http://HOST:PORT,... the URL of every engine replica, in replica order (a replica "
+        "binds the host and port of its own)",
+    )
+    roles.add_argument(
+        "--weight_source",
+        default=None,
+        help="HOST:PORT where trainer process 0 offers new weights; replicas pull only from it",
+    )
+    roles.add_argument(
+        "--api_key_file",
+        default=None,
+        help="a file holding the API key replicas require and the orchestrator sends (needed "
+        "for replicas beyond loopback)",
     )
     p.add_argument(
         "--list_config",
@@ -206,16 +218,32 @@ def _prepare(stages: Any, cfg: TrainConfig, args: argparse.Namespace) -> Any:
     role = resolve_role(
         cfg.processes.trainer_processes, cfg.processes.engine_replicas, args.process_index
     )
-    addresses = tuple(a for a in args.engine_addresses.split(",") if a)
-    if cfg.processes.engine_replicas and len(addresses) != cfg.processes.engine_replicas:
-        raise ValueError(
-            f"--engine_addresses names {len(addresses)} replicas ({args.engine_addresses!r}); "
-            f"the config has engine_replicas={cfg.processes.engine_replicas}"
-        )
+    replicas = _replicas(cfg.processes.engine_replicas, args)
     role = join_group(role, args.coordinator_address)  # before any JAX computation
     if role.kind != "single":
         print(f"[process {role.process_index}] {role.describe()}", flush=True)
-    return stages.prepare(cfg, as_path(args.workdir), role, addresses)  # gs:// stays a URL
+    return stages.prepare(cfg, as_path(args.workdir), role, replicas)  # gs:// stays a URL
+
+
+def _replicas(engine_replicas: int, args: argparse.Namespace) -> Any:
+    """Where the engine replicas are (``--engine_addresses``, ``--weight_source``,
+    ``--api_key_file``), checked against the config's ``engine_replicas``."""
+    from jaxrl_orch.distributed.addresses import Replicas, host_port, read_api_key, replica_urls
+
+    urls = replica_urls(args.engine_addresses)
+    if engine_replicas and len(urls) != engine_replicas:
+        raise ValueError(
+            f"--engine_addresses names {len(urls)} replicas ({args.engine_addresses!r}); "
+            f"the config has engine_replicas={engine_replicas}"
+        )
+    if args.weight_source is not None:
+        host_port(args.weight_source)
+    elif engine_replicas:
+        raise ValueError(
+            "--weight_source=HOST:PORT is missing: trainer process 0 offers new weights there "
+            "and every engine replica pulls them from there (launch_local sets it)"
+        )
+    return Replicas(urls, args.weight_source, read_api_key(args.api_key_file))
 
 
 def _run(stages: Any, parts: Any, stop: Any) -> dict[str, Any]:

@@ -57,8 +57,11 @@ PLANTS = {
     ),
     # a loss holding optimizer state
     "algorithms are pure": ("algorithms/losses.py", "import optax"),
-    # a replica reaching for the trainer
-    "replicas' protocol": ("distributed/protocol.py", "from jaxrl_orch.trainer import step"),
+    # a replica's client reaching for the trainer
+    "distributed knows no trainer": (
+        "distributed/client.py",
+        "from jaxrl_orch.trainer import step",
+    ),
 }
 
 

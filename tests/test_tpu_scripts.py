@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -475,7 +476,9 @@ def test_launch_starts_engines_then_every_trainer_worker_with_their_roles(gcloud
         "--gin_param=Processes.trainer_processes = 2",
         "--gin_param=Processes.engine_replicas = 2",
         "--coordinator_address=10.0.0.2:8476",
-        "--engine_addresses=10.0.1.10:50051,10.0.1.11:50051",
+        "--engine_addresses=http://10.0.1.10:50051,http://10.0.1.11:50051",
+        "--weight_source=10.0.0.2:8477",
+        "--api_key_file=logs/engine.key",
     ]
     extra = ["--gin_param=Orchestrator.max_staleness = 2"]
     commands = [_flag(c, "command") for c in ssh]
@@ -483,9 +486,12 @@ def test_launch_starts_engines_then_every_trainer_worker_with_their_roles(gcloud
     assert _train_argv(commands[1]) == [*common, "--process_index=3", *extra]
     # each trainer worker substitutes its own id ($wid) on the host
     assert _train_argv(commands[2]) == [*common, "--process_index=$wid", *extra]
+    keys = {re.search(r"printf '%s' '([0-9a-f]{64})' > logs/engine.key", c)[1] for c in commands}
+    assert len(keys) == 1  # one fresh key, written (mode 600) on every host of the run
     for command in commands:
         assert subprocess.run(["bash", "-n", "-c", command]).returncode == 0
         assert command.startswith("cd jaxrl-orch && . .venv/bin/activate")
+        assert "umask 077" in command
         assert "2>&1 < /dev/null &" in command
     assert " > logs/engine-0-" in commands[0] and " > logs/engine-1-" in commands[1]
     assert " > logs/trainer-$wid-" in commands[2]
@@ -499,7 +505,7 @@ def test_launch_ports_are_flags(gcloud):
     assert proc.returncode == 0, proc.stderr
     argv = _train_argv(_flag(gcloud.calls()[-1], "command"))
     assert "--coordinator_address=10.0.0.2:9000" in argv
-    assert "--engine_addresses=10.0.1.10:7000" in argv
+    assert "--engine_addresses=http://10.0.1.10:7000" in argv
     assert "--gin_param=Processes.trainer_processes = 1" in argv
     proc = _run("launch.sh", "--dry-run", "--engine-port=70000")
     assert proc.returncode == 2 and "--engine-port '70000' is invalid" in proc.stderr
@@ -651,7 +657,7 @@ def test_launch_dry_run_prints_describes_and_placeholder_addresses():
     assert lines[0][6:] == [*LOC, *IPS]
     argv = _train_argv(_flag(lines[2], "command"))
     assert "--process_index=1" in argv  # P = 1 assumed without --trainer-hosts
-    assert "--engine_addresses=ENGINE_0_IP:50051" in argv
+    assert "--engine_addresses=http://ENGINE_0_IP:50051" in argv
     assert "placeholders" in proc.stderr
 
 

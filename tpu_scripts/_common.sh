@@ -37,6 +37,7 @@ GIN_FILE="${TPU_GIN_FILE:-configs/tpu_v5e_8.gin}"
 WORKDIR="${TPU_WORKDIR:-}"
 COORDINATOR_PORT="${TPU_COORDINATOR_PORT:-8476}"
 ENGINE_PORT="${TPU_ENGINE_PORT:-50051}"
+WEIGHT_PORT="${TPU_WEIGHT_PORT:-8477}"
 TRAINER_HOSTS="${TPU_TRAINER_HOSTS:-}"
 ASSUME_YES="${TPU_ASSUME_YES:-0}"
 
@@ -113,6 +114,7 @@ _set_flag() {
     --workdir) WORKDIR="$value" ;;
     --coordinator-port) COORDINATOR_PORT="$value" ;;
     --engine-port) ENGINE_PORT="$value" ;;
+    --weight-port) WEIGHT_PORT="$value" ;;
     --trainer-hosts) TRAINER_HOSTS="$value" ;;
     *) die "unhandled flag $flag" ;;
   esac

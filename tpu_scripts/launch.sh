@@ -7,8 +7,11 @@
 # the single-host VM NAME-engine-i as process P+i. First the VMs' internal IPs are read with
 # `tpu-vm describe`; then the engines start, then every trainer worker (--worker=all), each
 # with the same flags: --gin_file, --workdir, the layout (Processes.trainer_processes = P,
-# Processes.engine_replicas = R), --coordinator_address=<trainer worker 0>:PORT,
-# --engine_addresses=<engine 0>:PORT,... (when R > 0) and its own --process_index.
+# Processes.engine_replicas = R), --coordinator_address=<trainer worker 0>:PORT, its own
+# --process_index and, when R > 0, --engine_addresses=http://<engine 0>:PORT,... (the replicas'
+# HTTP API), --weight_source=<trainer worker 0>:WEIGHT_PORT (the only address replicas pull
+# weights from) and --api_key_file=logs/engine.key: replicas bind their VM's address, which
+# needs a key; a fresh random one is written (mode 600) on every host of the run.
 # Arguments after `--` are passed to every process unchanged (for example --gin_param=...).
 # Refuses to start on a host where the pid recorded by a previous launch is alive.
 #
@@ -20,19 +23,21 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 ALLOWED_FLAGS="--project --zone --name --engine-replicas --remote-dir --gin-file --workdir \
---coordinator-port --engine-port --trainer-hosts"
+--coordinator-port --engine-port --weight-port --trainer-hosts"
 USAGE="usage: $(basename "$0") [--dry-run] --project P --zone Z --name NAME [--engine-replicas R]
   [--remote-dir DIR] [--gin-file configs/tpu_v5e_8.gin] [--workdir gs://BUCKET/run|runs/x]
-  [--coordinator-port 8476] [--engine-port 50051] [--trainer-hosts N] [-- extra train args]
+  [--coordinator-port 8476] [--engine-port 50051] [--weight-port 8477] [--trainer-hosts N]
+  [-- extra train args]
 --trainer-hosts: the slice's worker count if you know it; a real run checks it against the
   slice, a dry run (which resolves nothing) assumes it (default 1).
 env: TPU_PROJECT TPU_ZONE TPU_NAME TPU_ENGINE_REPLICAS TPU_REMOTE_DIR TPU_GIN_FILE TPU_WORKDIR
-  TPU_COORDINATOR_PORT TPU_ENGINE_PORT TPU_TRAINER_HOSTS"
+  TPU_COORDINATOR_PORT TPU_ENGINE_PORT TPU_WEIGHT_PORT TPU_TRAINER_HOSTS"
 parse_args "$@"
 require_target
 [[ -n "$GIN_FILE" ]] || die "gin file is empty: pass --gin-file configs/<name>.gin"
 COORDINATOR_PORT="$(port_setting --coordinator-port TPU_COORDINATOR_PORT "$COORDINATOR_PORT")"
 ENGINE_PORT="$(port_setting --engine-port TPU_ENGINE_PORT "$ENGINE_PORT")"
+WEIGHT_PORT="$(port_setting --weight-port TPU_WEIGHT_PORT "$WEIGHT_PORT")"
 if [[ -n "$TRAINER_HOSTS" ]]; then
   TRAINER_HOSTS="$(int_setting --trainer-hosts TPU_TRAINER_HOSTS "$TRAINER_HOSTS")"
   ((TRAINER_HOSTS >= 1)) || die "--trainer-hosts must be at least 1"
@@ -82,7 +87,7 @@ for ((i = 0; i < R; i++)); do
   mapfile -t ips <"$ipfile"
   ((${#ips[@]} == 1)) ||
     die "engine VM $vm has ${#ips[@]} workers: an engine replica must be a single-host TPU VM"
-  engine_addrs+=("${ips[0]}:$ENGINE_PORT")
+  engine_addrs+=("http://${ips[0]}:$ENGINE_PORT")
 done
 
 if ((P > 1 || R > 0)); then
@@ -96,15 +101,19 @@ common=("--gin_file=$GIN_FILE" "--workdir=$WORKDIR"
   "--gin_param=Processes.trainer_processes = $P"
   "--gin_param=Processes.engine_replicas = $R"
   "--coordinator_address=$coordinator")
+keyfile=""
 if ((R > 0)); then
   joined_addrs="$(IFS=,; echo "${engine_addrs[*]}")"
-  common+=("--engine_addresses=$joined_addrs")
+  common+=("--engine_addresses=$joined_addrs" "--weight_source=${trainer_ips[0]}:$WEIGHT_PORT"
+    "--api_key_file=logs/engine.key")
+  key="$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')"
+  keyfile=" && (umask 077 && printf '%s' '$key' > logs/engine.key)"
 fi
 extra="$(quote_all ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})"
 
 dir="$(quote "$REMOTE_DIR")"
 stamp="$(date -u +%Y%m%dT%H%M%SZ)"
-prelude="cd $dir && . .venv/bin/activate && mkdir -p logs || exit 1"
+prelude="cd $dir && . .venv/bin/activate && mkdir -p logs$keyfile || exit 1"
 pidcheck="if [ -f logs/train.pid ] && kill -0 \"\$(cat logs/train.pid)\" 2>/dev/null; then \
 echo \"\$(hostname): training already running (pid \$(cat logs/train.pid))\" >&2; exit 1; fi"
 

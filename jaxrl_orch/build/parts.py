@@ -1,11 +1,13 @@
 """Build helpers of the composition root: the model's config, the stage optimizers, the probes.
 
 What it owns: pure functions from ``TrainConfig`` (and the tokenizer) to the settings the parts
-are built with. ``model_config`` resolves a preset or a local HF checkpoint directory and limits
-the logits to the tokenizer's ids (engine and trainer share it); ``hf_checkpoint_dir`` tells a
-checkpoint from a preset name (nothing is downloaded); ``optim_config`` gives each stage its
-schedule; ``first_examples`` is the ``rl_prompt_pool`` probe's source; ``build_placement``
-splits the devices into the decode and trainer meshes; ``build_data`` opens the run's sources.
+are built with. ``build_model`` gives the run's tokenizer and model config; ``model_config``
+resolves a preset or a local HF checkpoint directory and limits the logits to the tokenizer's
+ids (engine and trainer share it); ``pretrained_params`` loads the weights of an HF checkpoint
+it names; ``hf_checkpoint_dir`` tells a checkpoint from a preset name (nothing is downloaded);
+``optim_config`` gives each stage its schedule; ``first_examples`` is the ``rl_prompt_pool``
+probe's source; ``build_placement`` splits the devices into the decode and trainer meshes;
+``build_data`` opens the run's sources.
 """
 
 from __future__ import annotations
@@ -15,10 +17,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from flax import nnx
+
+from jaxrl_orch.build.accel import accel_model_config
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.data.sources import DatasetSource, make_source, text_file_path
 from jaxrl_orch.models.configs import ModelConfig, get_config
-from jaxrl_orch.models.hf_import import config_from_hf
+from jaxrl_orch.models.hf_import import config_from_hf, load_hf_checkpoint
+from jaxrl_orch.models.tokenizer import load_tokenizer
 from jaxrl_orch.trainer.step import OptimConfig
 from sharding.mesh import make_meshes
 
@@ -39,6 +45,23 @@ def model_config(name: str, tokenizer: Any) -> ModelConfig:
             f"{model_cfg.vocab_size}; pick a model whose vocab covers the tokenizer"
         )
     return dataclasses.replace(model_cfg, output_vocab=n) if n < model_cfg.vocab_size else model_cfg
+
+
+def build_model(cfg: TrainConfig) -> tuple[Any, ModelConfig]:
+    """The run's tokenizer and its model config (``Model`` section, with the run's precision,
+    attention and remat)."""
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    return tokenizer, accel_model_config(model_config(cfg.model.name, tokenizer), cfg)
+
+
+def pretrained_params(name: str, model_cfg: ModelConfig) -> Any:
+    """The HF checkpoint's weights when ``name`` (``Model.name``) names one, else None."""
+    path = hf_checkpoint_dir(name)
+    if path is None:
+        return None
+    mc = model_cfg
+    _, model = load_hf_checkpoint(path, dtype=mc.dtype, param_dtype=mc.param_dtype)
+    return nnx.split(model)[1]
 
 
 def hf_checkpoint_dir(name: str) -> Path | None:

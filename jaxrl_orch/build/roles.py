@@ -5,8 +5,10 @@ What it owns
     every device of the group (``fsdp`` over all by default) and a decode mesh shaped like a
     replica's (its default: ``tp`` over one host's devices), used only for its layout. An engine
     replica: the decode mesh over its own devices.
-    ``serve_replica``: an engine replica's whole life (``distributed.server.ReplicaServer`` on
-    the built engine), until SIGTERM / SIGINT.
+    ``serve_replica``: an engine replica's whole life: the built engine behind the HTTP
+    contract (``distributed.replica``) at the host and port of its own URL, pulling weights only
+    from the run's ``--weight_source``, until SIGTERM / SIGINT. ``check_bind``: refuses, before
+    any work, a replica URL beyond loopback without an API key.
     ``follow``: a peer trainer process's RL stage: the leader's commands, in lockstep.
 
 Trainer process 0's wiring for replicas is ``sides.LeaderSide``. Checkpoints in a group are
@@ -17,7 +19,6 @@ orchestrator's state, then every process saves the same step.
 from __future__ import annotations
 
 import asyncio
-import signal
 from typing import Any
 
 import jax
@@ -25,9 +26,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.distributed.addresses import Replicas, bind_of
 from jaxrl_orch.distributed.group import CHECKPOINT, STOP, TRAIN, Channel, EngineStager, Role
-from jaxrl_orch.distributed.server import ReplicaServer
+from jaxrl_orch.distributed.replica import replica_server, serve_until_signal
 from jaxrl_orch.orchestrator.metrics.writers import stage
+from jaxrl_orch.serving.runner import HttpServer
 from jaxrl_orch.trainer.checkpoint import Checkpointer, save_trainer
 from sharding.mesh import make_meshes
 
@@ -50,31 +53,27 @@ def placement(cfg: TrainConfig, role: Role) -> tuple[bool, Any, Any]:
     return False, decode, trainer
 
 
-def serve_replica(cfg: TrainConfig, engine: Any, role: Role, address: str) -> dict[str, Any]:
-    """Serve ``engine`` at ``address`` until SIGTERM / SIGINT (the launcher's stop)."""
-    server = ReplicaServer(
+def check_bind(replicas: Replicas, role: Role) -> None:
+    """An engine replica's URL must be loopback unless the run gives an API key."""
+    host, _ = bind_of(replicas.urls[role.replica])
+    HttpServer.check_bind(host, replicas.api_key)
+
+
+def serve_replica(cfg: TrainConfig, engine: Any, role: Role, replicas: Replicas) -> dict[str, Any]:
+    """Serve ``engine`` at this replica's URL until SIGTERM / SIGINT (the launcher's stop)."""
+    url = replicas.urls[role.replica]
+    host, server = replica_server(
         engine,
-        address=address,
         replica=role.replica,
-        pull_timeout_s=cfg.processes.weight_pull_timeout_s,
+        model=cfg.model.name,
+        bind=bind_of(url),
+        weight_source=replicas.weight_source,
+        api_key=replicas.api_key,
         warm_up=cfg.engine.warmup,
     )
-    stage("engine replica", f"{role.describe()} on {address}, {len(jax.local_devices())} devices")
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        serving = asyncio.ensure_future(server.serve())
-        await asyncio.wait(
-            [serving, asyncio.ensure_future(stop.wait())], return_when="FIRST_COMPLETED"
-        )
-        await server.stop()
-        if serving.done() and serving.exception() is not None:
-            raise serving.exception()
-
-    asyncio.run(main())
+    where = f"{role.describe()} at {url}, weights from {replicas.weight_source}"
+    stage("engine replica", f"{where}, {len(jax.local_devices())} devices")
+    asyncio.run(serve_until_signal(host, server))
     return {"role": role.describe()}
 
 

@@ -1,13 +1,15 @@
-"""The run's parts, built and checked once: ``build_run(cfg, workdir, role, addresses)``.
+"""The run's parts, built and checked once: ``build_run(cfg, workdir, role, replicas)``.
 
 What it owns: ``RunParts``, the frozen, typed record every stage of ``run/`` receives instead of
 a mutable experiment object: the settings, the workdir (local or ``gs://``), this process's
-role, the tokenizer and the model config (the run's precision, attention and remat), the meshes,
-the environment and its demonstrator, and the data sources. Stages read it; nothing writes to
-it. ``build_run`` validates before any work: the mesh shapes against the devices, the
-environment, the data (every example checked to fit, ``checks``), the engine setting and
-``warmup_from``. What a stage builds later (the engine, a trainer) comes from the builders
-here and in ``engines``, fed from the parts.
+role, where the run's engine replicas are (``engine_addresses``: their URLs, the weight source,
+the API key; empty for one process), the tokenizer and the model config (the run's precision,
+attention and remat), the meshes, the environment and its demonstrator, and the data sources.
+Stages read it; nothing writes to it. ``build_run`` validates before any work: the mesh shapes
+against the devices, the environment, the data (every example checked to fit, ``checks``), the
+engine setting, ``warmup_from`` and, for an engine replica, that it may bind its URL
+(``roles.check_bind``). What a stage builds later (the engine, a trainer) comes from the
+builders here and in ``engines``, fed from the parts.
 
 Never: holds a built engine or trainer (those belong to the stage that runs them), or reads a
 setting a stage could be handed.
@@ -21,27 +23,24 @@ from typing import Any
 
 import jax
 from etils import epath
-from flax import nnx
 
 from jaxrl_orch.build import roles
-from jaxrl_orch.build.accel import accel_model_config, step_config
+from jaxrl_orch.build.accel import step_config
 from jaxrl_orch.build.checks import check_examples
 from jaxrl_orch.build.engines import engine_factory, engine_limits
 from jaxrl_orch.build.parts import (
     DataSources,
     build_data,
+    build_model,
     build_placement,
-    hf_checkpoint_dir,
-    model_config,
     optim_config,
 )
 from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.distributed.addresses import Replicas
 from jaxrl_orch.distributed.group import Role
 from jaxrl_orch.envs.base import make_env
 from jaxrl_orch.envs.demonstrator import MixedDemonstrator
 from jaxrl_orch.models.configs import ModelConfig
-from jaxrl_orch.models.hf_import import load_hf_checkpoint
-from jaxrl_orch.models.tokenizer import load_tokenizer
 from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.paths import as_path
 from jaxrl_orch.trainer.sft import sft_sample
@@ -65,7 +64,7 @@ class RunParts:
     cfg: TrainConfig
     workdir: epath.Path
     role: Role
-    engine_addresses: tuple[str, ...]
+    engine_addresses: Replicas
     tokenizer: Any
     model_cfg: ModelConfig
     placement: Placement
@@ -92,11 +91,12 @@ class RunParts:
 
 
 def build_run(
-    cfg: TrainConfig, workdir: Any, role: Role, engine_addresses: tuple[str, ...] = ()
+    cfg: TrainConfig, workdir: Any, role: Role, engine_addresses: Replicas = Replicas()
 ) -> RunParts:
     """The run's parts, every check done (see the module docstring)."""
-    tokenizer = load_tokenizer(cfg.model.tokenizer)
-    model_cfg = accel_model_config(model_config(cfg.model.name, tokenizer), cfg)
+    if role.kind == "engine":
+        roles.check_bind(engine_addresses, role)  # before minutes of building, not after
+    tokenizer, model_cfg = build_model(cfg)
     if role.kind == "single":
         placement = Placement(*build_placement(cfg, len(jax.devices())))
     else:
@@ -111,7 +111,7 @@ def build_run(
         cfg=cfg,
         workdir=as_path(workdir),  # local, or a gs:// URL kept as one
         role=role,
-        engine_addresses=tuple(engine_addresses),
+        engine_addresses=engine_addresses,
         tokenizer=tokenizer,
         model_cfg=model_cfg,
         placement=placement,
@@ -143,16 +143,6 @@ def _announce_data(parts: RunParts) -> None:
         f"{cfg.data.env} on {cfg.data.dataset}: {len(data.train)} train / {len(data.eval)} "
         f"held-out examples (eval on {cfg.rl.eval_examples}); warm-up demonstrator: {mix}",
     )
-
-
-def pretrained_params(parts: RunParts) -> Any:
-    """The HF checkpoint's weights when ``Model.name`` names one, else None."""
-    path = hf_checkpoint_dir(parts.cfg.model.name)
-    if path is None:
-        return None
-    mc = parts.model_cfg
-    _, model = load_hf_checkpoint(path, dtype=mc.dtype, param_dtype=mc.param_dtype)
-    return nnx.split(model)[1]
 
 
 def build_trainer(

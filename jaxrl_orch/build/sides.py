@@ -12,9 +12,11 @@ first) and swap in between two decode steps. The overlap schedule (``overlap``) 
 the engine pauses while the trainer steps; it is given to the trainer as its step hook.
 
 ``LeaderSide``: trainer process 0 with engine replicas (DESIGN.md section 8): the
-``EngineStager`` lays every version out in a replica's layout, the ``WeightOffer`` offers it,
-the ``RemotePool`` dispatches and has every replica pull it; with a trainer group of P > 1 the
-``Channel`` hands each batch (the trainer's ``on_batch`` hook) and checkpoint to the peers.
+``EngineStager`` lays every version out in a replica's layout, the ``WeightOffer`` offers it on
+the run's ``--weight_source`` (the one address every replica pulls from), the ``RemotePool``
+dispatches over the replicas' HTTP API and has every replica pull it; with a trainer group of
+P > 1 the ``Channel`` hands each batch (the trainer's ``on_batch`` hook) and checkpoint to the
+peers.
 
 Never: builds the trainer or the orchestrator (the RL stage does), or sets a hook on a part.
 """
@@ -32,6 +34,7 @@ from jax.experimental import multihost_utils
 from jaxrl_orch.build.engines import to_engine
 from jaxrl_orch.build.overlap import OverlapSchedule
 from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.distributed.addresses import Replicas, host_port
 from jaxrl_orch.distributed.group import CHECKPOINT, STOP, TRAIN, Channel, EngineStager
 from jaxrl_orch.distributed.pool import RemotePool
 from jaxrl_orch.distributed.transfer import WeightOffer
@@ -102,15 +105,20 @@ class LeaderSide:
     """See the module docstring. ``engine`` never runs here: its shardings and weight dtype
     are a replica's (``roles.placement`` built its mesh like one)."""
 
-    def __init__(self, cfg: TrainConfig, engine: Any, trainer_mesh: Any, addresses: tuple) -> None:
+    def __init__(
+        self, cfg: TrainConfig, engine: Any, trainer_mesh: Any, replicas: Replicas
+    ) -> None:
+        if replicas.weight_source is None:
+            raise ValueError("engine replicas need --weight_source=HOST:PORT to pull weights from")
         self.stager = EngineStager(trainer_mesh, engine.param_shardings, engine.param_dtype)
         self.channel = Channel(leader=True) if cfg.processes.trainer_processes > 1 else None
         on_batch = None if self.channel is None else self._send_batch
         self.hooks = StepHooks(on_batch=on_batch)
-        self.offer = WeightOffer()
+        self.offer = WeightOffer(*host_port(replicas.weight_source))
         self.pool = RemotePool(
-            addresses,
+            replicas.urls,
             self.offer,
+            api_key=replicas.api_key,
             request_timeout_s=cfg.processes.replica_request_timeout_s,
             pull_timeout_s=cfg.processes.weight_pull_timeout_s,
             # Every load names the staged layout: a replica whose decode mesh differs (its host

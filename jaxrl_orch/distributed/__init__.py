@@ -1,3 +1,5 @@
 """A run over several processes (DESIGN.md section 8): the process group and its roles
-(``group``), the engine replicas' request protocol, server, client and pool, cross-process
-weight transfer (``transfer``), and the local launcher (``launch_local``)."""
+(``group``), the engine replicas, each an engine behind the HTTP contract of ``serving``
+(``replica``, with ``source`` its one weight source), the orchestrator's client of them and its
+pool (``client``, ``pool``), cross-process weight transfer (``transfer``), the command line's
+addresses (``addresses``) and the local launcher (``launch_local``)."""

@@ -186,7 +186,7 @@ class EngineStager:
 
     def transfer_layout(self) -> dict[str, Any]:
         """How ``local`` lays the arrays out, for a replica whose decode mesh differs (JSON:
-        mesh axis sizes, one spec per leaf; ``server.transfer_targets`` reads it)."""
+        mesh axis sizes, one spec per leaf; ``source.transfer_targets`` reads it)."""
         specs = [
             [list(p) if isinstance(p, tuple) else p for p in s.spec]
             for s in jax.tree.leaves(self._local)

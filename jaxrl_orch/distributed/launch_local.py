@@ -4,11 +4,14 @@
         --gin_file=configs/reverse_text.gin [--gin_param=...] --workdir=runs/multi
 
 What it owns: the processes of one run on this machine. It picks free loopback ports (the
-trainer group's jax.distributed coordinator, one gRPC port per replica), gives every process
-its own ``--devices_per_process`` fake CPU devices (``XLA_FLAGS``) unless told to leave the
-devices alone, and starts ``python -m jaxrl_orch.train`` once per process with the layout
-bound (``Processes.trainer_processes`` / ``engine_replicas``) and that process's
-``--process_index``: 0..P-1 train (0 also runs the orchestrator), P..P+R-1 serve. Each
+trainer group's jax.distributed coordinator, one HTTP port per replica, passed as
+``--engine_addresses=http://127.0.0.1:PORT,...``, and the trainer leader's weight transfer
+server, passed to every process as ``--weight_source=127.0.0.1:PORT``: the leader offers there,
+each replica pulls only from there), gives every process its own ``--devices_per_process`` fake
+CPU devices (``XLA_FLAGS``) unless told to leave the devices alone, and starts ``python -m
+jaxrl_orch.train`` once per process with the layout bound (``Processes.trainer_processes`` /
+``engine_replicas``) and that process's ``--process_index``: 0..P-1 train (0 also runs the
+orchestrator), P..P+R-1 serve. Other flags (``--api_key_file`` too) go to every process. Each
 process's output goes to ``WORKDIR/logs/process_<K>_<role>.log``; process 0's is also echoed
 here. The workdir gets the same outputs as the single-process command (``summary.json``,
 ``metrics.jsonl``, checkpoints, report, export).
@@ -40,6 +43,14 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+# Set per process by the launcher; a user's would point the processes at the wrong places.
+LAUNCHER_FLAGS = (
+    "--process_index",
+    "--coordinator_address",
+    "--engine_addresses",
+    "--weight_source",
+)
 
 
 def free_ports(n: int) -> list[int]:
@@ -91,7 +102,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
             f"--engine_replicas must be >= 1, got {args.engine_replicas} (a run without "
             "replicas is the single-process command: python -m jaxrl_orch.train)"
         )
-    for flag in ("--process_index", "--coordinator_address", "--engine_addresses"):
+    for flag in LAUNCHER_FLAGS:
         if any(a.split("=")[0] == flag for a in rest):
             p.error(f"{flag} is set by the launcher for every process; leave it out")
     return args, rest
@@ -101,9 +112,10 @@ class Launcher:
     def __init__(self, args: argparse.Namespace, train_args: list[str]) -> None:
         self.args = args
         self.p, self.r = args.trainer_processes, args.engine_replicas
-        ports = free_ports(1 + self.r)
+        ports = free_ports(2 + self.r)
         self.coordinator = f"127.0.0.1:{ports[0]}"
-        self.addresses = [f"127.0.0.1:{port}" for port in ports[1:]]
+        self.weight_source = f"127.0.0.1:{ports[1]}"
+        self.addresses = [f"http://127.0.0.1:{port}" for port in ports[2:]]
         self.logs = Path(args.workdir) / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.train_args = [
@@ -113,6 +125,7 @@ class Launcher:
             f"--gin_param=Processes.engine_replicas = {self.r}",
             f"--coordinator_address={self.coordinator}",
             f"--engine_addresses={','.join(self.addresses)}",
+            f"--weight_source={self.weight_source}",
         ]
         self.procs: dict[int, subprocess.Popen] = {}
         self.restarts = 0
@@ -168,7 +181,8 @@ class Launcher:
             self.start(k)
         print(
             f"launch_local: {self.p} trainer process(es) (coordinator {self.coordinator}), "
-            f"{self.r} engine replica(s) at {', '.join(self.addresses)}; logs in {self.logs}",
+            f"{self.r} engine replica(s) at {', '.join(self.addresses)}, weights offered at "
+            f"{self.weight_source}; logs in {self.logs}",
             flush=True,
         )
         follow = open(self.logs / "process_0_trainer.log", "rb")  # noqa: SIM115

@@ -1,25 +1,27 @@
 """RemotePool: the orchestrator's view of R engine replicas (its ``types.InferencePool``).
 
 What it owns
-    One ``RemoteEngineClient`` per replica, which replicas are live, the newest weights on offer
-    (``(version, params)``, params on the leader's devices in a replica's layout), and the
-    failover of groups. ``select()`` pins a group: it returns a ``PinnedClient`` on the live
-    replica with the fewest requests in flight, and every rollout of the group calls that one
-    handle. When its replica is lost (``ReplicaLost``: the process died, the connection
-    broke), the handle moves the whole group to another live replica and re-issues the
-    requests that were in flight there (with per-request seeds the samples are those the lost
-    replica would have produced); completed turns stand. No rollout is failed or settled twice
-    on account of a lost replica, so the dispatcher's exactly-once invariant holds unchanged.
+    One ``RemoteEngineClient`` per replica (an HTTP client of the replica's ``serving`` app),
+    which replicas are live, the newest weights on offer (``(version, params)``, params on the
+    leader's devices in a replica's layout), and the failover of groups. ``select()`` pins a
+    group: it returns a ``PinnedClient`` on the live replica with the fewest requests in
+    flight, and every rollout of the group calls that one handle. When its replica is lost
+    (``ReplicaLost``: the process died, the connection broke), the handle moves the whole group
+    to another live replica and re-issues the requests that were in flight there (with
+    per-request seeds the samples are those the lost replica would have produced); completed
+    turns stand. No rollout is failed or settled twice on account of a lost replica, so the
+    dispatcher's exactly-once invariant holds unchanged.
 
 Weights: ``start`` waits (bounded) until every replica answers, then loads the first version
 into each; ``load_weights(version, params)`` offers the params to each live replica
-(``transfer.WeightOffer``, one pull per offer) and awaits every pull and swap; a replica
-lost meanwhile is marked lost, a pull that fails or times out raises ``WeightPullError`` naming
-the replica and version. ``watch`` (a background task) probes lost replicas; one that answers
-again (restarted) gets the current weights before it is live again, so it never serves an old
-version.
+(``transfer.WeightOffer``, one pull per offer, on the fixed address every replica was started
+with as its only weight source, so an update names just the offer's uuid) and awaits every pull
+and swap (``POST /update_weights``); a replica lost meanwhile is marked lost, a pull that fails
+or times out raises ``WeightPullError`` naming the replica and version. ``watch`` (a background
+task) probes lost replicas; one that answers again (restarted) gets the current weights before
+it is live again, so it never serves an old version.
 
-Runs on the orchestrator's event loop; never blocks it (the gRPC calls are asyncio's).
+Runs on the orchestrator's event loop; never blocks it (the HTTP calls are asyncio's).
 """
 
 from __future__ import annotations
@@ -46,11 +48,12 @@ class RemotePool:
         pull_timeout_s: float,
         probe_interval_s: float = 1.0,
         layout: dict | None = None,
+        api_key: str | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("RemotePool needs at least one replica address")
         self.clients = [
-            RemoteEngineClient(a, replica=i, timeout_s=request_timeout_s)
+            RemoteEngineClient(a, replica=i, timeout_s=request_timeout_s, api_key=api_key)
             for i, a in enumerate(addresses)
         ]
         self.offer = offer
@@ -109,12 +112,7 @@ class RemotePool:
         uuid = self.offer.offer(params, expire_s=self.pull_timeout_s + 30)
         extra = FIRST_LOAD_EXTRA_S if first else 30.0
         await self.clients[i].load_weights(
-            version,
-            self.offer.address,
-            uuid,
-            self.pull_timeout_s,
-            layout=self.layout,
-            extra_s=extra,
+            version, uuid, self.pull_timeout_s, layout=self.layout, extra_s=extra
         )
         self.pull_s += time.perf_counter() - t0
 

@@ -1,9 +1,9 @@
 """Weights between processes, device to device, over ``jax.experimental.transfer``.
 
-Owns: ``WeightOffer`` (the sender: a transfer server in this process that offers pytrees of
-arrays under fresh uuids), ``local_layout`` (the receiver's shardings rebuilt over this
-process's devices, for staging) and ``pull`` (the receiver: fetch an offered pytree straight
-into target shardings, with a deadline).
+Owns: ``WeightOffer`` (the sender: a transfer server in this process, on the port the run's
+replicas pull from, that offers pytrees of arrays under fresh uuids), ``local_layout`` (the
+receiver's shardings rebuilt over this process's devices, for staging) and ``pull`` (the
+receiver: fetch an offered pytree straight into target shardings, with a deadline).
 
 What the transfer API requires (jax 0.10.2, verified on CPU between two processes):
 - Layout: it copies shard for shard, raw bytes, between IDENTICAL layouts. The receiver passes
@@ -20,9 +20,10 @@ What the transfer API requires (jax 0.10.2, verified on CPU between two processe
   keeps its arrays alive in the transfer server, unless it was made with ``expire_s``
   (``await_pull``'s absolute ``timeout``): past it the offer is dropped, and a pull of it
   hangs like one of a uuid never offered (so the receiver's deadline reports it).
-- Ports: ``start_transfer_server(client, "HOST:0", ["HOST:0"])`` binds free ports on CPU (port 0
-  does not hang here, unlike the DCN socket flag ``reshard_cross_process`` uses);
-  ``server.address()`` is the ``HOST:PORT`` a receiver connects to.
+- Ports: ``start_transfer_server(client, "HOST:PORT", ["HOST:0"])`` binds the control port
+  given (0: a free one; port 0 does not hang here, unlike the DCN socket flag
+  ``reshard_cross_process`` uses) and free data ports; ``server.address()`` is the
+  ``HOST:PORT`` a receiver connects to.
 - Deadlines: ``connection.pull`` returns at once with arrays whose buffers fill in later; the
   wait is in ``block_until_ready``. Its ``timeout`` argument (an absolute ``datetime``) did NOT
   end the wait for a uuid never offered (still hanging after 60 s), so ``pull`` enforces
@@ -30,10 +31,11 @@ What the transfer API requires (jax 0.10.2, verified on CPU between two processe
   A timed-out transfer's thread stays blocked until its sender goes away; it does not block
   later pulls over the same connection (verified).
 
-Threads: ``pull`` blocks its caller (the replica server runs it in a worker thread, never on
-the event loop); any number of pulls may run at once. One receiver-side transfer server per
-process (``connect`` is a method of a server), and one connection per sender address, are made
-lazily and kept. This module never imports orchestration or trainer code.
+Threads: ``pull`` blocks its caller (a replica's ``source.TransferSource``, which the HTTP
+server runs in a worker thread, never on the event loop); any number of pulls may run at once.
+One receiver-side transfer server per process (``connect`` is a method of a server), and one
+connection per sender address, are made lazily and kept. This module never imports
+orchestration or trainer code.
 """
 
 from __future__ import annotations
@@ -55,16 +57,21 @@ _receiver: Any = None  # this process's receiver-side transfer server
 _connections: dict[str, Any] = {}
 
 
-def _start_server(host: str) -> Any:
+def _start_server(host: str, port: int = 0) -> Any:
     client = jax.local_devices()[0].client
-    return transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
+    return transfer.start_transfer_server(client, f"{host}:{port}", [f"{host}:0"])
 
 
 class WeightOffer:
-    """The sending side (the trainer group's process 0): offers pytrees to be pulled once."""
+    """The sending side (the trainer group's process 0): offers pytrees to be pulled once.
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        self._server = _start_server(host)
+    ``port`` 0 binds a free one; a fixed port is where the run's replicas were told to pull
+    from (``--weight_source``), so the address is known before this process starts."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        if not 0 <= int(port) < 65536:
+            raise ValueError(f"WeightOffer port must be in [0, 65536), got {port!r}")
+        self._server = _start_server(host, int(port))
         self.address: str = self._server.address()
         # Random start: a receiver holding a uuid from an earlier offerer never pulls a new one.
         self._uuids = itertools.count(secrets.randbits(48))

@@ -13,7 +13,7 @@ parts before any work (``build.run``); ``run`` takes the stages in order: the wa
 (``warmup``), then RL (``rl``) or its imitation control (``control``); ``finish`` writes the
 summary and the report. Each stage takes the parts and the ``StopFlag`` and returns values.
 
-Several processes (``Role``; DESIGN.md section 8): an engine replica only serves
+Several processes (``Role``; DESIGN.md section 8): an engine replica only serves, over HTTP
 (``build.roles.serve_replica``); a trainer peer runs the same warm-up and then follows process
 0's RL steps; process 0 runs every stage and writes the workdir, with the replicas as its engine.
 """
@@ -29,6 +29,7 @@ from jaxrl_orch.build.engines import build_engine
 from jaxrl_orch.build.roles import serve_replica
 from jaxrl_orch.build.run import RunParts, build_run
 from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.distributed.addresses import Replicas
 from jaxrl_orch.distributed.group import Role
 from jaxrl_orch.orchestrator.metrics.writers import JsonlWriter, stage
 from jaxrl_orch.run.control import run_imitation
@@ -39,9 +40,11 @@ from jaxrl_orch.tools.report import write_report
 
 
 def prepare(
-    cfg: TrainConfig, workdir: Any, role: Role, engine_addresses: tuple[str, ...] = ()
+    cfg: TrainConfig, workdir: Any, role: Role, engine_addresses: Replicas = Replicas()
 ) -> RunParts:
-    """The run's parts, every check done: fails before any work, naming the bad value."""
+    """The run's parts, every check done: fails before any work, naming the bad value.
+    ``engine_addresses``: where a multi-process run's replicas are (``--engine_addresses``,
+    ``--weight_source``, ``--api_key_file``)."""
     return build_run(cfg, workdir, role, engine_addresses)
 
 
@@ -58,7 +61,7 @@ def run(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
     if role.kind == "engine":
         mesh = parts.placement.decode_mesh
         engine = build_engine(cfg, parts.model_cfg, mesh, parts.tokenizer).engine
-        return serve_replica(cfg, engine, role, parts.engine_addresses[role.replica])
+        return serve_replica(cfg, engine, role, parts.engine_addresses)
     parts.workdir.mkdir(parents=True, exist_ok=True)
     # A group's peers take the same warm-up steps (same data, same seed); process 0 writes.
     writer = JsonlWriter(parts.workdir / "metrics.jsonl" if role.leader else os.devnull)

@@ -22,7 +22,8 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
-from jaxrl_orch.build.run import RunParts, build_trainer, pretrained_params
+from jaxrl_orch.build.parts import pretrained_params
+from jaxrl_orch.build.run import RunParts, build_trainer
 from jaxrl_orch.orchestrator.metrics.writers import (
     ConsoleWriter,
     JsonlWriter,
@@ -51,7 +52,7 @@ def run_warmup(
     ckpt = Checkpointer(own, max_to_keep=1, async_save=False)
     latest = ckpt.latest_step()
     resuming = latest is not None or has_steps(parts.workdir / "checkpoints")
-    init = None if resuming else pretrained_params(parts)
+    init = None if resuming else pretrained_params(parts.cfg.model.name, parts.model_cfg)
     trainer = build_trainer(parts, "sft", cfg.warmup.learning_rate, init_params=init)
     info: dict[str, float] = {"sft_steps": float(cfg.warmup.steps)}
     try:

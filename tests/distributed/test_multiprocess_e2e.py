@@ -1,7 +1,7 @@
 """End-to-end: multi-process runs (DESIGN.md section 8), started by ``jaxrl-launch-local``.
 
 A trainer group of 2 processes (``jax.distributed`` on 127.0.0.1, 2 fake CPU devices each)
-and 2 engine replicas (own processes, gRPC, weights pulled with ``jax.experimental.transfer``)
+and 2 engine replicas (own processes, HTTP, weights pulled with ``jax.experimental.transfer``)
 run the tiny scenario; with ``max_staleness = 0`` its losses and rewards equal the
 single-process run of the same config and seed (per-request sampling seeds make the samples
 independent of which replica drew them). A replica killed with SIGKILL mid-run loses no

@@ -1,21 +1,22 @@
 """RemotePool: groups pinned to a replica move whole when it is lost, without failing a request;
 weights reach every live replica; a lost replica that answers again gets the current weights
-before it serves. Fake replica clients (the gRPC side is tested in test_remote_replica.py)."""
+before it serves. Fake replica clients, then real HTTP replicas around stand-in drivers (a
+real engine behind HTTP is tested in test_remote_replica.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from support.standin_replica import HeldDriver, StandInEngine, serve
 
 from jaxrl_orch.distributed.client import ReplicaLost, WeightPullError
 from jaxrl_orch.distributed.pool import RemotePool
+from jaxrl_orch.serving.host import EngineHost
 from jaxrl_orch.types import Completion, SamplingParams
 
 
 class FakeOffer:
-    address = "127.0.0.1:1"
-
     def __init__(self) -> None:
         self.offers = 0
 
@@ -46,7 +47,7 @@ class FakeReplica:
             {"engine_s": 1.5, "version": self.loads[-1] if self.loads else -1} if self.up else None
         )
 
-    async def load_weights(self, version, address, uuid, timeout_s, layout=None, extra_s=30.0):
+    async def load_weights(self, version, uuid, timeout_s, layout=None, extra_s=30.0):
         if not self.up:
             raise ReplicaLost(self.i, f"addr{self.i}", "connection refused")
         if self.fail_pull:
@@ -60,7 +61,7 @@ class FakeReplica:
 
 def make_pool(n: int = 2) -> tuple[RemotePool, list[FakeReplica]]:
     pool = RemotePool(
-        [f"addr{i}" for i in range(n)],
+        [f"http://127.0.0.1:{i + 1}" for i in range(n)],
         FakeOffer(),
         request_timeout_s=5,
         pull_timeout_s=5,
@@ -134,3 +135,35 @@ def test_start_names_the_replicas_that_never_answer():
             await pool.start(0, params="w0", timeout_s=0.3)
 
     asyncio.run(main())
+
+
+def test_a_replica_stopping_under_a_group_over_http_moves_it_and_no_request_fails():
+    # Replica 0 holds every request until its server stops under them; replica 1 answers at once.
+    held, quick = HeldDriver(version=3), HeldDriver(version=3, answer=42)
+    servers = [serve(EngineHost(StandInEngine(), model="m", driver=d)) for d in (held, quick)]
+
+    async def main():
+        pool = RemotePool(
+            [s.url for s in servers], FakeOffer(), request_timeout_s=30, pull_timeout_s=5
+        )
+        pool.live, pool._current = {0, 1}, (3, "w3")  # as if start() had loaded version 3
+        handle = pool.select()
+        while handle.replica != 0:
+            handle = pool.select()
+        calls = [asyncio.ensure_future(handle.generate([1, 2], SAMPLING)) for _ in range(3)]
+        while len(held.futures) < 3:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(servers[0].stop)
+        done = await asyncio.gather(*calls)
+        await pool.close()
+        return pool, handle, done
+
+    try:
+        pool, handle, done = asyncio.run(main())
+    finally:
+        for s in servers:
+            s.stop()
+    assert [c.token_ids for c in done] == [[42]] * 3 and all(c.versions == [3] for c in done)
+    assert handle.replica == 1 and pool.live == {1} and pool.lost_total == 1
+    assert pool.reissued_total == 3 and pool.moved_groups_total == 1
+    assert len(quick.futures) == 3  # each request re-issued once, on the live replica

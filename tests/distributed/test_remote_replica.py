@@ -1,11 +1,12 @@
-"""An engine replica in another process, over gRPC, with weights pulled device to device.
+"""An engine replica in another process, over its HTTP API, with weights pulled device to device.
 
 Each test starts its own replica subprocess (``python -m support.replica_main``: tiny-byte on a
-tp=2 mesh of its 2 CPU devices, ``max_queued=3``), so none depends on what another loaded, on
-the version another reached, or on another having killed it; they pass in any order. This
-process builds the same engine on its first 2 devices as the reference (once: it keeps only
-compiled programs between drivers), stages params with ``local_layout`` and offers them with
-``WeightOffer`` (one server; every offer has its own uuid, pulled at most once).
+tp=2 mesh of its 2 CPU devices, ``max_queued=3``, weights only from this module's
+``WeightOffer``), so none depends on what another loaded, on the version another reached, or on
+another having killed it; they pass in any order. This process builds the same engine on its
+first 2 devices as the reference (once: it keeps only compiled programs between drivers), stages
+params with ``local_layout`` and offers them with ``WeightOffer`` (one server; every offer has
+its own uuid, pulled at most once).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import threading
 
+import aiohttp
 import jax
 import numpy as np
 import pytest
@@ -26,7 +28,7 @@ from support.checkout import helper_cmd, subprocess_env
 from support.replica_main import make_engine
 
 from jaxrl_orch.distributed.client import RemoteEngineClient, ReplicaLost, WeightPullError
-from jaxrl_orch.distributed.server import spec_to_json
+from jaxrl_orch.distributed.source import spec_to_json
 from jaxrl_orch.distributed.transfer import WeightOffer, local_layout
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.types import SamplingParams
@@ -49,14 +51,13 @@ def compile_cache(tmp_path_factory):
 
 
 @pytest.fixture
-def replica(compile_cache):
-    """A fresh replica, holding no weights: ``(address, process)``."""
+def replica(compile_cache, offer):
+    """A fresh replica, holding no weights, pulling from ``offer``: ``(url, process)``."""
     env = subprocess_env(
         JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2", **compile_cache
     )
-    proc = subprocess.Popen(
-        helper_cmd("replica_main", "--max-queued", "3"), stdout=subprocess.PIPE, text=True, env=env
-    )
+    cmd = helper_cmd("replica_main", "--max-queued", "3", "--weight-source", offer.address)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
     address = None
@@ -101,32 +102,45 @@ def _reference_run(engine, params, version, prompts, sampling):
 async def _load(client, offer, engine, params, version, timeout_s=30.0, expire_s=None):
     staged = reshard(params, local_layout(engine.param_shardings))
     uuid = offer.offer(staged, expire_s=expire_s)
-    return await client.load_weights(version, offer.address, uuid, timeout_s)
+    return await client.load_weights(version, uuid, timeout_s)
 
 
-def test_replica_without_weights_reports_it_and_refuses_generate(replica):
-    address, proc = replica
+def test_replica_without_weights_refuses_generate_and_pulls_only_from_its_weight_source(
+    replica, reference, offer
+):
+    url, proc = replica
+    engine, params = reference
+    # A second transfer server offers real weights: an update body naming its address is
+    # refused outright, and an update naming its offer finds nothing at the replica's source.
+    other = WeightOffer()
+    assert other.address != offer.address
+    uuid = other.offer(reshard(params[1], local_layout(engine.param_shardings)), expire_s=60)
 
     async def main():
-        client = RemoteEngineClient(address, replica=1)
+        client = RemoteEngineClient(url, replica=1)
         health = await client.health()
-        with pytest.raises(RuntimeError, match="FAILED_PRECONDITION.*replica 1 holds no weights"):
+        # Not ready to serve: the pool treats it as lost until its first update lands.
+        with pytest.raises(ReplicaLost, match="503.*holds no weights yet"):
             await client.generate(PROMPTS[0], GREEDY)
-        assert client.alive and client.in_flight == 0
+        assert client.in_flight == 0
+        async with aiohttp.ClientSession(url) as http:
+            body = {"version": 1, "uuid": uuid, "address": other.address}
+            async with http.post("/update_weights", json=body) as r:
+                refused = r.status, (await r.json())["error"]
+        with pytest.raises(WeightPullError, match="504") as err:
+            await client.load_weights(1, uuid, timeout_s=0.5)
+        after = await client.health()
         await client.close()
-        return health
+        return health, refused, err.value, after
 
-    health = asyncio.run(main())
-    assert health == {
-        "engine_s": 0.0,
-        "replica": 1,
-        "ready": False,
-        "version": -1,
-        "in_flight": 0,
-        "queued": 0,
-        "slots": 4,
-        "pid": proc.pid,
-    }
+    health, (status, error), err, after = asyncio.run(main())
+    want = {"ready": False, "version": -1, "in_flight": 0, "queued": 0, "slots": 4}
+    assert {k: health[k] for k in want} == want
+    assert health["engine_s"] == 0.0 and health["pid"] == proc.pid
+    assert status == 400 and error["param"] == "address"
+    assert "unknown key 'address'" in error["message"] and "uuid" in error["message"]
+    assert offer.address in str(err) and other.address not in str(err)
+    assert {k: after[k] for k in want} == want  # nothing was pulled from the other server
 
 
 def test_pulled_weights_decode_like_the_in_process_engine_and_stamp_their_version(
@@ -174,7 +188,7 @@ def test_a_sender_with_fewer_devices_names_its_layout_and_the_replica_reshards(
     async def main():
         client = RemoteEngineClient(replica[0], replica=1)
         layout = {"mesh": {"tp": 1}, "specs": specs}
-        loaded = await client.load_weights(3, offer.address, offer.offer(staged), 30.0, layout)
+        loaded = await client.load_weights(3, offer.offer(staged), 30.0, layout)
         got = await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))
         await client.close()
         return loaded, got
@@ -194,87 +208,86 @@ def test_failed_pulls_name_replica_and_version_swap_nothing_in_and_the_replica_k
     async def main():
         client = RemoteEngineClient(replica[0], replica=1)
         # A uuid never offered: the pull's own timeout ends it.
-        with pytest.raises(WeightPullError, match="replica 1: weight pull of version 7") as err:
-            await client.load_weights(7, offer.address, 12345, timeout_s=1.5)
+        with pytest.raises(WeightPullError, match="replica 1: loading weights version 7") as err:
+            await client.load_weights(7, 12345, timeout_s=0.75)
         # An offer past its expiry is dropped: the same failure.
         staged = reshard(params[1], local_layout(engine.param_shardings))
-        expired = offer.offer(staged, expire_s=0.2)
-        await asyncio.sleep(0.5)
-        with pytest.raises(WeightPullError, match="version 8 .* timed out after 1.0 s"):
-            await client.load_weights(8, offer.address, expired, timeout_s=1.0)
+        expired = offer.offer(staged, expire_s=0.1)
+        await asyncio.sleep(0.3)
+        with pytest.raises(WeightPullError, match="version 8 .*504.*timeout_s=0.5"):
+            await client.load_weights(8, expired, timeout_s=0.5)
         after_failures = await client.health()
         # Still serving: the next offer loads, and its version decodes.
         loaded = await _load(client, offer, engine, params[1], 9)
         done = await client.generate(PROMPTS[0], GREEDY)
         # Never back to an older version (no pull is even tried).
         with pytest.raises(WeightPullError, match="must not go backwards"):
-            await client.load_weights(8, offer.address, expired, timeout_s=1.0)
+            await client.load_weights(8, expired, timeout_s=1.0)
         final = await client.health()
         await client.close()
         return err.value, after_failures, loaded, done, final
 
     err, after_failures, loaded, done, final = asyncio.run(main())
     assert (err.replica, err.version) == (1, 7)
-    assert "DEADLINE_EXCEEDED" in str(err) and "timed out after 1.5 s" in str(err)
-    assert offer.address in str(err)
+    assert "HTTP 504" in str(err) and "uuid=12345" in str(err) and "timeout_s=0.75" in str(err)
+    assert offer.address in str(err)  # the one source it pulled from
     assert after_failures["version"] == -1 and not after_failures["ready"]  # nothing swapped in
     assert after_failures["in_flight"] == 0 and after_failures["queued"] == 0
     assert loaded["version"] == 9 and done.versions == [9] * len(done.token_ids)
     assert final["version"] == 9 and final["ready"]
 
 
-def test_generate_beyond_max_queued_is_refused_naming_the_bound(replica, reference, offer):
+def test_beyond_max_queued_is_refused_naming_the_bound_and_kill_9_is_replica_lost(
+    replica, reference, offer
+):
+    url, proc = replica
     engine, params = reference
     sampling = SamplingParams(temperature=1.0, max_tokens=48)
 
     async def main():
-        client = RemoteEngineClient(replica[0], replica=1)
+        client = RemoteEngineClient(url, replica=1)
         await _load(client, offer, engine, params[1], 1)
-        out = await asyncio.gather(
-            *(client.generate(PROMPTS[i % 2], sampling) for i in range(8)),
-            return_exceptions=True,
-        )
-        health = await client.health()
-        await client.close()
-        return out, health
-
-    out, health = asyncio.run(main())
-    refused = [r for r in out if isinstance(r, BaseException)]
-    done = [r for r in out if not isinstance(r, BaseException)]
-    assert len(done) >= 3 and refused, out
-    for r in refused:
-        assert isinstance(r, RuntimeError) and not isinstance(r, ReplicaLost)
-        assert "RESOURCE_EXHAUSTED" in str(r) and "max_queued=3" in str(r)
-    assert all(len(c.token_ids) == 48 and not math.isnan(c.logprobs[0]) for c in done)
-    assert health["in_flight"] == 0 and health["queued"] == 0
-
-
-def test_kill_9_of_the_replica_raises_replica_lost(replica, reference, offer):
-    address, proc = replica
-    engine, params = reference
-
-    async def main():
-        client = RemoteEngineClient(address, replica=1)
-        await _load(client, offer, engine, params[1], 1)
-        sampling = SamplingParams(temperature=1.0, max_tokens=48)
+        async with aiohttp.ClientSession(url) as http:
+            # Paused (requests held, none decoded), so all 8 meet the bound of 3 together.
+            (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
+            calls = [
+                asyncio.ensure_future(client.generate(PROMPTS[i % 2], sampling)) for i in range(8)
+            ]
+            while sum(c.done() for c in calls) < 5:
+                await asyncio.sleep(0.02)
+            held = await client.health()
+            (await http.post("/resume")).raise_for_status()
+            out = await asyncio.gather(*calls, return_exceptions=True)
+            health = await client.health()
+            # Then requests held in flight when the replica dies with SIGKILL.
+            (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
         pending = [asyncio.ensure_future(client.generate(PROMPTS[0], sampling)) for _ in range(3)]
-        await asyncio.sleep(0)
+        while (await client.health())["in_flight"] < 3:
+            await asyncio.sleep(0.02)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         inflight = await asyncio.gather(*pending, return_exceptions=True)
-        assert all(isinstance(r, ReplicaLost) for r in inflight), inflight
         with pytest.raises(ReplicaLost) as err:
             await client.generate(PROMPTS[0], GREEDY)
         alive_after_loss = client.alive
-        health = await client.health(timeout_s=1.0)
+        gone = await client.health(timeout_s=1.0)
         await client.close()
-        return inflight, err.value, alive_after_loss, health
+        return out, held, health, inflight, err.value, alive_after_loss, gone
 
-    inflight, err, alive, health = asyncio.run(main())
-    assert (err.replica, err.address) == (1, address)
-    assert f"replica 1 at {address} is lost" in str(err)
-    assert not alive and health is None
-    assert all(r.replica == 1 for r in inflight)
+    out, held, health, inflight, err, alive, gone = asyncio.run(main())
+    refused = [r for r in out if isinstance(r, BaseException)]
+    done = [r for r in out if not isinstance(r, BaseException)]
+    assert len(done) == 3 and len(refused) == 5 and held["in_flight"] == 3, (out, held)
+    for r in refused:
+        assert isinstance(r, RuntimeError) and not isinstance(r, ReplicaLost)
+        assert "HTTP 429" in str(r) and "max_queued=3" in str(r)
+        assert "replica 1" in str(r) and "/inference/v1/generate" in str(r)
+    assert all(len(c.token_ids) == 48 and not math.isnan(c.logprobs[0]) for c in done)
+    assert health["in_flight"] == 0 and health["queued"] == 0
+    assert all(isinstance(r, ReplicaLost) and r.replica == 1 for r in inflight), inflight
+    assert (err.replica, err.address) == (1, url)
+    assert f"replica 1 at {url} is lost" in str(err)
+    assert not alive and gone is None
 
 
 def test_local_layout_rebuilds_meshes_over_local_devices_and_refuses_too_few(monkeypatch):

@@ -1,52 +1,31 @@
-"""ReplicaServer and RemoteEngineClient in one process, around a stand-in driver: the contracts
-that a real engine would make slow or racy to show (cancellation reaches the driver future, the
-queue bound, engine errors, a server shutting down under a call)."""
+"""A replica's HTTP server (``EngineHost`` + ``make_app`` + ``HttpServer``) and
+``RemoteEngineClient`` in one process, around a stand-in engine and driver
+(``support.standin_replica``): the contracts a real
+engine would make slow or racy to show (cancellation reaches the driver future, the queue bound,
+engine errors, a server shutting down under a call, the API key, how weight updates fail)."""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import math
 
+import aiohttp
 import pytest
+import uvicorn
+from support.standin_replica import HeldDriver as _Driver
+from support.standin_replica import StandInEngine as _Engine
+from support.standin_replica import serve as _serve
 
-from jaxrl_orch.distributed.client import RemoteEngineClient, ReplicaLost
-from jaxrl_orch.distributed.server import ReplicaServer
+from jaxrl_orch.distributed.client import (
+    KEEPALIVE_S,
+    RemoteEngineClient,
+    ReplicaLost,
+    WeightPullError,
+)
+from jaxrl_orch.serving.host import EngineHost
 from jaxrl_orch.types import Completion, SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class _Engine:
-    max_concurrent_decodes = 2
-
-
-class _Driver:
-    """Holds every submitted future; the test resolves or watches them."""
-
-    def __init__(self) -> None:
-        self.futures: list[concurrent.futures.Future] = []
-        self.stopped = False
-
-    def submit(self, prompt_ids, sampling, n=1):
-        assert n == 1 and isinstance(sampling, SamplingParams)
-        self.futures.append(concurrent.futures.Future())
-        return [self.futures[-1]]
-
-    def gauges(self):
-        return {"inference/queue_depth": 0.0}
-
-    def stop(self):
-        self.stopped = True
-
-
-async def _serving(max_queued: int = 2):
-    server = ReplicaServer(_Engine(), address="127.0.0.1:0", replica=3, max_queued=max_queued)
-    task = asyncio.create_task(server.serve())
-    while server.bound_address is None:
-        await asyncio.sleep(0.005)
-    server.driver, server.version = _Driver(), 5  # as if weights had landed
-    return server, task
 
 
 async def _until(predicate, timeout_s: float = 5.0) -> None:
@@ -58,55 +37,144 @@ async def _until(predicate, timeout_s: float = 5.0) -> None:
 
 
 def test_deadline_and_task_cancel_cancel_the_driver_future_and_the_bound_holds():
+    driver = _Driver()
+    host = EngineHost(_Engine(), model="stand-in", driver=driver, max_queued=2)
+    server = _serve(host)
+
     async def main():
-        server, task = await _serving(max_queued=2)
-        driver = server.driver
-        quick = RemoteEngineClient(server.bound_address, replica=3, timeout_s=0.3)
+        quick = RemoteEngineClient(server.url, replica=3, timeout_s=0.3)
         with pytest.raises(RuntimeError, match="replica 3 .*no answer within timeout_s=0.3"):
             await quick.generate([1, 2], SamplingParams())
         await _until(lambda: driver.futures[0].cancelled())  # the slot would free
-        client = RemoteEngineClient(server.bound_address, replica=3)
-        a = asyncio.ensure_future(client.generate([1], SamplingParams()))
+        client = RemoteEngineClient(server.url, replica=3)
+        sampling = SamplingParams(temperature=0.5, top_k=7, max_tokens=9, seed=11)
+        a = asyncio.ensure_future(client.generate([1], sampling))
         b = asyncio.ensure_future(client.generate([2], SamplingParams()))
-        await _until(lambda: server.in_flight == 2)
+        await _until(lambda: host.in_flight == 2)
         assert client.in_flight == 2
-        with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED.*max_queued=2"):
+        with pytest.raises(RuntimeError, match="HTTP 429.*max_queued=2") as busy:
             await client.generate([3], SamplingParams())
-        await _until(lambda: len(driver.futures) == 3)
+        assert not isinstance(busy.value, ReplicaLost)
         a.cancel()  # the caller's task gives up: the replica's future follows
         await _until(lambda: any(f.cancelled() for f in driver.futures[1:]))
         (live,) = [f for f in driver.futures[1:] if not f.cancelled()]
-        live.set_result(Completion([7], [float("nan")], [5], "stop"))
+        live.set_result(Completion([7, 8], [float("nan"), -0.5], [5, 6], "stop"))
         done = await b
-        assert done.token_ids == [7] and done.versions == [5] and math.isnan(done.logprobs[0])
-        assert server.in_flight == 0 and client.in_flight == 0
-        await server.stop(0.1)
-        await task
+        await _until(lambda: host.in_flight == 0)
         await quick.close()
         await client.close()
+        return done, sampling
 
-    asyncio.run(main())
+    try:
+        done, sampling = asyncio.run(main())
+    finally:
+        server.stop()
+    assert done.token_ids == [7, 8] and done.versions == [5, 6] and done.finish_reason == "stop"
+    assert math.isnan(done.logprobs[0]) and done.logprobs[1] == -0.5
+    assert sampling in driver.samplings  # every field the client sent arrived as it was
 
 
 def test_engine_error_is_a_runtime_error_and_shutdown_is_replica_lost():
+    driver = _Driver()
+    host = EngineHost(_Engine(), model="stand-in", driver=driver)
+    server = _serve(host)
+    url = server.url
+
     async def main():
-        server, task = await _serving()
-        driver = server.driver
-        client = RemoteEngineClient(server.bound_address, replica=3)
+        client = RemoteEngineClient(url, replica=3)
         call = asyncio.ensure_future(client.generate([1], SamplingParams()))
         await _until(lambda: len(driver.futures) == 1)
         driver.futures[0].set_exception(ValueError("cache exploded"))
-        with pytest.raises(RuntimeError, match="INTERNAL.*generate failed: ValueError: cache exp"):
+        with pytest.raises(RuntimeError, match="HTTP 500.*generation failed: ValueError: cache"):
             await call
         assert client.alive
         call = asyncio.ensure_future(client.generate([1], SamplingParams()))
         await _until(lambda: len(driver.futures) == 2)
-        await server.stop(0.1)  # shuts down under the call
-        with pytest.raises(ReplicaLost, match=f"replica 3 at {server.bound_address} is lost"):
+        await asyncio.to_thread(server.stop)  # shuts down under the call
+        with pytest.raises(ReplicaLost, match=f"replica 3 at {url} is lost"):
             await call
-        assert not client.alive and driver.stopped
+        assert not client.alive
         assert await client.health(timeout_s=0.5) is None
-        await task
+        with pytest.raises(ReplicaLost, match="ClientConnectorError"):  # refused now
+            await client.generate([1], SamplingParams())
         await client.close()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
+def test_api_key_is_required_by_the_replica_and_sent_by_the_client():
+    driver = _Driver()
+    server = _serve(EngineHost(_Engine(), model="stand-in", driver=driver), api_key="s3cret")
+
+    async def main():
+        keyed = RemoteEngineClient(server.url, replica=0, api_key="s3cret")
+        bare = RemoteEngineClient(server.url, replica=0)
+        call = asyncio.ensure_future(keyed.generate([1], SamplingParams()))
+        await _until(lambda: len(driver.futures) == 1)
+        driver.futures[0].set_result(Completion([4], [-1.0], [5], "length"))
+        done = await call
+        with pytest.raises(RuntimeError, match="HTTP 401: missing API key") as refused:
+            await bare.generate([1], SamplingParams())
+        health = await bare.health()  # a pool probes without the key
+        await keyed.close()
+        await bare.close()
+        return done, refused.value, health
+
+    try:
+        done, refused, health = asyncio.run(main())
+    finally:
+        server.stop()
+    assert done.token_ids == [4] and not isinstance(refused, ReplicaLost)
+    assert health["version"] == 5 and len(driver.futures) == 1
+
+
+def test_weight_updates_pull_only_from_the_bound_source_and_failures_are_weight_pull_errors():
+    calls = []
+
+    def source(uuid, layout, timeout_s):
+        calls.append((uuid, layout, timeout_s))
+        if uuid == 1:
+            raise TimeoutError("nothing offered under uuid 1")
+        raise OSError("transfer server gone")
+
+    sourced = _serve(EngineHost(_Engine(), model="stand-in", source=source))
+    fixed = _serve(EngineHost(_Engine(), model="stand-in", driver=_Driver()))
+
+    async def main():
+        client = RemoteEngineClient(sourced.url, replica=2)
+        async with aiohttp.ClientSession(sourced.url) as http:
+            body = {"version": 1, "uuid": 1, "address": "10.0.0.9:1234"}
+            async with http.post("/update_weights", json=body) as r:
+                refused = r.status, (await r.json())["error"]
+        with pytest.raises(WeightPullError, match="version 1 .*HTTP 504.*uuid=1") as timed_out:
+            await client.load_weights(1, 1, timeout_s=2.0, layout={"mesh": {"tp": 1}})
+        with pytest.raises(WeightPullError, match="HTTP 500.*OSError: transfer server gone"):
+            await client.load_weights(2, 2, timeout_s=3.0)
+        with pytest.raises(WeightPullError, match="HTTP 409.*without a weight source"):
+            await RemoteEngineClient(fixed.url, replica=4).load_weights(6, 9, timeout_s=1.0)
+        health = await client.health()
+        await client.close()
+        return refused, timed_out.value, health
+
+    try:
+        (status, error), timed_out, health = asyncio.run(main())
+    finally:
+        sourced.stop()
+        fixed.stop()
+    assert (
+        status == 400
+        and error["param"] == "address"
+        and "unknown key 'address'" in error["message"]
+    )
+    assert (timed_out.replica, timed_out.version) == (2, 1)
+    # The source saw the offers the updates named and nothing of the refused body.
+    assert calls == [(1, {"mesh": {"tp": 1}}, 2.0), (2, None, 3.0)]
+    assert health["version"] == -1 and not health["ready"]
+
+
+def test_the_client_drops_idle_connections_before_the_server_does():
+    # Otherwise a POST could go out on a connection uvicorn is closing, and fail as a loss.
+    assert uvicorn.Config(app=None).timeout_keep_alive > KEEPALIVE_S

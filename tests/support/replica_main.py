@@ -1,11 +1,12 @@
-"""A test engine replica: ``python -m support.replica_main [--max-queued N]`` (``tests/`` on
-``PYTHONPATH``).
+"""A test engine replica: ``python -m support.replica_main --weight-source HOST:PORT
+[--max-queued N]`` (``tests/`` on ``PYTHONPATH``).
 
 Builds a ``DecodeEngine`` of ``tiny-byte`` on a tp=2 decode mesh over this process's 2 local
 CPU devices (the caller sets ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` and
-``JAX_PLATFORMS=cpu``), serves it with ``ReplicaServer`` on a free port of 127.0.0.1 and prints
-``READY <host:port> <pid>`` once bound. Runs until killed (SIGTERM stops it cleanly).
-``make_engine`` is shared with the tests' in-process reference engine.
+``JAX_PLATFORMS=cpu``), serves it as the train command's replicas are served
+(``distributed.replica``: HTTP on a free port of 127.0.0.1, weights pulled only from
+``--weight-source``) and prints ``READY <url> <pid>`` once it answers. Runs until SIGTERM /
+SIGINT. ``make_engine`` is shared with the tests' in-process reference engine.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 
 
 def make_engine():
@@ -32,20 +32,24 @@ def make_engine():
     return DecodeEngine(get_config("tiny-byte"), mesh=mesh, limits=limits)
 
 
-async def _main(max_queued: int) -> None:
-    from jaxrl_orch.distributed.server import ReplicaServer
+def main() -> None:
+    from jaxrl_orch.distributed.replica import replica_server, serve_until_signal
 
-    server = ReplicaServer(make_engine(), address="127.0.0.1:0", replica=1, max_queued=max_queued)
-    task = asyncio.create_task(server.serve())
-    while server.bound_address is None and not task.done():
-        await asyncio.sleep(0.01)
-    print(f"READY {server.bound_address} {os.getpid()}", flush=True)
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(server.stop(0.5)))
-    await task
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--weight-source", required=True)
+    parser.add_argument("--max-queued", type=int, default=4096)
+    args = parser.parse_args()
+    host, server = replica_server(
+        make_engine(),
+        replica=1,
+        model="tiny-byte",
+        bind=("127.0.0.1", 0),
+        weight_source=args.weight_source,
+        max_queued=args.max_queued,
+    )
+    ready = lambda url: print(f"READY {url} {os.getpid()}", flush=True)  # noqa: E731
+    asyncio.run(serve_until_signal(host, server, on_up=ready))
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--max-queued", type=int, default=4096)
-    asyncio.run(_main(parser.parse_args().max_queued))
+    main()

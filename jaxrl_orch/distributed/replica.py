@@ -1,0 +1,91 @@
+"""An engine replica of a multi-process run: one engine behind the HTTP contract.
+
+What it owns: assembling a replica from the serving parts, the same ones ``python -m
+jaxrl_orch.serve`` uses: ``ReplicaHost`` (an ``EngineHost`` that starts without weights and
+whose only weight source is a ``source.TransferSource`` bound to the trainer leader's transfer
+server), ``make_app`` (the routes, the API key) and ``HttpServer`` (the bind: loopback, or any
+address with an API key). ``replica_server`` builds the pair; ``serve_until_signal`` serves it
+until SIGTERM / SIGINT and then stops the driver.
+
+Lifecycle: the replica answers ``GET /health`` at once (``ready`` False, version -1) and refuses
+generation (503) until the pool's first ``POST /update_weights`` lands, which also builds and
+warms up the driver; each later update swaps between two decode steps. Every update is logged
+as ``replica R: serving version V (pull ..., swap ...)``, the line operators and tests read.
+
+Never: pulls from an address a request names (the update body has no address field), or binds
+beyond loopback without an API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+from jaxrl_orch.distributed.source import TransferSource
+from jaxrl_orch.serving.app import make_app
+from jaxrl_orch.serving.host import EngineHost
+from jaxrl_orch.serving.runner import HttpServer
+
+
+class ReplicaHost(EngineHost):
+    """An ``EngineHost`` that logs every weight update it takes (see the module docstring)."""
+
+    def __init__(self, engine: Any, *, replica: int, **kwargs: Any) -> None:
+        super().__init__(engine, **kwargs)
+        self.replica = int(replica)
+
+    async def update_weights(
+        self, version: int, uuid: int, layout: Any = None, timeout_s: float = 120.0
+    ) -> dict[str, float]:
+        out = await super().update_weights(version, uuid, layout, timeout_s)
+        print(
+            f"replica {self.replica}: serving version {version} (pull {out['pull_s']:.3f} s, "
+            f"swap {out['swap_s']:.3f} s)",
+            flush=True,
+        )
+        return out
+
+
+def replica_server(
+    engine: Any,
+    *,
+    replica: int,
+    model: str,
+    bind: tuple[str, int],
+    weight_source: str,
+    api_key: str | None = None,
+    warm_up: bool = False,
+    max_queued: int = 4096,
+) -> tuple[ReplicaHost, HttpServer]:
+    """Replica ``replica`` of ``engine``: its host (no weights yet) and its server on ``bind``
+    (``(host, port)``, port 0: a free one), pulling only from ``weight_source`` (HOST:PORT)."""
+    host = ReplicaHost(
+        engine,
+        replica=replica,
+        model=model,
+        source=TransferSource(engine, weight_source),
+        warm_up=warm_up,
+        max_queued=max_queued,
+    )
+    app = make_app(host, api_key=api_key)
+    return host, HttpServer(app, host=bind[0], port=bind[1], api_key=api_key)
+
+
+async def serve_until_signal(host: ReplicaHost, server: HttpServer, on_up: Any = None) -> None:
+    """Serve until SIGTERM / SIGINT, calling ``on_up(url)`` once the server answers; then stop
+    the server (in-flight requests get its grace period) and the driver."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.stop)
+    serving = asyncio.ensure_future(server.serve())
+    try:
+        while server.port is None and not serving.done():
+            await asyncio.sleep(0.02)
+        if on_up is not None and server.port is not None:
+            on_up(server.url)
+        await serving
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await asyncio.to_thread(host.stop)

@@ -1,0 +1,114 @@
+"""TransferSource: a replica's one weight source, the trainer leader's transfer server.
+
+What it owns: fetching an offered pytree (``transfer.WeightOffer`` on the sender) into an
+engine's decode shardings and weight dtype. ``TransferSource(engine, address)`` is bound to ONE
+sender address when the server starts (``--weight_source``); ``source(uuid, layout,
+timeout_s) -> params`` is what ``serving.host.EngineHost`` calls for ``POST /update_weights``,
+so a request names an offer, never where to pull from.
+
+Layouts: the transfer copies shard for shard between identical layouts. A sender whose hosts
+have fewer devices than this replica's decode mesh (a v5e trainer host has 4 chips, a v5e-8
+engine VM 8) names the layout it staged in (``layout``: mesh axis sizes and one spec per leaf,
+``spec_to_json``); the pull lands in that layout on this process's first devices
+(``transfer_targets``), then reshards on its own devices into the decode sharding. A layout
+equal to the engine's own (or None) pulls straight into the decode sharding.
+
+Errors: ``TimeoutError`` when the pull does not finish within ``timeout_s`` (an offer never
+made, already pulled or expired, a stuck sender), naming the sender, the uuid and the timeout;
+``ValueError`` naming a layout that does not fit this engine or host. Nothing is swapped in by
+this class, so a failure leaves the engine serving what it had.
+
+Threads: a call blocks (the HTTP server runs it in a worker thread); it only writes fresh
+arrays, never the engine's state, so the driver keeps decoding meanwhile.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl_orch.distributed import transfer
+from jaxrl_orch.distributed.addresses import host_port
+from sharding.reshard import reshard
+
+
+class TransferSource:
+    def __init__(self, engine: Any, address: str) -> None:
+        host, port = host_port(address, "weight source")
+        self.engine = engine
+        self.address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+        self._targets: Any = None
+
+    def __call__(self, uuid: int, layout: Any, timeout_s: float) -> Any:
+        if layout is not None and layout == self.own_layout():
+            layout = None  # staged in this engine's own layout: pull straight in
+        targets = self.pull_targets() if layout is None else self._layout_targets(layout)
+        params = transfer.pull(self.address, int(uuid), targets, float(timeout_s))
+        if layout is not None:  # on this host's devices: into the decode sharding
+            params = jax.block_until_ready(reshard(params, self.engine.param_shardings))
+        return params
+
+    def own_layout(self) -> dict:
+        """The engine's decode layout as a sender would name it."""
+        shardings = jax.tree.leaves(self.engine.param_shardings)
+        return {
+            "mesh": dict(self.engine.mesh.shape),
+            "specs": [spec_to_json(x.spec) for x in shardings],
+        }
+
+    def _layout_targets(self, layout: Any) -> Any:
+        try:
+            return transfer_targets(self.pull_targets(), layout)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(
+                f"bad layout in the weight update: {exc}; a layout is {{'mesh': {{axis: size}}, "
+                "'specs': [one partition spec per array]}"
+            ) from exc
+
+    def pull_targets(self) -> Any:
+        """The engine's params as pull targets: its decode shardings and ``param_dtype``."""
+        if self._targets is None:
+            dtype = self.engine.param_dtype
+            self._targets = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(
+                    a.shape,
+                    dtype if jax.numpy.issubdtype(a.dtype, jax.numpy.floating) else a.dtype,
+                    sharding=a.sharding,
+                ),
+                self.engine.abstract_params(),
+            )
+        return self._targets
+
+
+def transfer_targets(targets: Any, layout: dict) -> Any:
+    """``targets`` (pull targets in the decode sharding) re-laid as ``layout`` says:
+    ``{"mesh": {axis: size, ...}, "specs": [spec per leaf]}`` over this process's first
+    devices, each spec a list of None / axis name / list of axis names (``spec_to_json``)."""
+    axes, sizes = zip(*layout["mesh"].items(), strict=True)
+    n = int(np.prod(sizes))
+    local = jax.local_devices()
+    if n > len(local):
+        raise ValueError(
+            f"layout mesh {layout['mesh']} needs {n} devices, this host has {len(local)}"
+        )
+    mesh = Mesh(np.array(local[:n]).reshape(sizes), axes)
+    leaves, treedef = jax.tree.flatten(targets)
+    specs = layout["specs"]
+    if len(specs) != len(leaves):
+        raise ValueError(f"layout has {len(specs)} specs for {len(leaves)} arrays")
+    out = []
+    for x, spec in zip(leaves, specs, strict=True):
+        parts = [tuple(p) if isinstance(p, list) else p for p in spec]
+        out.append(
+            jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec(*parts))
+            )
+        )
+    return jax.tree.unflatten(treedef, out)
+
+
+def spec_to_json(spec: PartitionSpec) -> list:
+    return [list(p) if isinstance(p, tuple) else p for p in spec]
