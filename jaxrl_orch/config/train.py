@@ -195,8 +195,13 @@ class Engine:
     # S >= 1, engine in this process: "overlapped" (generate while training), "sliced" (the
     # engine pauses during train steps) or "auto" (where they share cores: measure, keep faster)
     overlap: str = "auto"
+    # serve the policy being trained on http://127.0.0.1:PORT (vLLM's RL API and OpenAI's, each
+    # response naming its policy version) for evals and agents; None: off, 0: any free port
+    serve_port: int | None = None
 
     def __post_init__(self) -> None:
+        if self.serve_port is not None and not 0 <= self.serve_port <= 65535:
+            raise ValueError(f"Engine.serve_port must be None or 0..65535, got {self.serve_port!r}")
         _one_of(self, "param_dtype", (None, *DTYPES))
         _one_of(self, "compute_dtype", (None, *DTYPES))
         _one_of(self, "overlap", ("auto", "overlapped", "sliced"))
@@ -231,7 +236,7 @@ class Processes:
     # a trainer group of this many jax.distributed processes (SPMD over one mesh spanning them;
     # process 0 also runs the orchestrator) ...
     trainer_processes: int = 1
-    # ... and this many engine replicas, each its own process serving over gRPC; 0: the
+    # ... and this many engine replicas, each its own process serving the HTTP API; 0: the
     # engine lives in the trainer's process (jaxrl-launch-local starts both)
     engine_replicas: int = 0
     colocated: bool | None = None  # engine and trainer on one set of devices; None: iff 1 device

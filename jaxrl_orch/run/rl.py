@@ -11,7 +11,8 @@ and drives them:
 3. the history trimmed to the restored step, the orchestrator (``build.orchestrator``) with
    the weight path's publisher, the side's swap and the step times, restored too;
 4. the weight path (``build.weights.WeightPath``: move, checkpoint, publish on the trainer's
-   thread), handed to the trainer when it starts.
+   thread), handed to the trainer when it starts;
+5. with ``Engine.serve_port``, the in-process engine served over HTTP (``build.live``).
 
 Then the loop runs to its last step or a drain (SIGTERM: ``StopFlag`` polled on the loop), the
 final checkpoint is written with the orchestrator's final state, the final eval is announced,
@@ -31,6 +32,7 @@ from typing import Any
 import jax
 
 from jaxrl_orch.build.engines import BuiltEngine, build_engine, engine_notes
+from jaxrl_orch.build.live import serve_live_policy
 from jaxrl_orch.build.orchestrator import build_orchestrator
 from jaxrl_orch.build.overlap import schedule_for
 from jaxrl_orch.build.roles import follow
@@ -126,6 +128,9 @@ async def _lead(
     every, last = cfg.outputs.checkpoint_every, cfg.rl.steps
     path = WeightPath(side, times, publisher, checkpoint, checkpoint_every=every, last_step=last)
     await side.start(trainer)
+    live = None
+    if isinstance(side, InProcessSide):
+        live = serve_live_policy(cfg, built.engine, side.driver, parts.tokenizer)
     trainer.start(path.on_publish, copy_params=parts.placement.colocated)
     drain = asyncio.ensure_future(_drain_on_stop(stop, orch, cfg.orchestrator.drain_timeout_s))
     t0 = time.perf_counter()
@@ -135,6 +140,8 @@ async def _lead(
         secs = time.perf_counter() - t0
     finally:
         drain.cancel()
+        if live is not None:
+            live.stop()
         trainer.stop()
         await side.stop()
     names = (parts.env.name, parts.sampled_eval)

@@ -122,13 +122,17 @@ class HttpServer:
         return sock
 
     def _thread_main(self, sock: socket.socket) -> None:
+        # The thread's own loop is the one uvicorn would pick (uvloop when installed), as
+        # ``uvicorn.run`` does for a server that owns its process.
+        factory = self._config().get_loop_factory()
         try:
-            asyncio.run(self._serve(sock))
+            with asyncio.Runner(loop_factory=factory) as runner:
+                runner.run(self._serve(sock))
         except BaseException as exc:  # noqa: BLE001 - start_in_thread reports it
             self._error = exc
 
-    async def _serve(self, sock: socket.socket) -> None:
-        config = uvicorn.Config(
+    def _config(self) -> uvicorn.Config:
+        return uvicorn.Config(
             self.app,
             log_level="warning",
             access_log=False,
@@ -136,7 +140,9 @@ class HttpServer:
             lifespan="off",
             timeout_graceful_shutdown=self.grace_s,
         )
-        self._server = uvicorn.Server(config)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        self._server = uvicorn.Server(self._config())
         self._server.should_exit = self._stop_asked
         with contextlib.closing(sock):
             await self._server.serve(sockets=[sock])

@@ -1,10 +1,12 @@
 """Awaiting the driver for one HTTP request: its futures, its client, its deadline.
 
 ``await_completions(request, futures, timeout_s)`` returns the completions in order. While it
-waits it watches the connection: a client that goes away cancels every future, which frees the
-slots at the driver's next loop turn (a disconnected client must not keep decoding). Past
-``timeout_s`` the futures are cancelled too and the request fails 504. An engine error fails
-it 500 naming the error. Runs on the server's event loop and never blocks it.
+waits it listens on the request's ASGI channel: once the body is read, the next message the
+server sends there is ``http.disconnect``, so a client that goes away ends the wait at once (no
+polling) and cancels every future, which frees the slots at the driver's next loop turn (a
+disconnected client must not keep decoding). Past ``timeout_s`` the futures are cancelled too
+and the request fails 504. An engine error fails it 500 naming the error. Runs on the server's
+event loop and never blocks it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from typing import Any
 from fastapi import Request
 
 from jaxrl_orch.serving.errors import ApiError
-
-DISCONNECT_POLL_S = 0.1  # how often a waiting request asks whether its client is still there
 
 
 async def await_completions(
@@ -37,10 +37,18 @@ async def await_completions(
 
 
 async def _unless_gone(request: Request, waiting: asyncio.Future) -> list[Any]:
-    while True:
-        done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return waiting.result()
-        if await request.is_disconnected():
-            waiting.cancel()
-            raise ApiError(499, "the client went away before the request finished")
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if waiting.done():
+        return waiting.result()
+    waiting.cancel()
+    raise ApiError(499, "the client went away before the request finished")
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the route has read the whole body already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
