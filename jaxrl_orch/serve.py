@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,9 @@ from jaxrl_orch.build.parts import build_model, build_placement, pretrained_para
 from jaxrl_orch.build.run import build_run, build_trainer
 from jaxrl_orch.config.load import load_config
 from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.distributed.addresses import read_api_key
 from jaxrl_orch.distributed.group import Role
+from jaxrl_orch.distributed.replica import serve_until_signal
 from jaxrl_orch.distributed.source import TransferSource
 from jaxrl_orch.serving.app import make_app
 from jaxrl_orch.serving.host import EngineHost
@@ -119,41 +120,20 @@ def build_host(args: argparse.Namespace) -> EngineHost:
     )
 
 
-def read_key(path: str | None) -> str | None:
-    if path is None:
-        return None
-    key = Path(path).read_text().strip()
-    if not key:
-        raise ValueError(f"--api_key_file {path!r} is empty")
-    return key
-
-
-async def _serve(server: HttpServer) -> None:
-    loop = asyncio.get_running_loop()
-    serving = asyncio.ensure_future(server.serve())
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.stop)
-    while server.port is None and not serving.done():
-        await asyncio.sleep(0.05)
-    if server.port is not None:
-        print(f"serving {server.url}", flush=True)
-    await serving
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        key = read_key(args.api_key_file)
+        key = read_api_key(args.api_key_file)
         HttpServer.check_bind(args.host, key)  # before minutes of building, not after
         host = build_host(args)
     except (ValueError, OSError) as exc:  # a bad flag, config or checkpoint: one line, exit 2
         print(f"jaxrl_orch.serve: {exc}", file=sys.stderr)
         return 2
     server = HttpServer(make_app(host, api_key=key), host=args.host, port=args.port, api_key=key)
-    try:
-        asyncio.run(_serve(server))
-    finally:
-        host.stop()
+    # The replicas' own loop: serve until SIGTERM / Ctrl-C, then stop the server and the driver.
+    asyncio.run(
+        serve_until_signal(host, server, on_up=lambda url: print(f"serving {url}", flush=True))
+    )
     return 0
 
 

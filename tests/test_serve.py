@@ -3,7 +3,9 @@
 The checkpoint is an HF directory written from a seeded tiny-byte model; the served greedy
 tokens and log-probs must be that checkpoint's (the in-process driver on the same weights gives
 the same), the official ``openai`` client must get text back, SIGTERM must end the server
-cleanly, and a non-loopback bind without a key must be refused before anything is built.
+cleanly, and a non-loopback bind without a key must be refused before anything is built. A
+train command's workdir serves its newest checkpoint: for a finished run, the same weights as
+its export.
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ import sys
 from pathlib import Path
 
 import httpx
+import jax
 import numpy as np
 import openai
 import pytest
 from flax import nnx
 from support.checkout import ROOT, subprocess_env
+from support.runs import prepare, run
+from support.toy_rl import toy_config
 
 from jaxrl_orch.build.engines import to_engine
 from jaxrl_orch.build.parts import build_model, pretrained_params
@@ -28,6 +33,7 @@ from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.models.hf_import import save_hf_checkpoint
 from jaxrl_orch.models.transformer import Transformer
+from jaxrl_orch.serve import checkpoint_bindings, workdir_params
 from jaxrl_orch.types import SamplingParams
 
 SETTINGS = ["Engine.warmup = False", "Engine.slots = 4", "Engine.max_target_length = 96"]
@@ -111,3 +117,18 @@ def test_a_wider_bind_without_a_key_is_refused_before_any_work(tmp_path):
     assert proc.returncode != 0
     assert "refusing to bind '0.0.0.0' without an API key" in out
     assert "Traceback" not in out and "serving http" not in out  # one line, before any build
+
+
+@pytest.mark.slow
+def test_a_workdir_serves_its_newest_checkpoint_which_is_the_policy_it_exported(tmp_path):
+    """An unfinished run has only orbax checkpoints: ``workdir_params`` restores the newest as a
+    resume does. Here the run finished, so its HF export must hold the very same weights."""
+    cfg = toy_config({"RL.steps": 2, "Outputs.export_hf": True, "Engine.warmup": False})
+    run(prepare(cfg, tmp_path))
+    assert checkpoint_bindings(str(tmp_path)) == [f"Model.name = '{tmp_path / 'export'}'"]
+    restored = jax.tree.leaves(workdir_params(cfg, str(tmp_path)))
+    _, model_cfg = build_model(cfg)
+    exported = jax.tree.leaves(pretrained_params(str(tmp_path / "export"), model_cfg))
+    assert len(restored) == len(exported) > 0
+    for a, b in zip(restored, exported, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
