@@ -103,8 +103,16 @@ def sampling_params(sampling: SamplingParams) -> dict[str, Any]:
 
 
 def completion(body: dict[str, Any]) -> Completion:
-    """The first choice of a generate response as a ``Completion``."""
+    """The first choice of a generate response as a ``Completion``. The staleness bound needs
+    the policy version of every token: an engine that answers without ``policy_versions`` (one
+    that takes its weights out of band must report the version it holds there) is refused."""
     choice = body["choices"][0]
+    if len(choice.get("policy_versions") or ()) != len(choice["token_ids"]):
+        raise ValueError(
+            "the engine's answer has no choices[0].policy_versions with one version per token; "
+            "the orchestrator bounds staleness by them (DESIGN.md section 3), so an engine "
+            "serving it must report the version of every token it generates"
+        )
     return Completion(
         token_ids=[int(t) for t in choice["token_ids"]],
         logprobs=[
@@ -168,6 +176,8 @@ class RemoteEngineClient:
         self.in_flight += 1
         try:
             return completion(await self._call("POST", GENERATE, body, self.timeout_s))
+        except ValueError as err:  # an answer the orchestrator cannot use: name the replica
+            raise self._failed(GENERATE, str(err)) from None
         except TimeoutError:
             raise self._failed(GENERATE, f"no answer within timeout_s={self.timeout_s:g}") from None
         except _Status as err:

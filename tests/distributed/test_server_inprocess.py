@@ -21,6 +21,7 @@ from jaxrl_orch.distributed.client import (
     RemoteEngineClient,
     ReplicaLost,
     WeightPullError,
+    completion,
 )
 from jaxrl_orch.serving.host import EngineHost
 from jaxrl_orch.types import Completion, SamplingParams
@@ -178,3 +179,18 @@ def test_weight_updates_pull_only_from_the_bound_source_and_failures_are_weight_
 def test_the_client_drops_idle_connections_before_the_server_does():
     # Otherwise a POST could go out on a connection uvicorn is closing, and fail as a loss.
     assert uvicorn.Config(app=None).timeout_keep_alive > KEEPALIVE_S
+
+
+def test_an_answer_without_a_version_per_token_is_refused_by_name():
+    """The staleness bound reads each token's version: an engine that answers without them (a
+    plain vLLM server, say) must not be taken as serving version 0."""
+    choice = {
+        "token_ids": [5, 6],
+        "logprobs": {"content": [{"token": "token_id:5", "logprob": -1.0}] * 2},
+        "finish_reason": "length",
+    }
+    with pytest.raises(ValueError, match="policy_versions"):
+        completion({"choices": [choice]})
+    with pytest.raises(ValueError, match="one version per token"):
+        completion({"choices": [{**choice, "policy_versions": [3]}]})
+    assert completion({"choices": [{**choice, "policy_versions": [3, 3]}]}).versions == [3, 3]
