@@ -67,7 +67,7 @@ from jaxrl_orch.inference.requests import (
     accepts,
     check_request,
     resolve,
-    slot_columns,
+    valid_tokens,
 )
 from jaxrl_orch.types import Completion, SamplingParams
 
@@ -348,15 +348,15 @@ class InferenceDriver:
         result = result.convert_to_numpy()  # the one host round trip per call
         self._decode_s += time.perf_counter() - t0
         produced = 0
-        for slot, seq in enumerate(self._slots[: self._width]):
-            if seq is None:
-                continue
-            tokens, valid, logprobs, versions = slot_columns(result.get_result_at_slot(slot))
-            for j in np.flatnonzero(valid):
-                lp = float(logprobs[j]) if logprobs is not None else NO_LP
-                ver = int(versions[j]) if versions is not None else version
+        running = [slot for slot, seq in enumerate(self._slots[: self._width]) if seq is not None]
+        for slot, (tokens, logprobs, versions) in zip(
+            running, valid_tokens(result, running), strict=True
+        ):
+            seq = self._slots[slot]
+            for i, token in enumerate(tokens):
+                lp = logprobs[i] if logprobs is not None else NO_LP
                 produced += 1
-                if self._append(slot, seq, int(tokens[j]), lp, ver):
+                if self._append(slot, seq, token, lp, versions[i] if versions else version):
                     break
         self._rate.record(produced)
 

@@ -5,10 +5,10 @@ and the prefilled prefix they share) and ``Seq`` (one running sample: its future
 log-probs and versions generated so far); ``resolve`` (settle a future exactly once, whatever
 the caller did with it); ``accepts`` (whether an engine method takes an optional keyword, so a
 plain JetStream-shaped engine can be driven too); ``first_token`` (the token a JetStream-style
-engine samples at prefill); ``check_request`` (a submission validated against the engine's
-limits; sample i of one seeded ``SamplingParams`` for n samples gets seed ``seed + i``).
-Host-side only; the
-thread that uses them is ``driver.py``'s.
+engine samples at prefill); ``valid_tokens`` (a decode step's valid tokens, log-probs and
+versions per running slot, read from the result in one pass); ``check_request`` (a submission
+validated against the engine's limits; sample i of one seeded ``SamplingParams`` for n samples
+gets seed ``seed + i``). Host-side only; the thread that uses them is ``driver.py``'s.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_orch.inference.engine_api import ResultTokens
 from jaxrl_orch.types import SamplingParams
 
 STOPPED = "InferenceDriver stopped before the request finished"
@@ -88,6 +89,34 @@ def slot_columns(data: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, 
         None if getattr(data, name, None) is None else np.asarray(getattr(data, name)).reshape(-1)
     )
     return flat("tokens"), flat("valid").astype(bool), flat("logprobs"), flat("versions")
+
+
+def valid_tokens(result: Any, slots: Sequence[int]) -> list[tuple[list, list | None, list | None]]:
+    """``(tokens, logprobs, versions)`` of each of ``slots`` in a generate result, the valid
+    steps only, as Python lists (None where the engine reports none). Our ``ResultTokens`` is
+    read as one array for all slots (the per-token host work of a decode step); another
+    engine's result through its ``get_result_at_slot``."""
+    if not isinstance(result, ResultTokens) or not slots:
+        return [_valid(*slot_columns(result.get_result_at_slot(s))) for s in slots]
+    per, data = result.samples_per_slot, np.asarray(result.data)
+    rows = np.concatenate([np.arange(s * per, (s + 1) * per) for s in slots])
+
+    def cols(idx: tuple[int, int] | None) -> np.ndarray | None:
+        return None if idx is None else data[rows, idx[0] : idx[1]].reshape(len(slots), -1)
+
+    lps = cols(result.logprob_idx)
+    columns = (
+        cols(result.tokens_idx),
+        cols(result.valid_idx).astype(bool),
+        None if lps is None else lps.view(np.float32),
+        cols(result.version_idx),
+    )
+    return [_valid(*(None if c is None else c[i] for c in columns)) for i in range(len(slots))]
+
+
+def _valid(tokens: Any, valid: Any, logprobs: Any, versions: Any) -> tuple:
+    keep = lambda a: None if a is None else a[valid].tolist()  # noqa: E731
+    return keep(tokens), keep(logprobs), keep(versions)
 
 
 def check_request(
