@@ -2,8 +2,8 @@
 
 One line of named hops per trained version ``v``::
 
-    Trainer worker (step v) -> WeightPath.on_publish: side.move -> checkpoint (when due)
-        -> StepTimes.record -> publisher.publish
+    Trainer worker (step v) -> WeightPath.on_publish: side.move -> StepTimes.record
+        -> checkpoint (when due; step v's row is written first) -> publisher.publish
     event loop: WeightWatcher sees v -> side.swap (between two decode steps, or every replica
         pulls) -> PolicyHandle.version = v
 
@@ -14,9 +14,10 @@ What it owns
     time so far (``engine_seconds``).
     ``StepTimes``: step ``v``'s trainer diagnostics and phase times (generate, train, transfer,
     idle), merged into step ``v``'s one ``metrics.jsonl`` row by the orchestrator.
-    ``WeightPath``: the trainer thread's side of the path, in order of safety: the move, then the
-    checkpoint (its orchestrator state captured before anyone can see version ``v``), then the
-    row, then the publish.
+    ``WeightPath``: the trainer thread's side of the path, in order of safety: the move, then
+    step ``v``'s numbers, then the checkpoint (its orchestrator state captured before anyone can
+    see version ``v``, after the rows of trained steps are written, so a kill between the two
+    never loses a row), then the publish.
 
 Thread contract: ``on_publish`` runs on the trainer's worker thread between step ``v`` and step
 ``v + 1``. The params it gets are donated by the next step, so the move and a due checkpoint
@@ -105,7 +106,7 @@ class WeightPath:
         t0 = time.perf_counter()
         moved = self.side.move(params)
         transfer_s = time.perf_counter() - t0
+        self.times.record(version, metrics, transfer_s)  # before the checkpoint writes its row
         if version % self.checkpoint_every == 0 and version < self.last_step:
             self._checkpoint(version)
-        self.times.record(version, metrics, transfer_s)
         self.publisher.publish(version, moved)

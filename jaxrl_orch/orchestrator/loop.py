@@ -363,6 +363,13 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ state
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """``state()`` for a checkpoint of a version the trainer has just trained: the rows of
+        trained steps are written first, so no checkpoint holds a step whose row a crash loses
+        (a row written past the checkpoint is trimmed and written again on resume)."""
+        self.ledger.flush()
+        return self.state()
+
     def state(self) -> dict[str, Any]:
         """Everything a resume needs from the orchestrator (saved with the trainer's step)."""
         return {

@@ -203,7 +203,7 @@ def _trim_history(parts: RunParts, start_step: int) -> None:
 
 
 async def _snapshot(orch: Any) -> dict[str, Any]:
-    return orch.state()
+    return orch.checkpoint_state()
 
 
 async def _drain_on_stop(stop: StopFlag, orch: Any, timeout_s: float) -> None:

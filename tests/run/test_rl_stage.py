@@ -20,6 +20,7 @@ from support.toy_rl import LowercaseEnv, toy_config
 from support.train_cmd import all_rows, checkpoints
 
 from jaxrl_orch.build.overlap import probe_steps
+from jaxrl_orch.run import rl
 
 STALENESS = 1
 STEP_KEYS = ("trainer/loss", "time/train_s", "time/transfer_s", "time/generate_s")
@@ -52,8 +53,18 @@ def _rollout_steps(wd: Path) -> list[int]:
     return sorted(int(p.stem.split("_")[1]) for p in (wd / "rollouts").glob("step_*.jsonl"))
 
 
-def test_rl_stage_writes_each_step_with_its_times_evals_and_checkpoints_and_resumes(tmp_path):
+def test_rl_stage_writes_each_step_with_its_times_evals_and_checkpoints_and_resumes(
+    tmp_path, monkeypatch
+):
     wd = tmp_path
+    rows_at_save: dict[int, list[int]] = {}
+    save = rl.save_trainer
+
+    def spying_save(ckpt, trainer, version, *args, **kwargs):
+        rows_at_save[version] = [r["step"] for r in _step_rows(wd)]
+        return save(ckpt, trainer, version, *args, **kwargs)
+
+    monkeypatch.setattr(rl, "save_trainer", spying_save)
     summary = run(prepare(_config(3), wd))
 
     assert summary["rl_steps"] == 3 and summary["resumed_from_step"] is None
@@ -67,6 +78,8 @@ def test_rl_stage_writes_each_step_with_its_times_evals_and_checkpoints_and_resu
     assert _eval_steps(wd) == [0, 2, 3]  # before RL, every 2 steps, the last one
     # Step 2: the weight path's periodic checkpoint (trainer thread); step 3: the final one.
     assert checkpoints(wd) == [2, 3]
+    # Each checkpoint is written after its step's row: a kill between the two loses no row.
+    assert rows_at_save == {2: [1, 2], 3: [1, 2, 3]}
     assert _rollout_steps(wd) == [1, 2, 3]
     gauges = [json.loads(x) for x in (wd / "gauges.jsonl").read_text().splitlines()]
     assert gauges and all(isinstance(g["step"], int) for g in gauges)
