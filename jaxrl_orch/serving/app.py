@@ -7,7 +7,8 @@ contract's error body (``errors``) with a status a client can act on:
 
 - ``ApiError``: its own status; malformed JSON, a body that is not a JSON object, an unknown
   key (named, with the keys allowed there), a missing or mistyped field: 400 naming the field
-  (``param``) and the problem;
+  (``param``) and the problem, whether FastAPI validated the body or the route parsed its bytes
+  itself (``fastjson.BodyInvalid``);
 - ``NotReady`` 503, ``Busy`` 429, ``UpdateRefused`` 400 (409 when the host has no weight
   source); Starlette's HTTP errors (404 route, 405 method, 413 body) as their status;
   anything else 500 naming the error, and the server keeps serving.
@@ -27,6 +28,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from jaxrl_orch.serving.errors import ApiError, error_body
+from jaxrl_orch.serving.fastjson import BodyInvalid
 from jaxrl_orch.serving.guard import Guard, Limits
 from jaxrl_orch.serving.host import Busy, NotReady, NoWeightSource, UpdateRefused
 from jaxrl_orch.serving.openai_api import openai_routes
@@ -77,6 +79,10 @@ def make_app(host: Any, *, api_key: str | None = None, limits: Limits = Limits()
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc.errors(), _body_model(request))
         return reply(400, message, param)
+
+    @app.exception_handler(BodyInvalid)
+    async def _body_invalid(_: Request, exc: BodyInvalid) -> JSONResponse:
+        return reply(400, *validation_message(exc.errors, exc.model))
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:

@@ -25,27 +25,24 @@ async def await_completions(
     request: Request, futures: Sequence[concurrent.futures.Future], timeout_s: float
 ) -> list[Any]:
     waiting = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-    try:
-        return await asyncio.wait_for(_unless_gone(request, waiting), timeout_s)
-    except TimeoutError:
-        raise ApiError(504, f"the request did not finish within timeout_s={timeout_s:g}") from None
-    except (RuntimeError, ValueError) as exc:  # the engine's error, this request's only
-        raise ApiError(500, f"generation failed: {type(exc).__name__}: {exc}") from None
-    finally:
-        for f in futures:
-            f.cancel()  # no-op for finished ones; frees the slots of the rest
-
-
-async def _unless_gone(request: Request, waiting: asyncio.Future) -> list[Any]:
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {waiting, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
     finally:
         gone.cancel()
-    if waiting.done():
-        return waiting.result()
+        for f in futures:
+            f.cancel()  # no-op for finished ones; frees the slots of the rest
+    if waiting in done:
+        try:
+            return waiting.result()
+        except (RuntimeError, ValueError) as exc:  # the engine's error, this request's only
+            raise ApiError(500, f"generation failed: {type(exc).__name__}: {exc}") from None
     waiting.cancel()
-    raise ApiError(499, "the client went away before the request finished")
+    if gone in done:
+        raise ApiError(499, "the client went away before the request finished")
+    raise ApiError(504, f"the request did not finish within timeout_s={timeout_s:g}")
 
 
 async def _disconnected(request: Request) -> None:
