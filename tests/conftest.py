@@ -1,4 +1,4 @@
-"""Test-wide setup: 8 fake CPU devices for every mesh test.
+"""Test-wide setup: 8 fake CPU devices for every mesh test, no LLVM backend optimisation.
 
 XLA reads the flag once, when jax initialises its backends, so it must be set before any
 test module imports jax. conftest.py is imported by pytest before test collection.
@@ -9,13 +9,15 @@ import os
 import shutil
 import tempfile
 
-import gin  # neither imports jax: the flag below still comes first
+import gin  # none of these imports jax: the flags below still come first
 import pytest
+from support.checkout import xla_flags
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# 8 fake devices, and no LLVM backend optimisation (why: ``support.checkout.BACKEND_FLAGS``).
+for _flag in xla_flags(8).split():
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
 # One XLA compilation cache for the session, started empty: a program compiled again (a resumed
 # run, a second engine of the same shape, a subprocess of the same model) loads instead of

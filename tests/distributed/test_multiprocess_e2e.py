@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.checkout import subprocess_env
+from support.checkout import subprocess_env, xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ SCENARIO = [
 def _env(devices: int | None) -> dict[str, str]:
     env = subprocess_env(JAX_PLATFORMS="cpu")  # tests/ on PYTHONPATH: support.dense_env
     if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = xla_flags(devices)
     return env
 
 

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
-from support.checkout import helper_cmd, subprocess_env
+from support.checkout import helper_cmd, subprocess_env, xla_flags
 from support.replica_main import make_engine
 
 from jaxrl_orch.distributed.client import RemoteEngineClient, ReplicaLost, WeightPullError
@@ -53,9 +53,7 @@ def compile_cache(tmp_path_factory):
 @pytest.fixture
 def replica(compile_cache, offer):
     """A fresh replica, holding no weights, pulling from ``offer``: ``(url, process)``."""
-    env = subprocess_env(
-        JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2", **compile_cache
-    )
+    env = subprocess_env(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2), **compile_cache)
     cmd = helper_cmd("replica_main", "--max-queued", "3", "--weight-source", offer.address)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue = queue.Queue()

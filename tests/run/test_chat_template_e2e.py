@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import transformers  # the dev extra has it: a missing one fails, never skips
 from support.chat_checkpoints import write_llama3_tokenizer, write_qwen_tokenizer
+from support.checkout import xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +78,7 @@ def _run(ckpt: Path, workdir: Path, data: Path) -> subprocess.CompletedProcess:
     ]
     cmd = [sys.executable, "-m", "jaxrl_orch.train", f"--workdir={workdir}"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    env["XLA_FLAGS"] = xla_flags(1)
     return subprocess.run(
         cmd + [f"--gin_param={p}" for p in params],
         env=env,

@@ -17,6 +17,19 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 
+# The tests compile hundreds of small programs and run each a few times: LLVM's backend
+# optimisations cost more compile time than they save in run time (the trainer tests took 54 s
+# instead of 88 s without them). HLO-level fusion and buffer assignment, which the tests check,
+# do not depend on it. Every test process compiles with it (``conftest.py``, ``xla_flags``); the
+# TPU AOT compiles do not.
+BACKEND_FLAGS = {"--xla_backend_optimization_level": "0"}
+
+
+def xla_flags(devices: int) -> str:
+    """``XLA_FLAGS`` of a test process with ``devices`` fake CPU devices."""
+    flags = {"--xla_force_host_platform_device_count": str(devices), **BACKEND_FLAGS}
+    return " ".join(f"{k}={v}" for k, v in flags.items())
+
 
 def subprocess_env(base: Mapping[str, str] | None = None, **overrides: str) -> dict[str, str]:
     """``base`` (default: this process's environment) with ``tests/`` first on ``PYTHONPATH``,

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.checkout import subprocess_env
+from support.checkout import subprocess_env, xla_flags
 
 # A few SFT steps, a few RL steps, short completions: the plumbing, not the learning.
 TINY = [
@@ -40,9 +40,7 @@ def train_cmd(workdir: Path | str, *params: str, program: tuple[str, ...] = ()) 
 
 def train_env(devices: int) -> dict[str, str]:
     """CPU only, ``devices`` fake devices, ``tests/`` importable."""
-    return subprocess_env(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu"
-    )
+    return subprocess_env(XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
 
 
 def run_train(workdir: Path, *params: str, devices: int = 1, timeout: float = 600):
