@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         # Heavy imports (jax) only after the config checks.
         from jaxrl_orch.run import stages
 
-        parts = _prepare(stages, cfg, args)
+        parts, claim = _prepare(stages, cfg, args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {storage}", file=sys.stderr)
         return 1
+    finally:
+        if claim is not None:
+            claim.release()
     if not parts.role.leader:
         return 0  # the leader reports the run
     print(json.dumps({k: summary[k] for k in _HEADLINE if k in summary}))
@@ -211,18 +214,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _prepare(stages: Any, cfg: TrainConfig, args: argparse.Namespace) -> Any:
-    """This process's role (joining the trainer group's cluster first), then the run's parts."""
+def _prepare(stages: Any, cfg: TrainConfig, args: argparse.Namespace) -> tuple[Any, Any]:
+    """This process's role (joining the trainer group's cluster first), the workdir claimed
+    when this process writes it (``run.owner``), then the run's parts."""
     from jaxrl_orch.distributed.group import join_group, resolve_role
+    from jaxrl_orch.run.owner import claim_workdir
 
     role = resolve_role(
         cfg.processes.trainer_processes, cfg.processes.engine_replicas, args.process_index
     )
     replicas = _replicas(cfg.processes.engine_replicas, args)
-    role = join_group(role, args.coordinator_address)  # before any JAX computation
-    if role.kind != "single":
-        print(f"[process {role.process_index}] {role.describe()}", flush=True)
-    return stages.prepare(cfg, as_path(args.workdir), role, replicas)  # gs:// stays a URL
+    claim = claim_workdir(args.workdir) if role.leader else None
+    try:
+        role = join_group(role, args.coordinator_address)  # before any JAX computation
+        if role.kind != "single":
+            print(f"[process {role.process_index}] {role.describe()}", flush=True)
+        return stages.prepare(cfg, as_path(args.workdir), role, replicas), claim  # gs:// a URL
+    except BaseException:
+        if claim is not None:
+            claim.release()
+        raise
 
 
 def _replicas(engine_replicas: int, args: argparse.Namespace) -> Any:

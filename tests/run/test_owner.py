@@ -1,0 +1,91 @@
+"""One run per workdir (``run.owner``): a second command on a workdir in use is refused at start,
+naming the owner, and writes nothing; a run killed with SIGKILL leaves no stale claim."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from support.checkout import subprocess_env
+
+from jaxrl_orch import train
+from jaxrl_orch.run import owner
+from jaxrl_orch.run.owner import WorkdirBusy, claim_workdir
+
+HOLD = (
+    "import sys, time; from jaxrl_orch.run.owner import claim_workdir; "
+    "claim_workdir(sys.argv[1]); print('HELD', flush=True); time.sleep(600)"
+)
+
+
+def _holder(workdir) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(workdir)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    assert proc.stdout.readline().strip() == "HELD", proc.poll()
+    return proc
+
+
+def test_a_second_command_on_a_workdir_in_use_is_refused_before_any_work(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    holder = _holder(workdir)
+    try:
+        rc = train.main([f"--workdir={workdir}", "--gin_param=RL.steps = 1"])
+        err = capsys.readouterr().err
+        assert rc == 2, err
+        assert f"pid {holder.pid} on host {socket.gethostname()}" in err
+        assert "in use by another run" in err and str(workdir) in err
+        assert sorted(p.name for p in workdir.iterdir()) == ["run.lock"]  # nothing else written
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # Killed with SIGKILL: the kernel dropped its lock, so the next claim succeeds at once.
+    claim = claim_workdir(workdir)
+    record = json.loads((workdir / "run.lock").read_text())
+    assert record["pid"] == os.getpid()
+    with pytest.raises(WorkdirBusy, match=f"pid {os.getpid()}"):
+        claim_workdir(workdir)  # another claim, even from this process, is refused
+    claim.release()
+    claim_workdir(workdir).release()
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file"])
+def test_a_workdir_that_cannot_be_a_directory_is_one_line_naming_it(tmp_path, kind):
+    blocker = tmp_path / "taken"
+    blocker.write_text("x")
+    workdir = blocker if kind == "a file" else blocker / "run"
+    with pytest.raises(ValueError, match=f"workdir {workdir} cannot be a directory") as exc:
+        claim_workdir(workdir)
+    assert "\n" not in str(exc.value)
+
+
+def test_an_object_store_claim_is_taken_over_only_once_its_owner_stopped_refreshing(tmp_path):
+    # The object-store claim on a local path: the same record logic without a bucket.
+    now = [1_000_000.0]
+    lock = tmp_path / owner.LOCK_NAME
+    lock.write_text(json.dumps({"host": "tpu-vm-3", "pid": 41, "refreshed": now[0] - 30}))
+    with pytest.raises(WorkdirBusy, match="pid 41 on host tpu-vm-3.*refreshed 30 s ago"):
+        owner._ObjectClaim(tmp_path, clock=lambda: now[0])
+    now[0] += owner.STALE_S  # the owner stopped refreshing (a preempted VM)
+    claim = owner._ObjectClaim(tmp_path, clock=lambda: now[0])
+    record = json.loads(lock.read_text())
+    assert record["pid"] == os.getpid() and record["refreshed"] == now[0]
+    claim.release()
+    assert not lock.exists()
+
+
+def test_the_claim_record_names_this_process(tmp_path):
+    claim = claim_workdir(tmp_path / "w")
+    record = json.loads((tmp_path / "w" / "run.lock").read_text())
+    assert record["host"] == socket.gethostname() and record["pid"] == os.getpid()
+    assert abs(record["since"] - time.time()) < 60
+    claim.release()
