@@ -3,6 +3,7 @@
 Owns the workdir layout::
 
     config.gin          resolved gin config         metrics.jsonl   one row per RL step / eval
+    run_identity.json   what a resume must keep     run.lock        the owning process
     sft/                SFT warm-up checkpoint      gauges.jsonl    periodic component gauges
     checkpoints/        RL checkpoints (orbax)      rollouts/       trained rollouts per step
     tb/                 TensorBoard events          summary.json, report.md, *.png
@@ -33,6 +34,7 @@ from jaxrl_orch.distributed.addresses import Replicas
 from jaxrl_orch.distributed.group import Role
 from jaxrl_orch.orchestrator.metrics.writers import JsonlWriter, stage
 from jaxrl_orch.run.control import run_imitation
+from jaxrl_orch.run.identity import check_resume, record_identity
 from jaxrl_orch.run.rl import run_rl
 from jaxrl_orch.run.stop import StopFlag
 from jaxrl_orch.run.warmup import run_warmup
@@ -44,7 +46,11 @@ def prepare(
 ) -> RunParts:
     """The run's parts, every check done: fails before any work, naming the bad value.
     ``engine_addresses``: where a multi-process run's replicas are (``--engine_addresses``,
-    ``--weight_source``, ``--api_key_file``)."""
+    ``--weight_source``, ``--api_key_file``). A resume that would change what the workdir's
+    run is (its model, data or layout: ``identity``) is refused here, before any checkpoint
+    is read."""
+    if role.leader:
+        check_resume(workdir, cfg)
     return build_run(cfg, workdir, role, engine_addresses)
 
 
@@ -53,6 +59,7 @@ def write_config(parts: RunParts, text: str) -> None:
         return
     parts.workdir.mkdir(parents=True, exist_ok=True)
     (parts.workdir / "config.gin").write_text(text)
+    record_identity(parts.workdir, parts.cfg)
 
 
 def run(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
