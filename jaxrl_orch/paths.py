@@ -49,8 +49,10 @@ def as_path(p: Pathish) -> epath.Path:
                 f"{text!r} is on Google Cloud Storage, which needs gcsfs: "
                 "pip install 'jaxrl-orch[gcs]'"
             ) from exc
-    elif is_url(text) and not text.startswith(("s3://", "file://")):
-        raise ValueError(f"unsupported URL {text!r}: use a local path, gs:// or s3://")
+    elif is_url(text):
+        # Only gs:// is tested end to end (checkpoints, metrics, TensorBoard, resume); another
+        # scheme would fail deep inside fsspec or tensorstore, minutes into a run.
+        raise ValueError(f"unsupported URL {text!r}: use a local path or gs://")
     return epath.Path(text)
 
 

@@ -89,3 +89,10 @@ def test_the_claim_record_names_this_process(tmp_path):
     assert record["host"] == socket.gethostname() and record["pid"] == os.getpid()
     assert abs(record["since"] - time.time()) < 60
     claim.release()
+
+
+def test_a_workdir_url_the_run_cannot_write_is_one_line_before_any_work(tmp_path, capsys):
+    rc = train.main(["--workdir=s3://bucket/run", "--gin_param=RL.steps = 1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "unsupported URL 's3://bucket/run'" in err
