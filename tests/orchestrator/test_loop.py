@@ -270,6 +270,26 @@ def test_an_env_returning_no_awaitable_becomes_error_rollouts():
     assert any("returned NoneType" in k for k in orch.faults.digest())
 
 
+class WordRewardEnv(SimEnv):
+    """Every 4th episode's reward is a word instead of a number (an env's bug)."""
+
+    async def run(self, client, example, **kw):
+        r = await super().run(client, example, **kw)
+        if kw["episode_id"] % 4 == 2:
+            r.reward = "good"
+        return r
+
+
+def test_a_non_numeric_reward_is_an_error_rollout_naming_the_env_and_value():
+    orch, trained = _run(WordRewardEnv, steps=4)
+    assert orch.policy.version == 4
+    assert trained and all(isinstance(r.reward, float) for r in trained)
+    kinds = [k for k in orch.faults.digest() if "reward" in k]
+    assert kinds == [
+        "sim: TypeError: env 'sim' returned the reward 'good' (str); a reward must be a real number"
+    ], list(orch.faults.digest())
+
+
 class HalfFlatEnv(SimEnv):
     async def run(self, client, example, **kw):
         r = await super().run(client, example, **kw)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -111,6 +112,14 @@ def settle(
         elif not r.errors and r.num_turns == 0:
             r.errors.append("EmptyTrajectory: the environment returned a rollout with 0 turns")
             r.trainable = False
+        elif not r.errors and not isinstance(r.reward, numbers.Real):  # bools are fine
+            # Caught here, naming the env and the value, not as a TypeError deep in the sink.
+            r.capture_error(
+                TypeError(
+                    f"env {g.env!r} returned the reward {r.reward!r} "
+                    f"({type(r.reward).__name__}); a reward must be a real number"
+                )
+            )
     return rollouts
 
 
