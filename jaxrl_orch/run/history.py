@@ -9,6 +9,8 @@ What it owns
   (``rollouts/step_*.jsonl``) of steps ``>= start_step``. A run killed after step 5 and
   restored from step 3 so reads steps 1..3 once, then 4, 5, ... once each.
 - ``trim_for_sft(workdir, done)``: the same for warm-up rows past the restored SFT step.
+- ``check_history(workdir)``: those files read once at start, so a damaged line fails the
+  command before any work, naming the file and the line.
 - ``BeforeRLRecorder``: a metrics writer that records ``eval_before_rl.json`` as soon as the
   step-0 eval lands (not at the end of the run), so a crash later keeps it.
 - ``rl_evals(workdir)`` / ``rl_step_rows(workdir)``: the eval metrics per step and the step
@@ -53,6 +55,13 @@ def read_rows(path: Pathish) -> list[Row]:
                 break  # a write cut short by a crash
             raise ValueError(f"{path} line {i + 1} is not JSON ({exc}); fix or delete it") from exc
     return rows
+
+
+def check_history(workdir: Pathish) -> None:
+    """Read the workdir's row files a resume will trim (``ValueError`` naming the file and the
+    line that is not JSON), so a damaged file fails the command at start, not the RL stage."""
+    for name in ("metrics.jsonl", "gauges.jsonl"):
+        read_rows(as_path(workdir) / name)
 
 
 def _rewrite(path: Pathish, keep: Callable[[Row], bool]) -> int:

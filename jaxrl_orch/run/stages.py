@@ -34,6 +34,7 @@ from jaxrl_orch.distributed.addresses import Replicas
 from jaxrl_orch.distributed.group import Role
 from jaxrl_orch.orchestrator.metrics.writers import JsonlWriter, stage
 from jaxrl_orch.run.control import run_imitation
+from jaxrl_orch.run.history import check_history
 from jaxrl_orch.run.identity import check_resume, record_identity
 from jaxrl_orch.run.rl import run_rl
 from jaxrl_orch.run.stop import StopFlag
@@ -51,6 +52,7 @@ def prepare(
     is read."""
     if role.leader:
         check_resume(workdir, cfg)
+        check_history(workdir)
     return build_run(cfg, workdir, role, engine_addresses)
 
 

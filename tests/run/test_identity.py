@@ -1,5 +1,6 @@
-"""A resume keeps what the workdir's run is (``run.identity``): another model, dataset or group
-size is refused before any checkpoint is read, naming each difference; more steps are not."""
+"""A resume keeps what the workdir's run is (``run.identity``) and reads its history first:
+another model, dataset or group size is refused before any checkpoint is read, naming each
+difference (more steps are not); a damaged metrics line fails at start, naming the line."""
 
 from __future__ import annotations
 
@@ -44,3 +45,11 @@ def test_the_train_command_refuses_another_model_and_leaves_the_checkpoints_inta
     assert (step / "params").read_bytes() == b"weights"
     assert (tmp_path / "config.gin").read_text() == "# the first run's\n"
     assert json.loads((tmp_path / FILE).read_text())["model.name"] == "tiny-byte"
+
+
+def test_a_damaged_metrics_line_fails_the_resume_at_start_naming_file_and_line(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n#garbage\n{"step": 2}\n')
+    rc = train.main([f"--workdir={tmp_path}", "--gin_param=RL.steps = 1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{tmp_path / 'metrics.jsonl'} line 2 is not JSON" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "config.gin").exists()
