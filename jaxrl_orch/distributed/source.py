@@ -15,8 +15,9 @@ equal to the engine's own (or None) pulls straight into the decode sharding.
 
 Errors: ``TimeoutError`` when the pull does not finish within ``timeout_s`` (an offer never
 made, already pulled or expired, a stuck sender), naming the sender, the uuid and the timeout;
-``ValueError`` naming a layout that does not fit this engine or host. Nothing is swapped in by
-this class, so a failure leaves the engine serving what it had.
+``ValueError`` naming a layout that does not fit this engine or host, or the arrays of a pull
+that hold NaN or inf (``nonfinite_leaves``). Nothing is swapped in by this class, so a failure
+leaves the engine serving what it had.
 
 Threads: a call blocks (the HTTP server runs it in a worker thread); it only writes fresh
 arrays, never the engine's state, so the driver keeps decoding meanwhile.
@@ -27,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -49,6 +51,10 @@ class TransferSource:
         params = transfer.pull(self.address, int(uuid), targets, float(timeout_s))
         if layout is not None:  # on this host's devices: into the decode sharding
             params = jax.block_until_ready(reshard(params, self.engine.param_shardings))
+        bad = nonfinite_leaves(params)
+        if bad:  # a sender's bug (or bytes of another dtype) would decode as garbage
+            shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+            raise ValueError(f"offer uuid={uuid} holds NaN or inf in {shown}; not swapped in")
         return params
 
     def own_layout(self) -> dict:
@@ -108,6 +114,21 @@ def transfer_targets(targets: Any, layout: dict) -> Any:
             )
         )
     return jax.tree.unflatten(treedef, out)
+
+
+@jax.jit
+def _all_finite(tree: Any) -> Any:
+    return [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)]
+
+
+def nonfinite_leaves(params: Any) -> list[str]:
+    """The paths of ``params``' floating leaves holding a NaN or an inf (one program, one read
+    of every weight: about 20 ms for 16 GB at TPU memory bandwidth)."""
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(params)[0], strict=True)
+    floating = [i for i, a in enumerate(leaves) if jnp.issubdtype(a.dtype, jnp.floating)]
+    finite = jax.device_get(_all_finite([leaves[i] for i in floating]))
+    bad = [i for i, ok in zip(floating, finite, strict=True) if not ok]
+    return [jax.tree_util.keystr(paths[i]) for i in bad]
 
 
 def spec_to_json(spec: PartitionSpec) -> list:

@@ -214,6 +214,11 @@ def test_failed_pulls_name_replica_and_version_swap_nothing_in_and_the_replica_k
         await asyncio.sleep(0.3)
         with pytest.raises(WeightPullError, match="version 8 .*504.*timeout_s=0.5"):
             await client.load_weights(8, expired, timeout_s=0.5)
+        # Weights of the right shapes holding NaN are refused, naming the arrays.
+        poisoned = jax.tree.map(lambda a: a * np.float32("nan"), params[1])
+        nan_offer = offer.offer(reshard(poisoned, local_layout(engine.param_shardings)))
+        with pytest.raises(WeightPullError, match=r"version 8 .*NaN or inf in \["):
+            await client.load_weights(8, nan_offer, timeout_s=5.0)
         after_failures = await client.health()
         # Still serving: the next offer loads, and its version decodes.
         loaded = await _load(client, offer, engine, params[1], 9)
