@@ -334,5 +334,14 @@ _HEADLINE = (
 )
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """The command (``python -m jaxrl_orch.train``, ``jaxrl-train``): ``main``, then an exit
+    that no thread left hanging by environment code can hold up (``run.ending``)."""
+    rc = main(argv)
+    from jaxrl_orch.run.ending import exit_code
+
+    return exit_code(rc)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli())

@@ -33,6 +33,7 @@ from jaxrl_orch.inference.client import EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.orchestrator.eval_sink import eval_metrics
 from jaxrl_orch.orchestrator.metrics.writers import ConsoleWriter, JsonlWriter
+from jaxrl_orch.run.ending import run_coroutine
 from jaxrl_orch.run.stop import StopFlag
 from jaxrl_orch.run.summary import eval_summary
 from jaxrl_orch.trainer.sft import run_sft
@@ -112,7 +113,7 @@ def _updates(
             # A copy: the next SFT step donates the trainer's buffers.
             moved = to_engine(jax.tree.map(jax.numpy.copy, trainer.params), engine)
             driver.swap_params(moved, step).result()
-            evals[step] = asyncio.run(evaluate(parts, client))
+            evals[step] = run_coroutine(evaluate(parts, client))
             writer.write(step, evals[step])
             console.write(step, evals[step])
         if done >= updates or stop.group_requested():  # SIGTERM: end at this eval

@@ -21,7 +21,6 @@ Several processes (``Role``; DESIGN.md section 8): an engine replica only serves
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from typing import Any
@@ -34,6 +33,7 @@ from jaxrl_orch.distributed.addresses import Replicas
 from jaxrl_orch.distributed.group import Role
 from jaxrl_orch.orchestrator.metrics.writers import JsonlWriter, stage
 from jaxrl_orch.run.control import run_imitation
+from jaxrl_orch.run.ending import run_coroutine
 from jaxrl_orch.run.history import check_history
 from jaxrl_orch.run.identity import check_resume, record_identity
 from jaxrl_orch.run.rl import run_rl
@@ -91,7 +91,7 @@ def run(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
         f"{rl.algorithm}, {rl.steps} steps of {rl.prompts_per_step} prompts x {rl.group_size} "
         f"samples, max_staleness {orch.max_staleness} ({orch.age_policy})",
     )
-    summary.update(asyncio.run(run_rl(parts, params, stop)))
+    summary.update(run_coroutine(run_rl(parts, params, stop)))
     return summary
 
 

@@ -92,6 +92,22 @@ def _start_until_rl(wd: Path, *params: str) -> subprocess.Popen:
     return proc
 
 
+def test_a_run_whose_env_left_threads_hanging_exits_after_its_closing_line(tmp_path):
+    wd = tmp_path / "threads"
+    res = subprocess.run(
+        _cmd(wd, "RL.steps = 2", "Orchestrator.env_timeout_s = 3.0", "RL.eval_every = 100"),
+        env=_faulty_env("thread_hang"),
+        capture_output=True,
+        text=True,
+        timeout=600,  # a hang guard: the assertion is that it exits, whenever
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((wd / "summary.json").read_text())["rl_steps"] == 2
+    assert res.stdout.splitlines()[-1].startswith("outputs: ")  # the closing line came first
+    assert "thread(s) still running after the run ended" in res.stderr
+    assert "EnvTimeout" in res.stderr  # the hung rollouts were cut off as error rollouts
+
+
 def test_sigterm_with_a_hung_env_exits_zero_once_the_drain_deadline_cancels_it(tmp_path):
     wd = tmp_path / "hung"
     # No env timeout: the hung rollouts never finish, so only the deadline ends the drain.

@@ -7,10 +7,13 @@ run meets them at the same points), chosen by ``JAXRL_TEST_FAULTS``:
 - ``mixed``: every 23rd rollout hangs forever (an unanswered tool call), every 17th raises, one
   ``score`` call in 19 returns NaN, and the 10th ``score`` call blocks the event loop for 1.5 s
   (``time.sleep``) once;
-- ``hang``: every 11th rollout hangs forever, nothing else.
+- ``hang``: every 11th rollout hangs forever, nothing else;
+- ``thread_hang``: every 13th rollout's grader blocks forever in a worker thread
+  (``asyncio.to_thread``: a blocking tool call that never returns), nothing else.
 
 It is registered under ``Data.env = 'faulty_reverse_text'`` the way a user registers
-theirs (``register_env``), then ``jaxrl_orch.train.main`` runs as ``python -m jaxrl_orch.train``.
+theirs (``register_env``), then ``jaxrl_orch.train.cli`` runs as ``python -m jaxrl_orch.train``
+does.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 import time
 
 from jaxrl_orch.envs.base import register_env
@@ -32,6 +36,8 @@ class FaultyReverseText(ReverseTextEnv):
         self.scored = 0
 
     async def run(self, client, example, *, episode_id, **kw):
+        if MODE == "thread_hang" and episode_id % 13 == 4:
+            await asyncio.to_thread(threading.Event().wait)
         hang_every = 11 if MODE == "hang" else 23
         if episode_id % hang_every == 4:
             await asyncio.Event().wait()
@@ -51,6 +57,6 @@ class FaultyReverseText(ReverseTextEnv):
 register_env("faulty_reverse_text", lambda **kw: FaultyReverseText(**kw))
 
 if __name__ == "__main__":
-    from jaxrl_orch.train import main
+    from jaxrl_orch.train import cli
 
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(cli(sys.argv[1:]))
