@@ -114,6 +114,9 @@ def join_group(role: Role, coordinator_address: str | None, timeout_s: int = 300
             num_processes=role.trainer_processes,
             process_id=max(role.process_index, 0),
             initialization_timeout=timeout_s,
+            # Process 0's coordinator listens where it was told to (its default is every
+            # interface): loopback for a local group, the slice's address on a TPU VM.
+            coordinator_bind_address=coordinator_address,
         )
     if jax.process_count() != role.trainer_processes:
         raise ValueError(

@@ -66,6 +66,8 @@ def test_two_process_group_channel_and_stage(tmp_path: Path):
             pytest.fail("the group's processes did not finish")
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
     lead, peer = (np.load(tmp_path / f"{k}.npz") for k in range(2))
+    # jax.distributed's coordinator binds the address it was given (loopback), not 0.0.0.0.
+    assert json.loads(str(lead["coordinator"])) == ["127.0.0.1"]
     np.testing.assert_array_equal(peer["tokens"], np.arange(24).reshape(4, 6))
     assert peer["tokens"].dtype == np.int32
     np.testing.assert_array_equal(peer["adv"], np.full((4, 6), 0.5))

@@ -6,8 +6,10 @@ for the test to compare."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import pathlib
 import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -32,6 +34,25 @@ k, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 role = join_group(resolve_role(2, 1, k), f"127.0.0.1:{port}")
 assert role.process_index == k and jax.process_count() == 2
 
+
+def listeners(port: int) -> list[str]:
+    """The local addresses of this machine's TCP sockets listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in pathlib.Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            host, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(host)
+                # /proc writes each 32-bit word in host (little-endian) order
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                ip = ipaddress.ip_address(words)
+                found.append(str(getattr(ip, "ipv4_mapped", None) or ip))  # ::ffff:a.b.c.d
+    return found
+
+
+# The coordinator (process 0) listens on the address it was given, not on every interface.
+coordinator = listeners(int(port)) if role.leader else []
 channel = Channel(leader=role.leader)
 got: dict = {}
 if role.leader:
@@ -78,6 +99,7 @@ np.savez(
     tokens=got["train"]["tokens"],
     adv=got["train"]["adv"],
     body=json.dumps(got["body"]),
+    coordinator=json.dumps(coordinator),
     w=np.asarray(local["w"].astype(jnp.float32)),
     b=np.asarray(local["b"].astype(jnp.float32)),
 )
