@@ -11,7 +11,8 @@ each replica pulls only from there), gives every process its own ``--devices_per
 CPU devices (``XLA_FLAGS``) unless told to leave the devices alone, and starts ``python -m
 jaxrl_orch.train`` once per process with the layout bound (``Processes.trainer_processes`` /
 ``engine_replicas``) and that process's ``--process_index``: 0..P-1 train (0 also runs the
-orchestrator), P..P+R-1 serve. Other flags (``--api_key_file`` too) go to every process. Each
+orchestrator), P..P+R-1 serve. Other flags go to every process; without ``--api_key_file``
+the replicas get a fresh key of this launch (``WORKDIR/logs/engine.key``, mode 0600). Each
 process's output goes to ``WORKDIR/logs/process_<K>_<role>.log``; process 0's is also echoed
 here. The workdir gets the same outputs as the single-process command (``summary.json``,
 ``metrics.jsonl``, checkpoints, report, export).
@@ -36,6 +37,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -127,9 +129,21 @@ class Launcher:
             f"--engine_addresses={','.join(self.addresses)}",
             f"--weight_source={self.weight_source}",
         ]
+        if self.r and not any(a.startswith("--api_key_file") for a in train_args):
+            self.train_args.append(f"--api_key_file={self._new_key()}")
         self.procs: dict[int, subprocess.Popen] = {}
         self.restarts = 0
         self.stop_at: float | None = None
+
+    def _new_key(self) -> Path:
+        """A fresh secret for this launch's replicas, readable by this user only: any other
+        local user or process reaching a replica's port is refused."""
+        path = self.logs / "engine.key"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
+        return path
 
     def role(self, k: int) -> str:
         return "trainer" if k < self.p else "engine"

@@ -4,13 +4,20 @@ refused before anything starts, naming the bad value (the runs are in test_multi
 from __future__ import annotations
 
 import re
+import stat
 
 import pytest
 
 from jaxrl_orch import train
 from jaxrl_orch.build.roles import check_bind
 from jaxrl_orch.distributed import launch_local
-from jaxrl_orch.distributed.addresses import Replicas, bind_of, host_port, replica_urls
+from jaxrl_orch.distributed.addresses import (
+    Replicas,
+    bind_of,
+    host_port,
+    read_api_key,
+    replica_urls,
+)
 from jaxrl_orch.distributed.group import Role
 
 
@@ -51,6 +58,27 @@ def test_launcher_passes_the_layout_and_addresses_to_every_process(tmp_path):
     assert replica_urls(",".join(launcher.addresses)) == tuple(launcher.addresses)
     assert [launcher.role(k) for k in range(5)] == ["trainer"] * 2 + ["engine"] * 3
     assert (tmp_path / "logs").is_dir()
+
+
+def test_each_launch_gives_its_replicas_a_fresh_key_only_its_user_can_read(tmp_path):
+    def launch(*extra):
+        args, rest = launch_local.parse_args(
+            ["--engine_replicas=1", f"--workdir={tmp_path}", "--gin_param=x", *extra]
+        )
+        return launch_local.Launcher(args, rest)
+
+    key_file = tmp_path / "logs" / "engine.key"
+    first = launch()
+    assert f"--api_key_file={key_file}" in first.train_args
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    key = read_api_key(str(key_file))
+    assert len(key) >= 32
+    launch()
+    assert read_api_key(str(key_file)) != key  # a new secret per launch
+    own = tmp_path / "mine.key"
+    own.write_text("the-user-key")
+    kept = launch(f"--api_key_file={own}")
+    assert [a for a in kept.train_args if "api_key_file" in a] == [f"--api_key_file={own}"]
 
 
 def test_free_ports_are_distinct():

@@ -131,6 +131,7 @@ def test_group_of_two_with_two_replicas_matches_one_process(tmp_path: Path) -> N
         assert (multi / name).exists(), name
     logs = sorted(p.name for p in (multi / "logs").iterdir())
     assert logs == [
+        "engine.key",  # this launch's secret: the replicas answered only the run's own calls
         "process_0_trainer.log",
         "process_1_trainer.log",
         "process_2_engine.log",
