@@ -23,27 +23,13 @@ import dataclasses
 
 import gin
 
+from jaxrl_orch.config.checks import at_least as _at_least
+from jaxrl_orch.config.checks import one_of as _one_of
+from jaxrl_orch.config.checks import positive as _positive
+from jaxrl_orch.config.checks import require as _require
 from jaxrl_orch.config.orchestrator import OrchestratorConfig
 
 DTYPES = ("float32", "bfloat16")
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _at_least(section: object, floor: int, *names: str) -> None:
-    kind = type(section).__name__
-    for name in names:
-        value = getattr(section, name)
-        _require(value >= floor, f"{kind}.{name} must be >= {floor}, got {value}")
-
-
-def _one_of(section: object, name: str, allowed: tuple) -> None:
-    value = getattr(section, name)
-    kind = type(section).__name__
-    _require(value in allowed, f"{kind}.{name} must be one of {allowed}, got {value!r}")
 
 
 @gin.configurable
@@ -96,6 +82,7 @@ class Warmup:
     def __post_init__(self) -> None:
         _at_least(self, 1, "batch_size", "checkpoint_every")
         _at_least(self, 0, "steps", "lr_warmup_steps")
+        _positive(self, "learning_rate")
 
 
 @gin.configurable
@@ -177,6 +164,10 @@ class Trainer:
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "logprob_chunk")
+        _at_least(self, 1, "chunk_rows")
+        _at_least(self, 2, "row_len")  # targets are the tokens shifted by one
+        if self.rows_per_batch is not None:
+            _at_least(self, 1, "rows_per_batch")
 
 
 @gin.configurable
@@ -205,6 +196,8 @@ class Engine:
         _one_of(self, "param_dtype", (None, *DTYPES))
         _one_of(self, "compute_dtype", (None, *DTYPES))
         _one_of(self, "overlap", ("auto", "overlapped", "sliced"))
+        _at_least(self, 1, "slots", "steps_per_call")
+        _at_least(self, 2, "max_target_length")  # a prompt token and a generated one
 
 
 # The loop's own defaults and checks (config/orchestrator.py) are the only ones: the section
@@ -242,6 +235,10 @@ class Processes:
     colocated: bool | None = None  # engine and trainer on one set of devices; None: iff 1 device
     weight_pull_timeout_s: float = 120.0  # a replica's pull of a new version longer: it fails
     replica_request_timeout_s: float = 600.0  # one generate request to a replica longer: an error
+    # a live replica that answers no health probe for this long (stopped, wedged) is lost like a
+    # dead one: its groups move to the other replicas, and it rejoins once it answers; >= 1, as
+    # the probes run once a second
+    replica_health_timeout_s: float = 20.0
     tpu_topology: str | None = None  # the slice this config is sized for, e.g. "v5e:2x4" (aot)
 
     def __post_init__(self) -> None:
@@ -250,6 +247,11 @@ class Processes:
         for name in ("weight_pull_timeout_s", "replica_request_timeout_s"):
             value = getattr(self, name)
             _require(value > 0, f"Processes.{name} must be > 0 seconds, got {value}")
+        _require(
+            self.replica_health_timeout_s >= 1,
+            "Processes.replica_health_timeout_s must be >= 1 second (replicas are probed once a "
+            f"second), got {self.replica_health_timeout_s}",
+        )
 
 
 @gin.configurable
@@ -266,6 +268,8 @@ class Outputs:
 
     def __post_init__(self) -> None:
         _one_of(self, "wandb_mode", (None, "online", "offline", "disabled"))
+        _at_least(self, 1, "checkpoint_every", "max_to_keep")
+        _positive(self, "log_interval_s")
 
 
 SECTIONS = (Model, Data, Warmup, RL, Trainer, Engine, Orchestrator, Processes, Outputs)
@@ -297,6 +301,12 @@ class TrainConfig:
             not (self.processes.engine_replicas and rl.after_warmup == "sft"),
             "RL.after_warmup='sft' (the imitation control) runs in one process; set "
             f"Processes.engine_replicas = 0 (got {self.processes.engine_replicas})",
+        )
+        multiple = trainer.chunk_rows * rl.minibatches
+        _require(
+            trainer.rows_per_batch is None or trainer.rows_per_batch % multiple == 0,
+            f"Trainer.rows_per_batch ({trainer.rows_per_batch}) must be None or a multiple of "
+            f"Trainer.chunk_rows * RL.minibatches = {multiple}: a step trains whole chunks",
         )
         _ = self.loop  # the loop's own checks: age policy, staleness, concurrency, timeouts
 

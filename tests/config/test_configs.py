@@ -52,6 +52,20 @@ def test_unknown_binding_is_named():
         ("Processes.weight_pull_timeout_s = 0", r"weight_pull_timeout_s must be > 0 seconds"),
         ("RL.algorithm = 'ppo'", r"unknown advantage algorithm 'ppo'; choose one of"),
         ("Data.rl_prompt_pool = 0", r"rl_prompt_pool must be >= 1 or None"),
+        # Each of these used to pass the config and fail later: mid-run, or after the warm-up.
+        ("Outputs.checkpoint_every = 0", r"Outputs.checkpoint_every must be >= 1, got 0"),
+        ("Outputs.max_to_keep = 0", r"Outputs.max_to_keep must be >= 1, got 0"),
+        ("Outputs.log_interval_s = 0", r"Outputs.log_interval_s must be > 0, got 0"),
+        ("Warmup.learning_rate = -0.001", r"Warmup.learning_rate must be > 0, got -0.001"),
+        ("Engine.slots = 0", r"Engine.slots must be >= 1, got 0"),
+        ("Engine.steps_per_call = 0", r"Engine.steps_per_call must be >= 1, got 0"),
+        ("Engine.max_target_length = 1", r"Engine.max_target_length must be >= 2, got 1"),
+        ("Trainer.chunk_rows = 0", r"Trainer.chunk_rows must be >= 1, got 0"),
+        (
+            "Trainer.rows_per_batch = 1",
+            r"rows_per_batch \(1\) must be None or a multiple of Trainer.chunk_rows \* "
+            r"RL.minibatches = 8",
+        ),
     ],
 )
 def test_bad_values_are_named_with_what_is_allowed(binding, message):
