@@ -14,14 +14,16 @@ with; a request never names an address. With an API key every request carries
 ``Authorization: Bearer <key>``.
 
 Errors:
-- ``ReplicaLost`` (``.replica``, ``.address``): the replica is gone or going (connection refused,
-  reset or closed mid-request, a truncated answer, 503 from a replica stopping or holding no
-  weights, a 5xx without the contract's error body, i.e. written by the server machinery, not
-  the replica: uvicorn answers so for a request cut off by its shutdown): the caller
-  re-dispatches the work elsewhere. ``alive`` turns False; a later
-  ``health()`` that answers turns it True again.
-- ``WeightPullError`` (``.replica``, ``.version``): an update failed (pull timed out, offer never
-  made, version going backwards, no weight source); the message carries the server's.
+- ``ReplicaLost`` (``.replica``, ``.address``, ``.cause``): the replica is gone, going or not
+  answering (connection refused, reset or closed mid-request, a truncated answer, 503 from a
+  replica stopping or holding no weights, a 5xx without the contract's error body, i.e. written
+  by the server machinery, not the replica: uvicorn answers so for a request cut off by its
+  shutdown; a weight update with no answer at all past its deadline; every request in flight
+  when the pool calls ``abandon``): the caller re-dispatches the work elsewhere. ``alive``
+  turns False; a later ``health()`` that answers turns it True again.
+- ``WeightPullError`` (``.replica``, ``.version``): the replica answered that an update failed
+  (its pull timed out, offer never made, version going backwards, no weight source); the
+  message carries the server's.
 - Any other 4xx / 5xx (a bad request, 429 over ``max_queued``, an engine error): ``RuntimeError``
   naming the replica, the route and the server's message; no answer within ``timeout_s``:
   ``RuntimeError`` naming ``timeout_s``.
@@ -31,11 +33,17 @@ Why aiohttp, not httpx: measured with ``benchmarks/replica_protocol.py`` at the 
 client CPU per request (its pool scans every connection per event; encode/httpx#3215) and fell
 behind the replica; aiohttp ~0.2 ms, as cheap as the gRPC channel this replaced (~0.3 ms).
 
-Loop contract: every method is a coroutine for the caller's event loop and never blocks it. The
-session is created lazily on the running loop (sessions belong to one loop); a client used
-from a new loop (e.g. a second ``asyncio.run``) opens a new one there. Cancelling the task that
-awaits ``generate`` closes its connection, which the replica sees as a client gone: it cancels
-the sample and frees the slot.
+A replica that stops answering (SIGSTOP, a wedged process) keeps its connections open, so no
+connection error ever comes: the pool decides it is lost (``pool.RemotePool``: no health answer
+within its deadline) and calls ``abandon(cause)``, which fails every ``generate`` and
+``load_weights`` in flight on it at once with ``ReplicaLost`` and closes their connections (a
+replica that resumes sees its clients gone and cancels those samples).
+
+Loop contract: every method except ``abandon`` is a coroutine for the caller's event loop and
+never blocks it (``abandon`` is a plain call on that loop). The session is created lazily on the
+running loop (sessions belong to one loop); a client used from a new loop (e.g. a second
+``asyncio.run``) opens a new one there. Cancelling the task that awaits ``generate`` closes its
+connection, which the replica sees as a client gone: it cancels the sample and frees the slot.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import aiohttp
@@ -65,6 +73,7 @@ class ReplicaLost(RuntimeError):
         super().__init__(f"replica {replica} at {address} is lost: {cause}")
         self.replica = replica
         self.address = address
+        self.cause = cause
 
 
 class WeightPullError(RuntimeError):
@@ -137,6 +146,8 @@ class RemoteEngineClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # One per call in flight: ``abandon`` resolves them with its cause.
+        self._waiters: set[asyncio.Future] = set()
 
     def _client(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -160,6 +171,31 @@ class RemoteEngineClient:
                 raise _Status(r.status, *_message(text))
             return json.loads(text)
 
+    async def _abandonable(self, call: Awaitable[dict]) -> dict:
+        """``call``'s answer, unless ``abandon`` comes first: then ``ReplicaLost`` and ``call``
+        is cancelled (its connection closed). A caller's cancellation cancels ``call`` too."""
+        task = asyncio.ensure_future(call)
+        task.add_done_callback(_retrieve)
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        try:
+            await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+            if task.done():  # answered (or failed) before, or as, it was abandoned
+                return task.result()
+            raise self._lost(waiter.result())
+        finally:
+            self._waiters.discard(waiter)
+            task.cancel()
+
+    def abandon(self, cause: str) -> int:
+        """Fail every call in flight now with ``ReplicaLost(cause)`` (see the module docstring);
+        returns how many. Calls made later are not affected."""
+        waiters, self._waiters = self._waiters, set()
+        for w in waiters:
+            if not w.done():
+                w.set_result(cause)
+        return len(waiters)
+
     def _lost(self, cause: str) -> ReplicaLost:
         self.alive = False
         return ReplicaLost(self.replica, self.address, cause)
@@ -175,7 +211,8 @@ class RemoteEngineClient:
         }
         self.in_flight += 1
         try:
-            return completion(await self._call("POST", GENERATE, body, self.timeout_s))
+            answer = await self._abandonable(self._call("POST", GENERATE, body, self.timeout_s))
+            return completion(answer)
         except ValueError as err:  # an answer the orchestrator cannot use: name the replica
             raise self._failed(GENERATE, str(err)) from None
         except TimeoutError:
@@ -216,10 +253,15 @@ class RemoteEngineClient:
         try:
             # The request outlives the pull's own deadline by the swap (at most a decode step),
             # or the first load's engine warm-up (``extra_s``).
-            return await self._call("POST", UPDATE, body, timeout_s + extra_s)
+            return await self._abandonable(self._call("POST", UPDATE, body, timeout_s + extra_s))
         except TimeoutError:
-            cause = f"no answer within timeout_s={timeout_s:g} plus extra_s={extra_s:g}"
-            raise WeightPullError(self.replica, version, cause) from None
+            # A replica whose pull failed says so (504, 500: WeightPullError); one that says
+            # nothing past the pull's deadline is not answering at all, as if it were dead.
+            cause = (
+                f"no answer to {UPDATE} (version {version}) within {timeout_s + extra_s:g} s "
+                f"(timeout_s={timeout_s:g} plus extra_s={extra_s:g})"
+            )
+            raise self._lost(cause) from None
         except _Status as err:
             if err.going_down:  # during the load: the pool moves on without it
                 raise self._lost(str(err)) from None
@@ -231,6 +273,12 @@ class RemoteEngineClient:
         session, self._session, self._loop = self._session, None, None
         if session is not None and not session.closed:
             await session.close()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Marks the error of a call nobody awaits any more (abandoned, cancelled late) as seen."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _message(text: str) -> tuple[str, bool]:

@@ -5,21 +5,32 @@ What it owns
     which replicas are live, the newest weights on offer (``(version, params)``, params on the
     leader's devices in a replica's layout), and the failover of groups. ``select()`` pins a
     group: it returns a ``PinnedClient`` on the live replica with the fewest requests in
-    flight, and every rollout of the group calls that one handle. When its replica is lost
-    (``ReplicaLost``: the process died, the connection broke), the handle moves the whole group
-    to another live replica and re-issues the requests that were in flight there (with
-    per-request seeds the samples are those the lost replica would have produced); completed
-    turns stand. No rollout is failed or settled twice on account of a lost replica, so the
-    dispatcher's exactly-once invariant holds unchanged.
+    flight, and every rollout of the group calls that one handle. When its replica is lost,
+    the handle moves the whole group to another live replica and re-issues the requests that
+    were in flight there (with per-request seeds the samples are those the lost replica would
+    have produced); completed turns stand. No rollout is failed or settled twice on account of
+    a lost replica, so the dispatcher's exactly-once invariant holds unchanged.
+
+Lost means not answering, dead or alive
+    A replica is lost (``_lose``: one console line with the cause, ``lost_total``, every request
+    in flight on it failed over at once through ``RemoteEngineClient.abandon``) when a request
+    to it fails with ``ReplicaLost`` (the process died, the connection broke), when a weight
+    update gets no answer at all within the pull's deadline (``pull_timeout_s`` plus
+    ``load_extra_s``), or when ``watch`` gets no answer to its health probes for
+    ``health_timeout_s``: a stopped (SIGSTOP) or wedged process keeps its connections open and
+    would otherwise hold its groups until ``request_timeout_s`` and a weight update until the
+    run fails. A lost replica is no longer selected; a request of a group pinned to it moves the
+    group before it is sent.
 
 Weights: ``start`` waits (bounded) until every replica answers, then loads the first version
 into each; ``load_weights(version, params)`` offers the params to each live replica
 (``transfer.WeightOffer``, one pull per offer, on the fixed address every replica was started
 with as its only weight source, so an update names just the offer's uuid) and awaits every pull
-and swap (``POST /update_weights``); a replica lost meanwhile is marked lost, a pull that fails
-or times out raises ``WeightPullError`` naming the replica and version. ``watch`` (a background
-task) probes lost replicas; one that answers again (restarted) gets the current weights before
-it is live again, so it never serves an old version.
+and swap (``POST /update_weights``); a replica lost meanwhile is marked lost, a pull the replica
+answers as failed raises ``WeightPullError`` naming the replica and version. ``watch`` (a
+background task) probes every replica on its own schedule; a lost one that answers again
+(restarted, or resumed with SIGCONT) gets the current weights before it is live again, so it
+never serves an old version, and every token still carries the version that produced it.
 
 Runs on the orchestrator's event loop; never blocks it (the HTTP calls are asyncio's).
 """
@@ -36,6 +47,8 @@ from jaxrl_orch.distributed.transfer import WeightOffer
 from jaxrl_orch.types import Completion, SamplingParams
 
 FIRST_LOAD_EXTRA_S = 900.0  # a replica's first load also compiles its engine (warm-up)
+LOAD_EXTRA_S = 30.0  # a later load past its pull's deadline: the swap (a decode step)
+HEALTH_TIMEOUT_S = 20.0  # Processes.replica_health_timeout_s's default
 
 
 class RemotePool:
@@ -47,11 +60,14 @@ class RemotePool:
         request_timeout_s: float,
         pull_timeout_s: float,
         probe_interval_s: float = 1.0,
+        health_timeout_s: float = HEALTH_TIMEOUT_S,
         layout: dict | None = None,
         api_key: str | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("RemotePool needs at least one replica address")
+        if not health_timeout_s > 0:
+            raise ValueError(f"health_timeout_s must be > 0 seconds, got {health_timeout_s!r}")
         self.clients = [
             RemoteEngineClient(a, replica=i, timeout_s=request_timeout_s, api_key=api_key)
             for i, a in enumerate(addresses)
@@ -59,7 +75,10 @@ class RemotePool:
         self.offer = offer
         self.layout = layout  # how offers are laid out, when not the replicas' own
         self.pull_timeout_s = pull_timeout_s
+        self.load_extra_s = LOAD_EXTRA_S
         self.probe_interval_s = probe_interval_s
+        self.health_timeout_s = float(health_timeout_s)
+        self._answered: dict[int, float] = {}  # replica -> monotonic time of its last answer
         self.live: set[int] = set()
         self._current: tuple[int, Any] | None = None
         self._changed = asyncio.Event()
@@ -89,6 +108,7 @@ class RemotePool:
                 await asyncio.sleep(0.5)
         loads = (self._load(i, version, params, first=True) for i in range(len(self.clients)))
         await asyncio.gather(*loads)
+        self._answered = dict.fromkeys(range(len(self.clients)), time.monotonic())
         self.live = set(range(len(self.clients)))
         self._changed.set()
 
@@ -101,7 +121,7 @@ class RemotePool:
         )
         for i, r in zip(live, results, strict=True):
             if isinstance(r, ReplicaLost):
-                self._lose(i)
+                self._lose(i, r.cause)
             elif isinstance(r, BaseException):
                 raise r
 
@@ -110,7 +130,7 @@ class RemotePool:
         also runs its engine warm-up (compiles), so the call may take longer."""
         t0 = time.perf_counter()
         uuid = self.offer.offer(params, expire_s=self.pull_timeout_s + 30)
-        extra = FIRST_LOAD_EXTRA_S if first else 30.0
+        extra = FIRST_LOAD_EXTRA_S if first else self.load_extra_s
         await self.clients[i].load_weights(
             version, uuid, self.pull_timeout_s, layout=self.layout, extra_s=extra
         )
@@ -118,52 +138,72 @@ class RemotePool:
 
     # ------------------------------------------------------------------ liveness
 
-    def _lose(self, i: int) -> None:
-        if i in self.live:
-            self.live.discard(i)
-            self.lost_total += 1
-            print(
-                f"!! engine replica {i} ({self.clients[i].address}) lost: its groups move to "
-                f"the {len(self.live)} live replica(s)",
-                flush=True,
-            )
+    def _lose(self, i: int, cause: str) -> None:
+        """Replica ``i`` is lost (see the module docstring): said once, with ``cause``."""
+        if i not in self.live:
+            return
+        self.live.discard(i)
+        self.lost_total += 1
+        print(
+            f"!! engine replica {i} ({self.clients[i].address}) lost: {cause}; its groups move "
+            f"to the {len(self.live)} live replica(s)",
+            flush=True,
+        )
+        self.clients[i].abandon(cause)
 
     def engine_seconds(self) -> float:
         """Prefill + decode seconds of every replica so far (as of the last probe)."""
         return sum(self._engine_s.values())
 
     async def watch(self) -> None:
-        """Probe every replica: the live ones for their engine time, the lost ones to re-admit
-        those that answer again, with the current weights first."""
+        """Probe every replica, each on its own schedule so that one not answering (or one
+        loading its weights to rejoin) never delays the others' probes: see ``_watch_one``."""
+        async with asyncio.TaskGroup() as probes:
+            for i in range(len(self.clients)):
+                probes.create_task(self._watch_one(i))
+
+    async def _watch_one(self, i: int) -> None:
+        """Replica ``i``'s probes: a live one silent for ``health_timeout_s`` is lost; a lost one
+        that answers is re-admitted with the current weights first; each answer updates its
+        engine time."""
         while True:
             await asyncio.sleep(self.probe_interval_s)
-            for i in range(len(self.clients)):
-                if self._current is None:
-                    continue
-                health = await self.clients[i].health(timeout_s=2.0)
-                if health is None:
-                    continue
-                raw = float(health.get("engine_s", 0.0))
-                last = self._raw_s.get(i, 0.0)
-                # A restarted replica counts from 0 again: keep what the lost one did.
-                self._engine_s[i] = self._engine_s.get(i, 0.0) + (
-                    raw - last if raw >= last else raw
-                )
-                self._raw_s[i] = raw
-                if i in self.live:
-                    continue
-                version, params = self._current
-                try:
-                    await self._load(i, version, params, first=health.get("version", -1) < 0)
-                except (ReplicaLost, WeightPullError) as exc:
-                    print(f"engine replica {i} answers but did not load version {version}: {exc}")
-                    continue
-                if self._current[0] != version:  # a newer version arrived meanwhile
-                    continue
-                self.live.add(i)
-                self.rejoined_total += 1
-                self._changed.set()
-                print(f"engine replica {i} is back, serving version {version}", flush=True)
+            if self._current is None:
+                continue
+            health = await self.clients[i].health(timeout_s=self.health_timeout_s)
+            now = time.monotonic()
+            if health is None:
+                silent = now - self._answered.setdefault(i, now)
+                if i in self.live and silent >= self.health_timeout_s:
+                    self._lose(i, f"no answer to its health probe for {silent:.1f} s")
+                continue
+            self._answered[i] = now
+            self._count_engine_s(i, health)
+            if i not in self.live:
+                await self._rejoin(i, first=health.get("version", -1) < 0)
+
+    def _count_engine_s(self, i: int, health: dict) -> None:
+        raw = float(health.get("engine_s", 0.0))
+        last = self._raw_s.get(i, 0.0)
+        # A restarted replica counts from 0 again: keep what the lost one did.
+        self._engine_s[i] = self._engine_s.get(i, 0.0) + (raw - last if raw >= last else raw)
+        self._raw_s[i] = raw
+
+    async def _rejoin(self, i: int, first: bool) -> None:
+        """Lost replica ``i`` answers again: live once it serves the current version."""
+        version, params = self._current
+        try:
+            await self._load(i, version, params, first=first)
+        except (ReplicaLost, WeightPullError) as exc:
+            print(f"engine replica {i} answers but did not load version {version}: {exc}")
+            return
+        if self._current[0] != version:  # a newer version arrived meanwhile: the next probe
+            return
+        self._answered[i] = time.monotonic()
+        self.live.add(i)
+        self.rejoined_total += 1
+        self._changed.set()
+        print(f"engine replica {i} is back, serving version {version}", flush=True)
 
     async def wait_live(self) -> int:
         """A live replica (the least busy); waits while none is."""
@@ -203,6 +243,10 @@ class PinnedClient:
 
     def __init__(self, pool: RemotePool, replica: int) -> None:
         self.pool, self.replica = pool, replica
+        # While no replica is live the first to notice waits in ``wait_live``; the others wait
+        # here, then find the group moved (one move, counted once, even back to the same index).
+        self._moving = asyncio.Lock()
+        self._moves = 0
 
     @property
     def in_flight(self) -> int:
@@ -210,12 +254,17 @@ class PinnedClient:
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion:
         while True:
-            replica = self.replica
-            try:
-                return await self.pool.clients[replica].generate(prompt_ids, sampling)
-            except ReplicaLost:
-                self.pool._lose(replica)
-            self.pool.reissued_total += 1
-            if self.replica == replica:  # the first of the group's requests to notice moves it
-                self.replica = await self.pool.wait_live()
-                self.pool.moved_groups_total += 1
+            replica, moves = self.replica, self._moves
+            # A replica lost since the group was pinned may be alive but silent: a request sent
+            # there would wait for its own timeout, so the group moves first.
+            if replica in self.pool.live:
+                try:
+                    return await self.pool.clients[replica].generate(prompt_ids, sampling)
+                except ReplicaLost as lost:
+                    self.pool._lose(replica, lost.cause)
+                self.pool.reissued_total += 1
+            async with self._moving:  # the first of the group's requests to notice moves it
+                if self._moves == moves:
+                    self.replica = await self.pool.wait_live()
+                    self._moves += 1
+                    self.pool.moved_groups_total += 1

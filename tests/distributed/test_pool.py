@@ -55,6 +55,9 @@ class FakeReplica:
         self.loads.append(version)
         return {"version": version}
 
+    def abandon(self, cause):
+        return 0  # its requests fail on their own (``up``)
+
     async def close(self):
         pass
 
@@ -95,6 +98,40 @@ def test_a_lost_replicas_group_moves_whole_and_no_request_fails():
     asyncio.run(main())
 
 
+def test_a_group_pinned_to_a_replica_lost_meanwhile_moves_before_sending_anything():
+    async def main():
+        pool, fakes = make_pool()
+        await pool.start(0, params="w0")
+        handle = pool.select()
+        pinned = handle.replica
+        pool._lose(pinned, "no answer to its health probe for 9.0 s")  # alive, but silent
+        done = await asyncio.gather(*(handle.generate([1], SAMPLING) for _ in range(3)))
+        assert [c.token_ids for c in done] == [[1 - pinned]] * 3
+        assert fakes[pinned].calls == []  # nothing sent to a replica known to be lost
+        assert pool.moved_groups_total == 1 and pool.reissued_total == 0
+
+    asyncio.run(main())
+
+
+def test_with_no_replica_live_a_group_waits_and_moves_once():
+    async def main():
+        pool, fakes = make_pool()
+        await pool.start(0, params="w0")
+        handle = pool.select()
+        for i in (0, 1):
+            pool._lose(i, "gone")
+        calls = [asyncio.ensure_future(handle.generate([1], SAMPLING)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert not any(c.done() for c in calls)  # waiting for a live replica
+        pool.live.add(1)
+        pool._changed.set()
+        done = await asyncio.gather(*calls)
+        assert [c.token_ids for c in done] == [[1]] * 3 and handle.replica == 1
+        assert pool.moved_groups_total == 1  # one move for the group, not one per request
+
+    asyncio.run(main())
+
+
 def test_weights_reach_live_replicas_and_a_returning_one_loads_before_it_serves():
     async def main():
         pool, fakes = make_pool()
@@ -114,6 +151,37 @@ def test_weights_reach_live_replicas_and_a_returning_one_loads_before_it_serves(
         assert pool.engine_seconds() == pytest.approx(3.0)  # both replicas' engine time
 
     asyncio.run(main())
+
+
+def test_a_live_replica_silent_past_the_health_deadline_is_lost_and_rejoins_when_it_answers(
+    capsys,
+):
+    async def main():
+        pool, fakes = make_pool()
+        pool.health_timeout_s = 0.05
+        await pool.start(0, params="w0")
+        watch = asyncio.ensure_future(pool.watch())
+        fakes[1].up = False  # no health answers (and no request in flight to fail)
+        for _ in range(300):
+            if pool.live == {0}:
+                break
+            await asyncio.sleep(0.01)
+        lost = (set(pool.live), pool.lost_total)
+        await pool.load_weights(1, "w1")
+        fakes[1].up = True
+        for _ in range(300):
+            if 1 in pool.live:
+                break
+            await asyncio.sleep(0.01)
+        watch.cancel()
+        return pool, fakes, lost
+
+    pool, fakes, lost = asyncio.run(main())
+    assert lost == ({0}, 1)  # replica 0, answering, stays live
+    out = capsys.readouterr().out
+    assert "engine replica 1 (addr1) lost: no answer to its health probe for " in out
+    assert pool.live == {0, 1} and pool.rejoined_total == 1 and pool.lost_total == 1
+    assert fakes[1].loads == [0, 1]  # the current version before it serves again
 
 
 def test_a_failed_pull_fails_loudly_naming_replica_and_version():

@@ -1,0 +1,135 @@
+"""A stand-in engine replica in its own process, to be stopped (SIGSTOP) and resumed (SIGCONT).
+
+``python -m support.standin_process --answer N [--hold]`` (``tests/`` on ``PYTHONPATH``) serves
+what a replica serves (``distributed.replica``: a ``ReplicaHost`` behind ``make_app`` +
+``HttpServer`` on a free loopback port, ``serve_until_signal``), with no JAX engine: it starts
+without weights, and each ``POST /update_weights`` "pulls" at once and stamps the version, so a
+test sees versions move without a transfer server. Its driver (``TimedDriver``) answers every
+sample at once with the one token ``N`` stamped with the version it holds; with ``--hold`` it
+answers none (they stay in flight until their client goes away, which cancels them). Each
+answered sample counts as one second of engine time (``/health``'s ``engine_s``), so a test
+counts a replica's answers without a hook into the process. Prints ``READY <url> <pid>``.
+
+``StandInProcess(answer, hold)`` starts one from a test: ``url``, ``pid``, ``pause()``
+(SIGSTOP), ``resume()`` (SIGCONT) and ``kill()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import os
+import queue
+import signal
+import subprocess
+import threading
+
+from jaxrl_orch.types import Completion
+from support.checkout import helper_cmd, subprocess_env
+from support.standin_replica import StandInEngine
+
+
+class TimedDriver:
+    """The driver a ``StandInHost`` builds at its first update (see the module docstring)."""
+
+    paused = False
+
+    def __init__(self, version: int, answer: int, hold: bool) -> None:
+        self.version, self.answer, self.hold = version, answer, hold
+        self.answered = 0
+
+    def submit(self, prompt_ids, samplings, on_token=None):
+        futures = [concurrent.futures.Future() for _ in samplings]
+        if not self.hold:
+            for f in futures:
+                f.set_result(Completion([self.answer], [-1.0], [self.version], "length"))
+            self.answered += len(futures)
+        return futures
+
+    def swap_params(self, params, version):
+        self.version = version
+        done = concurrent.futures.Future()
+        done.set_result(version)
+        return done
+
+    def gauges(self):
+        return {"inference/queue_depth": 0.0, "inference/decode_s": float(self.answered)}
+
+    def stop(self):
+        pass
+
+
+def _host(answer: int, hold: bool):
+    from jaxrl_orch.distributed.replica import ReplicaHost
+
+    class StandInHost(ReplicaHost):
+        def _start_driver(self, params, version):
+            return TimedDriver(version, answer, hold)
+
+    def source(uuid, layout, timeout_s):  # the offer "arrives" at once
+        return {"uuid": uuid}
+
+    return StandInHost(StandInEngine(), replica=answer, model="stand-in", source=source)
+
+
+def main() -> None:
+    from jaxrl_orch.distributed.replica import serve_until_signal
+    from jaxrl_orch.serving.app import make_app
+    from jaxrl_orch.serving.runner import HttpServer
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--answer", type=int, required=True)
+    parser.add_argument("--hold", action="store_true")
+    args = parser.parse_args()
+    host = _host(args.answer, args.hold)
+    server = HttpServer(make_app(host), port=0, grace_s=0.2)
+    ready = lambda url: print(f"READY {url} {os.getpid()}", flush=True)  # noqa: E731
+    asyncio.run(serve_until_signal(host, server, on_up=ready))
+
+
+class StandInProcess:
+    """One ``python -m support.standin_process`` (see the module docstring); ``wait_ready()``
+    returns once it answers, so several can start side by side."""
+
+    def __init__(self, answer: int, hold: bool = False) -> None:
+        cmd = helper_cmd("standin_process", "--answer", str(answer), *(["--hold"] if hold else []))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=subprocess_env())
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.url: str | None = None
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def wait_ready(self, timeout_s: float = 60.0) -> StandInProcess:
+        while self.url is None:
+            try:
+                line = self.lines.get(timeout=timeout_s)
+            except queue.Empty:
+                raise AssertionError(f"stand-in replica silent for {timeout_s} s") from None
+            if line.startswith("READY "):
+                self.url = line.split()[1]
+            assert self.proc.poll() is None, f"stand-in replica exited ({self.proc.returncode})"
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def pause(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL (a stopped process cannot handle SIGTERM) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+if __name__ == "__main__":
+    main()
