@@ -27,7 +27,18 @@ accumulation and still be normalised over the whole batch:
 Ratio and TIS (decoupled form): the surrogate's ratio is ``pi_new / pi_old`` where ``pi_old``
 is the recomputed old log-prob when given, else the engine's behavior log-prob. When ``old``
 is given and ``tis_cap`` is set, each token's loss is weighted by
-``min(pi_old / pi_behavior, tis_cap)`` (a constant: no gradient flows through it).
+``min(pi_old / pi_behavior, tis_cap)`` (a constant: no gradient flows through it). That is
+AReaL's decoupled PPO objective with ``pi_old`` as its proximal policy, truncated at the cap;
+``tis_cap=float("inf")`` gives it uncapped, and AReaL's own cap (tokens whose weight exceeds it
+are dropped, not truncated) is ``mis="token", mis_bounds=(0.0, cap)`` on top (docs/losses.md).
+
+Policy term (``policy_loss``): ``"ppo"`` is the clipped token surrogate above; ``"gspo"``,
+``"gspo_token"`` and ``"cispo"``, and the masks on the trainer/engine ratio (``icepop``,
+``mis``, ``geo_mask``), are ``algorithms/corrections.py``. A token a mask drops is off the loss
+mask for the policy term (its term, TIS-weighted or not, is 0; GSPO's sequence ratio averages
+over the kept tokens) but keeps its loss weight, so it still counts in the normaliser; the KL
+and entropy terms, which do not depend on the behaviour policy, and every diagnostic but the
+corrections' own counts still cover all loss tokens.
 
 Invariants: padding and prompt tokens (``loss_mask == False``) contribute exactly zero to the
 loss and to every diagnostic; nothing here reads the host or allocates device state.
@@ -39,6 +50,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from jaxrl_orch.algorithms import corrections
 
 NORMS = ("token", "sequence", "constant")
 
@@ -56,6 +69,11 @@ class PolicyLossConfig:
     ``tis_cap``: cap C on ``pi_old / pi_behavior``; ``None`` disables TIS.
     ``kl_beta``: coefficient of the k3 KL to the reference policy (0 disables it).
     ``entropy_coef``: coefficient of an entropy bonus (0 disables it).
+    ``policy_loss``: ``"ppo"``, ``"gspo"``, ``"gspo_token"`` or ``"cispo"`` (GSPO clips its
+    sequence ratio to ``[1 - eps_low, 1 + eps_high]``); ``eps_low_is``/``eps_high_is``: CISPO's
+    weight band ``[1 - eps_low_is, 1 + eps_high_is]`` (``eps_low_is = 1``: no lower bound).
+    ``icepop``, ``mis_bounds``, ``geo_mask``: ``(low, high)`` bands of the trainer/engine ratio
+    or None; ``mis``: None, ``"token"`` or ``"sequence"`` (set exactly with ``mis_bounds``).
     """
 
     eps_low: float = 0.2
@@ -65,8 +83,18 @@ class PolicyLossConfig:
     tis_cap: float | None = 2.0
     kl_beta: float = 0.0
     entropy_coef: float = 0.0
+    policy_loss: str = "ppo"
+    eps_low_is: float = 1.0
+    eps_high_is: float = 0.28
+    icepop: tuple[float, float] | None = None
+    mis: str | None = None
+    mis_bounds: tuple[float, float] | None = None
+    geo_mask: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
+        for name in corrections.BOUNDED:  # gin and JSON give lists: store hashable float pairs
+            object.__setattr__(self, name, corrections.check_bounds(name, getattr(self, name)))
+        corrections.check_settings(self)
         if self.norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
         if (self.norm == "constant") != (self.norm_constant is not None):
@@ -163,6 +191,17 @@ def k3(log_ratio: jax.Array) -> jax.Array:
     return jnp.expm1(log_ratio) - log_ratio
 
 
+def _policy_term(
+    new_logp, log_ratio, adv, maskb, cfg: PolicyLossConfig, segment_ids
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The per-token policy term of ``cfg.policy_loss`` (before TIS and masks) and its sums."""
+    if cfg.policy_loss != "ppo":
+        return corrections.surrogate(cfg, new_logp, log_ratio, adv, maskb, segment_ids)
+    ratio = jnp.exp(log_ratio)
+    clipped = jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    return -jnp.minimum(ratio * adv, clipped * adv), {}
+
+
 def policy_loss(
     new_logp: jax.Array,
     behavior_logp: jax.Array,
@@ -174,17 +213,21 @@ def policy_loss(
     old_logp: jax.Array | None = None,
     ref_logp: jax.Array | None = None,
     entropy: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Clipped surrogate loss (to minimise) and metric sums for one chunk of tokens.
+    """Policy loss (to minimise) and metric sums for one chunk of tokens.
 
     Returns ``(sum(per_token_loss * weights), metric_sums)``. ``metric_sums`` keys:
-    ``num_tokens`` (masked tokens), ``clip_low``/``clip_high`` (tokens where the clip binds:
-    ratio below ``1 - eps_low`` with negative advantage, above ``1 + eps_high`` with positive
-    advantage), ``approx_kl`` (k3 of old -> new), ``mismatch_kl`` (k3 of engine -> trainer,
-    trainer = old if given else new), ``ratio`` (sum), ``ratio_max``, ``tis_capped`` (tokens
-    whose TIS weight hit the cap), ``entropy`` and ``ref_kl`` when given, ``loss`` (the weighted
-    loss itself, so chunk sums add up to the batch loss). With ``old_logp``, a NaN behaviour
-    log-prob (one the engine did not report) is replaced by ``old_logp``.
+    ``num_tokens`` (masked tokens), ``clip_low``/``clip_high`` (tokens where the token clip
+    binds: ratio below ``1 - eps_low`` with negative advantage, above ``1 + eps_high`` with
+    positive advantage; reported for every ``policy_loss``), ``approx_kl`` (k3 of old -> new),
+    ``mismatch_kl`` (k3 of engine -> trainer, trainer = old if given else new), ``ratio``
+    (sum), ``ratio_max``, ``tis_capped`` (tokens whose TIS weight hit the cap), ``entropy`` and
+    ``ref_kl`` when given, ``loss`` (the weighted loss itself, so chunk sums add up to the batch
+    loss), and the counts of ``corrections`` for the settings that are on. With ``old_logp``, a
+    NaN behaviour log-prob (one the engine did not report) is replaced by ``old_logp``.
+    ``segment_ids`` ``[R, L]`` (0 = padding) delimit the sequences of GSPO and the sequence
+    masks; without them each row is one sequence.
     """
     mask = jnp.asarray(loss_mask).astype(jnp.float32)
     maskb = mask > 0
@@ -200,9 +243,15 @@ def policy_loss(
     denom_logp = behavior_logp if old_logp is None else jax.lax.stop_gradient(old_logp)
     # Masked tokens get log-ratio 0 so exp() cannot overflow into NaN gradients.
     log_ratio = jnp.where(maskb, new_logp - denom_logp, 0.0)
-    ratio = jnp.exp(log_ratio)
-    clipped = jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    per_token = -jnp.minimum(ratio * adv, clipped * adv)
+    trainer_logp = jax.lax.stop_gradient(new_logp if old_logp is None else old_logp)
+    engine_log_ratio = jnp.where(maskb, trainer_logp - behavior_logp, 0.0)
+    # Masked-out tokens leave the policy term as if off the loss mask (GSPO's sequence ratio
+    # is over the kept tokens), but keep their loss weight.
+    keep, sums = maskb, {}
+    if corrections.masks_on(cfg):
+        keep, sums = corrections.ratio_masks(cfg, engine_log_ratio, maskb, segment_ids)
+    per_token, term_sums = _policy_term(new_logp, log_ratio, adv, keep, cfg, segment_ids)
+    sums.update(term_sums)
 
     tis_capped = jnp.zeros_like(mask)
     if old_logp is not None and cfg.tis_cap is not None:
@@ -210,8 +259,9 @@ def policy_loss(
         tis_raw = jnp.exp(mismatch)
         per_token = per_token * jnp.minimum(tis_raw, cfg.tis_cap)
         tis_capped = (tis_raw > cfg.tis_cap).astype(jnp.float32)
+    if corrections.masks_on(cfg):
+        per_token = jnp.where(keep, per_token, 0.0)
 
-    sums: dict[str, jax.Array] = {}
     if ref_logp is not None and cfg.kl_beta > 0.0:
         ref_kl = k3(jnp.where(maskb, jnp.asarray(ref_logp, jnp.float32) - new_logp, 0.0))
         per_token = per_token + cfg.kl_beta * ref_kl
@@ -222,13 +272,17 @@ def policy_loss(
         sums["entropy"] = jnp.sum(jax.lax.stop_gradient(entropy) * mask)
 
     loss = jnp.sum(per_token * weights)
+    sums.update(_diagnostics(log_ratio, engine_log_ratio, adv, mask, cfg))
+    sums.update(loss=jax.lax.stop_gradient(loss), tis_capped=jnp.sum(tis_capped * mask))
+    return loss, sums
 
-    sg_ratio = jax.lax.stop_gradient(ratio)
+
+def _diagnostics(log_ratio, engine_log_ratio, adv, mask, cfg: PolicyLossConfig):
+    """The token-ratio metric sums every ``policy_loss`` reports."""
+    maskb = mask > 0
     sg_log_ratio = jax.lax.stop_gradient(log_ratio)
-    trainer_logp = jax.lax.stop_gradient(new_logp if old_logp is None else old_logp)
-    engine_log_ratio = jnp.where(maskb, trainer_logp - behavior_logp, 0.0)
-    sums.update(
-        loss=jax.lax.stop_gradient(loss),
+    sg_ratio = jnp.exp(sg_log_ratio)
+    return dict(
         num_tokens=mask.sum(),
         clip_low=jnp.sum(((sg_ratio < 1.0 - cfg.eps_low) & (adv < 0) & maskb) * 1.0),
         clip_high=jnp.sum(((sg_ratio > 1.0 + cfg.eps_high) & (adv > 0) & maskb) * 1.0),
@@ -237,9 +291,7 @@ def policy_loss(
         mismatch_kl=jnp.sum(k3(engine_log_ratio) * mask),
         ratio=jnp.sum(sg_ratio * mask),
         ratio_max=jnp.max(jnp.where(maskb, sg_ratio, -jnp.inf), initial=-jnp.inf),
-        tis_capped=jnp.sum(tis_capped * mask),
     )
-    return loss, sums
 
 
 def merge_metric_sums(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:

@@ -132,5 +132,12 @@ def step_config(cfg: TrainConfig, kind: str, recompute: bool | None = None) -> S
             norm_constant=float(cfg.rl.max_new_tokens) if norm == "constant" else None,
             tis_cap=cfg.rl.tis_cap,
             kl_beta=cfg.rl.kl_beta,
+            policy_loss=cfg.rl.policy_loss,
+            eps_low_is=cfg.rl.eps_low_is,
+            eps_high_is=cfg.rl.eps_high_is,
+            icepop=cfg.rl.icepop,
+            mis=cfg.rl.mis,
+            mis_bounds=cfg.rl.mis_bounds,
+            geo_mask=cfg.rl.geo_mask,
         ),
     )

@@ -85,9 +85,41 @@ class Warmup:
         _positive(self, "learning_rate")
 
 
+# The policy terms and ratio masks algorithms/losses.py offers (config stays free of JAX, so
+# they are spelled here too; tests/algorithms/test_corrections.py checks they agree).
+POLICY_LOSSES = ("ppo", "gspo", "gspo_token", "cispo")
+MIS_LEVELS = ("token", "sequence")
+
+
+def _ratio_band(section: object, name: str) -> None:
+    value = getattr(section, name)
+    if value is None:
+        return
+    try:
+        low, high = (float(v) for v in value)
+    except (TypeError, ValueError):
+        low, high = float("nan"), float("nan")
+    _require(
+        0.0 <= low < high,
+        f"{type(section).__name__}.{name} must be None (off) or a pair (low, high) of ratios "
+        f"with 0 <= low < high, got {value!r}",
+    )
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class RL:
+    """The RL stage. The off-policy corrections (docs/losses.md; combinable):
+
+    - ``policy_loss``: "ppo" (clipped token surrogate), "gspo" / "gspo_token" (sequence ratio
+      clipped to [1 - eps_low, 1 + eps_high]; the paper's eps are 3e-4 / 4e-4) or "cispo".
+    - ``eps_low_is`` / ``eps_high_is``: CISPO's weight band [1 - eps_low_is, 1 + eps_high_is].
+    - ``icepop``: (a, b) or None: drop tokens whose trainer/engine ratio leaves [a, b].
+    - ``mis``: None, "token" or "sequence": rejection sampling on that ratio (or its product).
+    - ``mis_bounds``: (low, high), the band of ``mis`` (set exactly when ``mis`` is).
+    - ``geo_mask``: (low, high) or None: drop sequences whose geometric-mean ratio leaves it.
+    """
+
     # "rl", or the imitation control "sft": the RL stage's optimizer updates spent on more SFT
     # of the demonstrations instead, evaluated alike (run/control.py)
     after_warmup: str = "rl"
@@ -112,6 +144,16 @@ class RL:
     minibatches: int = 1  # optimizer steps per RL batch (the batch split into this many parts)
     ppo_epochs: int = 1  # passes over the batch per RL step
     kl_beta: float = 0.0
+    # The policy term: "ppo" (the clipped token surrogate), "gspo", "gspo_token" or "cispo"
+    policy_loss: str = "ppo"
+    eps_low_is: float = 1.0  # CISPO weight clipped below at 1 - eps_low_is (1: no lower bound)
+    eps_high_is: float = 0.28  # CISPO weight clipped above at 1 + eps_high_is
+    # Masks on rho = pi_trainer / pi_behaviour (trainer: the recomputed old log-probs when
+    # recompute_old_logprobs, else the current policy); a dropped token's policy term is 0.
+    icepop: tuple[float, float] | None = None  # IcePop: drop tokens with rho outside (a, b)
+    mis: str | None = None  # rejection sampling (MIS): "token" (rho) or "sequence" (prod rho)
+    mis_bounds: tuple[float, float] | None = None  # the (low, high) band of mis
+    geo_mask: tuple[float, float] | None = None  # drop sequences: exp(mean log rho) outside
     eval_every: int = 10  # RL steps between two evals of the held-out set (0: first and last)
     eval_examples: int = 128  # held-out examples each eval decodes (greedy, and sampled)
 
@@ -134,6 +176,23 @@ class RL:
         )
         _at_least(self, 1, "steps", "prompts_per_step", "minibatches", "ppo_epochs")
         _at_least(self, 0, "lr_warmup_steps", "eval_every")
+        self._check_corrections()
+
+    def _check_corrections(self) -> None:
+        _one_of(self, "policy_loss", POLICY_LOSSES)
+        _one_of(self, "mis", (None, *MIS_LEVELS))
+        _require(
+            0.0 <= self.eps_low_is <= 1.0,
+            f"RL.eps_low_is must be in [0, 1] (1: no lower bound), got {self.eps_low_is}",
+        )
+        _require(self.eps_high_is >= 0.0, f"RL.eps_high_is must be >= 0, got {self.eps_high_is}")
+        _require(
+            (self.mis is None) == (self.mis_bounds is None),
+            f"RL.mis ({self.mis!r}) and RL.mis_bounds ({self.mis_bounds!r}) are set together: "
+            f"mis in {MIS_LEVELS} with mis_bounds = (low, high), or both None",
+        )
+        for name in ("icepop", "mis_bounds", "geo_mask"):
+            _ratio_band(self, name)
 
     @property
     def batch_size(self) -> int:

@@ -22,8 +22,9 @@ aligned as in ``Sample``: token ``t``'s behavior log-prob, mask and advantage si
       ``lax.scan``; loss weights are computed once over the whole minibatch, so the sum of the
       chunk gradients equals the gradient of the minibatch loss (token or sequence norm).
     - ``recompute_old_logprobs``: a gradient-free forward over every row before the first update
-      gives ``old_logp``; the ratio is then taken against it and TIS weights the engine mismatch.
-      Otherwise the ratio is taken against the engine's behavior log-probs.
+      gives ``old_logp`` (the proximal policy of AReaL's decoupled objective); the ratio is then
+      taken against it and TIS weights the engine mismatch. Otherwise the ratio is taken against
+      the engine's behavior log-probs. The loss sees each target's segment id (GSPO, masks).
     - ``logprob_chunk > 0``: log-probs, entropy and loss from hidden states in sequence chunks
       (``trainer/logprobs.py``), equal to the plain path up to float32 rounding.
     - ``ref_params`` (only when ``loss.kl_beta > 0``) gives the reference log-probs of the k3 KL.
@@ -282,6 +283,7 @@ class _StepProgram:
             old_logp=chunk.get("old_logp"),
             ref_logp=chunk.get("ref_logp"),
             entropy=ent,
+            segment_ids=chunk["target_segments"],
         )
 
     def minibatch_update(self, params: Any, opt_state: Any, mb: dict[str, jax.Array]):

@@ -189,3 +189,48 @@ def test_ppo_epochs_times_shuffled_minibatches(host_params, packed):
     assert m["first/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert m["approx_kl"] > 0 and m["ratio_max"] > 1.0
     assert m["num_tokens"] == packed.loss_mask[:, 1:].sum()
+
+
+CORRECTIONS = {
+    # GSPO over the packed rows' sequences (the step hands the loss each target's segment id)
+    "gspo": (losses.PolicyLossConfig(policy_loss="gspo", norm="sequence"), False),
+    "cispo_icepop": (losses.PolicyLossConfig(policy_loss="cispo", icepop=(0.5, 2.0)), False),
+    # AReaL's decoupled objective (uncapped weight against the recomputed proximal policy)
+    # with the masks on the recomputed trainer/engine ratio
+    "decoupled_masks": (
+        losses.PolicyLossConfig(
+            tis_cap=float("inf"),
+            icepop=(0.5, 2.0),
+            mis="sequence",
+            mis_bounds=(0.05, 20.0),
+            geo_mask=(0.7, 1.4),
+        ),
+        True,
+    ),
+}
+SHARES = {
+    "gspo": ("seq_clipped",),
+    "cispo_icepop": ("cispo_clipped", "icepop_masked"),
+    "decoupled_masks": ("icepop_masked", "mis_masked", "geo_masked"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRECTIONS))
+def test_corrections_compile_train_and_report_their_shares(host_params, packed, name):
+    loss, recompute = CORRECTIONS[name]
+    t = _trainer(
+        _mesh(1, 1), host_params, chunk_rows=2, recompute_old_logprobs=recompute, loss=loss
+    )
+    m = t.train_packed(packed)
+    assert all(np.isfinite(v) for v in m.values()), m
+    # The engine log-probs of these batches are far from the tiny model's: every mask drops
+    # some tokens and every clip binds somewhere, none everywhere.
+    for share in SHARES[name]:
+        assert 0.0 < m[share] < 1.0, (share, m[share])
+    if recompute:  # the ratio is against the proximal policy: exactly 1 on the first update
+        assert m["first/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    moved = max(
+        float(np.abs(np.asarray(a) - np.asarray(b)).max())
+        for a, b in zip(jax.tree.leaves(t.params), jax.tree.leaves(host_params), strict=True)
+    )
+    assert moved > 1e-5
