@@ -175,7 +175,9 @@ class RL:
             "compare the rollouts of one prompt, so a group of one has none",
         )
         _at_least(self, 1, "steps", "prompts_per_step", "minibatches", "ppo_epochs")
+        _at_least(self, 1, "max_new_tokens", "eval_examples")
         _at_least(self, 0, "lr_warmup_steps", "eval_every")
+        _positive(self, "learning_rate", "temperature")  # T = 0: every sample of a group alike
         self._check_corrections()
 
     def _check_corrections(self) -> None:

@@ -54,6 +54,10 @@ def test_unknown_binding_is_named():
         ("Data.rl_prompt_pool = 0", r"rl_prompt_pool must be >= 1 or None"),
         # Each of these used to pass the config and fail later: mid-run, or after the warm-up.
         ("Outputs.checkpoint_every = 0", r"Outputs.checkpoint_every must be >= 1, got 0"),
+        ("RL.learning_rate = 0.0", r"RL.learning_rate must be > 0, got 0.0"),
+        ("RL.temperature = -0.5", r"RL.temperature must be > 0, got -0.5"),
+        ("RL.max_new_tokens = 0", r"RL.max_new_tokens must be >= 1, got 0"),
+        ("RL.eval_examples = 0", r"RL.eval_examples must be >= 1, got 0"),
         ("Outputs.max_to_keep = 0", r"Outputs.max_to_keep must be >= 1, got 0"),
         ("Outputs.log_interval_s = 0", r"Outputs.log_interval_s must be > 0, got 0"),
         ("Warmup.learning_rate = -0.001", r"Warmup.learning_rate must be > 0, got -0.001"),
