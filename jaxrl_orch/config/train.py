@@ -23,10 +23,7 @@ import dataclasses
 
 import gin
 
-from jaxrl_orch.config.checks import at_least as _at_least
-from jaxrl_orch.config.checks import one_of as _one_of
-from jaxrl_orch.config.checks import positive as _positive
-from jaxrl_orch.config.checks import require as _require
+from jaxrl_orch.config.checks import at_least, one_of, positive, require
 from jaxrl_orch.config.orchestrator import OrchestratorConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -45,10 +42,10 @@ class Model:
     scan_layers: bool = False  # trainer forward as one lax.scan over layers (fast TPU compile)
 
     def __post_init__(self) -> None:
-        _one_of(self, "compute_dtype", ("auto", *DTYPES))
-        _one_of(self, "param_dtype", DTYPES)
-        _one_of(self, "attention", ("auto", "einsum", "xla", "chunked", "splash"))
-        _one_of(self, "remat", ("none", "full", "dots", "dots_no_batch"))
+        one_of(self, "compute_dtype", ("auto", *DTYPES))
+        one_of(self, "param_dtype", DTYPES)
+        one_of(self, "attention", ("auto", "einsum", "xla", "chunked", "splash"))
+        one_of(self, "remat", ("none", "full", "dots", "dots_no_batch"))
 
 
 @gin.configurable
@@ -63,7 +60,7 @@ class Data:
 
     def __post_init__(self) -> None:
         pool = self.rl_prompt_pool
-        _require(pool is None or pool >= 1, f"Data.rl_prompt_pool must be >= 1 or None, got {pool}")
+        require(pool is None or pool >= 1, f"Data.rl_prompt_pool must be >= 1 or None, got {pool}")
 
 
 @gin.configurable
@@ -80,9 +77,9 @@ class Warmup:
     demonstrations: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "batch_size", "checkpoint_every")
-        _at_least(self, 0, "steps", "lr_warmup_steps")
-        _positive(self, "learning_rate")
+        at_least(self, 1, "batch_size", "checkpoint_every")
+        at_least(self, 0, "steps", "lr_warmup_steps")
+        positive(self, "learning_rate")
 
 
 # The policy terms and ratio masks algorithms/losses.py offers (config stays free of JAX, so
@@ -99,7 +96,7 @@ def _ratio_band(section: object, name: str) -> None:
         low, high = (float(v) for v in value)
     except (TypeError, ValueError):
         low, high = float("nan"), float("nan")
-    _require(
+    require(
         0.0 <= low < high,
         f"{type(section).__name__}.{name} must be None (off) or a pair (low, high) of ratios "
         f"with 0 <= low < high, got {value!r}",
@@ -161,34 +158,34 @@ class RL:
         from jaxrl_orch.algorithms.advantages import get_algorithm
 
         algorithm = get_algorithm(self.algorithm)  # an unknown name fails, naming the known
-        _one_of(self, "after_warmup", ("rl", "sft"))
-        _one_of(self, "loss_norm", (None, "token", "sequence", "constant"))
+        one_of(self, "after_warmup", ("rl", "sft"))
+        one_of(self, "loss_norm", (None, "token", "sequence", "constant"))
         token_sum = getattr(algorithm, "token_sum_normalization", False)
-        _require(
+        require(
             not token_sum or self.loss_norm in (None, "constant"),
             f"algorithm {self.algorithm!r} normalises the loss by a constant (Dr. GRPO); "
             f"loss_norm {self.loss_norm!r} contradicts it: leave loss_norm unset",
         )
-        _require(
+        require(
             self.group_size >= 2,
             f"RL.group_size must be >= 2, got {self.group_size}: group-relative advantages "
             "compare the rollouts of one prompt, so a group of one has none",
         )
-        _at_least(self, 1, "steps", "prompts_per_step", "minibatches", "ppo_epochs")
-        _at_least(self, 1, "max_new_tokens", "eval_examples")
-        _at_least(self, 0, "lr_warmup_steps", "eval_every")
-        _positive(self, "learning_rate", "temperature")  # T = 0: every sample of a group alike
+        at_least(self, 1, "steps", "prompts_per_step", "minibatches", "ppo_epochs")
+        at_least(self, 1, "max_new_tokens", "eval_examples")
+        at_least(self, 0, "lr_warmup_steps", "eval_every")
+        positive(self, "learning_rate", "temperature")  # T = 0: every sample of a group alike
         self._check_corrections()
 
     def _check_corrections(self) -> None:
-        _one_of(self, "policy_loss", POLICY_LOSSES)
-        _one_of(self, "mis", (None, *MIS_LEVELS))
-        _require(
+        one_of(self, "policy_loss", POLICY_LOSSES)
+        one_of(self, "mis", (None, *MIS_LEVELS))
+        require(
             0.0 <= self.eps_low_is <= 1.0,
             f"RL.eps_low_is must be in [0, 1] (1: no lower bound), got {self.eps_low_is}",
         )
-        _require(self.eps_high_is >= 0.0, f"RL.eps_high_is must be >= 0, got {self.eps_high_is}")
-        _require(
+        require(self.eps_high_is >= 0.0, f"RL.eps_high_is must be >= 0, got {self.eps_high_is}")
+        require(
             (self.mis is None) == (self.mis_bounds is None),
             f"RL.mis ({self.mis!r}) and RL.mis_bounds ({self.mis_bounds!r}) are set together: "
             f"mis in {MIS_LEVELS} with mis_bounds = (low, high), or both None",
@@ -224,11 +221,11 @@ class Trainer:
     mesh: tuple[tuple[str, int], ...] = ()  # () with Engine.mesh (): the devices split evenly
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "logprob_chunk")
-        _at_least(self, 1, "chunk_rows")
-        _at_least(self, 2, "row_len")  # targets are the tokens shifted by one
+        at_least(self, 0, "logprob_chunk")
+        at_least(self, 1, "chunk_rows")
+        at_least(self, 2, "row_len")  # targets are the tokens shifted by one
         if self.rows_per_batch is not None:
-            _at_least(self, 1, "rows_per_batch")
+            at_least(self, 1, "rows_per_batch")
 
 
 @gin.configurable
@@ -254,11 +251,11 @@ class Engine:
     def __post_init__(self) -> None:
         if self.serve_port is not None and not 0 <= self.serve_port <= 65535:
             raise ValueError(f"Engine.serve_port must be None or 0..65535, got {self.serve_port!r}")
-        _one_of(self, "param_dtype", (None, *DTYPES))
-        _one_of(self, "compute_dtype", (None, *DTYPES))
-        _one_of(self, "overlap", ("auto", "overlapped", "sliced"))
-        _at_least(self, 1, "slots", "steps_per_call")
-        _at_least(self, 2, "max_target_length")  # a prompt token and a generated one
+        one_of(self, "param_dtype", (None, *DTYPES))
+        one_of(self, "compute_dtype", (None, *DTYPES))
+        one_of(self, "overlap", ("auto", "overlapped", "sliced"))
+        at_least(self, 1, "slots", "steps_per_call")
+        at_least(self, 2, "max_target_length")  # a prompt token and a generated one
 
 
 # The loop's own defaults and checks (config/orchestrator.py) are the only ones: the section
@@ -303,12 +300,12 @@ class Processes:
     tpu_topology: str | None = None  # the slice this config is sized for, e.g. "v5e:2x4" (aot)
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "trainer_processes")
-        _at_least(self, 0, "engine_replicas")
+        at_least(self, 1, "trainer_processes")
+        at_least(self, 0, "engine_replicas")
         for name in ("weight_pull_timeout_s", "replica_request_timeout_s"):
             value = getattr(self, name)
-            _require(value > 0, f"Processes.{name} must be > 0 seconds, got {value}")
-        _require(
+            require(value > 0, f"Processes.{name} must be > 0 seconds, got {value}")
+        require(
             self.replica_health_timeout_s >= 1,
             "Processes.replica_health_timeout_s must be >= 1 second (replicas are probed once a "
             f"second), got {self.replica_health_timeout_s}",
@@ -328,9 +325,9 @@ class Outputs:
     export_hf: bool = True  # write the final policy as an HF checkpoint to WORKDIR/export
 
     def __post_init__(self) -> None:
-        _one_of(self, "wandb_mode", (None, "online", "offline", "disabled"))
-        _at_least(self, 1, "checkpoint_every", "max_to_keep")
-        _positive(self, "log_interval_s")
+        one_of(self, "wandb_mode", (None, "online", "offline", "disabled"))
+        at_least(self, 1, "checkpoint_every", "max_to_keep")
+        positive(self, "log_interval_s")
 
 
 SECTIONS = (Model, Data, Warmup, RL, Trainer, Engine, Orchestrator, Processes, Outputs)
@@ -353,18 +350,18 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """The checks that span two sections."""
         rl, trainer = self.rl, self.trainer
-        _require(
+        require(
             rl.max_new_tokens < trainer.row_len,
             f"RL.max_new_tokens ({rl.max_new_tokens}) must be < Trainer.row_len "
             f"({trainer.row_len}): a rollout is its prompt plus up to max_new_tokens tokens",
         )
-        _require(
+        require(
             not (self.processes.engine_replicas and rl.after_warmup == "sft"),
             "RL.after_warmup='sft' (the imitation control) runs in one process; set "
             f"Processes.engine_replicas = 0 (got {self.processes.engine_replicas})",
         )
         multiple = trainer.chunk_rows * rl.minibatches
-        _require(
+        require(
             trainer.rows_per_batch is None or trainer.rows_per_batch % multiple == 0,
             f"Trainer.rows_per_batch ({trainer.rows_per_batch}) must be None or a multiple of "
             f"Trainer.chunk_rows * RL.minibatches = {multiple}: a step trains whole chunks",
