@@ -227,6 +227,8 @@ def _prepare(stages: Any, cfg: TrainConfig, args: argparse.Namespace) -> tuple[A
     claim = claim_workdir(args.workdir) if role.leader else None
     try:
         role = join_group(role, args.coordinator_address)  # before any JAX computation
+        if claim is None and role.leader:  # on a TPU slice the index is known only now
+            claim = claim_workdir(args.workdir)
         if role.kind != "single":
             print(f"[process {role.process_index}] {role.describe()}", flush=True)
         return stages.prepare(cfg, as_path(args.workdir), role, replicas), claim  # gs:// a URL
