@@ -5,8 +5,8 @@ tp=2 mesh of its 2 CPU devices, ``max_queued=3``, weights only from this module'
 ``WeightOffer``), so none depends on what another loaded, on the version another reached, or on
 another having killed it; they pass in any order. This process builds the same engine on its
 first 2 devices as the reference (once: it keeps only compiled programs between drivers), stages
-params with ``local_layout`` and offers them with ``WeightOffer`` (one server; every offer has
-its own uuid, pulled at most once).
+params with ``local_layout`` and offers them with ``WeightOffer`` (one server, on 127.0.0.2
+standing for the trainer's host; every offer has its own uuid, pulled at most once).
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def reference():
 
 @pytest.fixture(scope="module")
 def offer():
-    return WeightOffer()
+    # The trainer's host as another machine would see it: an address of its own (127.0.0.2),
+    # not the replica's loopback default, which a replica on another host would dial instead.
+    return WeightOffer(host="127.0.0.2")
 
 
 def _reference_run(engine, params, version, prompts, sampling):
@@ -158,6 +160,7 @@ def test_pulled_weights_decode_like_the_in_process_engine_and_stamp_their_versio
         return got, loads, health
 
     got, loads, health = asyncio.run(main())
+    assert offer.address.startswith("127.0.0.2:")  # pulled from the trainer's own address
     for v in (1, 2):
         assert loads[v]["version"] == v and loads[v]["pull_s"] > 0
         for g, w in zip(got[v], want[v], strict=True):
