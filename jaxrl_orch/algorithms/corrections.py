@@ -4,9 +4,10 @@ stop-gradient importance weights (CISPO), and masks on the trainer/engine probab
 computes, which paper it comes from and when to use it.
 
 What it owns: the per-token maths ``losses.policy_loss`` switches to when
-``PolicyLossConfig.policy_loss`` is not ``"ppo"`` or a mask is set, the per-sequence reductions
-they need, and the checks of their settings. Every function is a pure function of ``jnp`` arrays
-``[R, L]`` (rows of a packed batch, or one row-chunk of them), usable under ``jax.jit``.
+``PolicyLossConfig.policy_loss`` is not ``"ppo"`` or a mask is set, and the per-sequence
+reductions they need (their settings' checks: ``correction_settings``). Every function is a pure
+function of ``jnp`` arrays ``[R, L]`` (rows of a packed batch, or one row-chunk of them),
+usable under ``jax.jit``.
 
 Sequences are ``(row, segment_id)`` pairs, as in ``losses.loss_weights`` (0 = padding; without
 ``segment_ids`` each row is one sequence). A sequence never spans two rows, so a row-chunk holds
@@ -31,52 +32,19 @@ constants (no gradient flows through them); nothing here reads the host.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-POLICY_LOSSES = ("ppo", "gspo", "gspo_token", "cispo")
-MIS_LEVELS = ("token", "sequence")
-BOUNDED = ("icepop", "mis_bounds", "geo_mask")
+from jaxrl_orch.algorithms.correction_settings import (  # noqa: F401 - one spelling
+    BOUNDED,
+    MIS_LEVELS,
+    POLICY_LOSSES,
+    check_bounds,
+    check_settings,
+)
 
 sg = jax.lax.stop_gradient
-
-
-def check_bounds(name: str, value: Sequence[float] | None) -> tuple[float, float] | None:
-    """``value`` as a ``(low, high)`` float pair with ``0 <= low < high``, or None."""
-    if value is None:
-        return None
-    try:
-        low, high = (float(v) for v in value)
-    except (TypeError, ValueError):
-        low, high = math.nan, math.nan
-    if not 0.0 <= low < high:
-        raise ValueError(
-            f"{name} must be None (off) or a pair (low, high) of ratios with 0 <= low < high, "
-            f"got {value!r}"
-        )
-    return low, high
-
-
-def check_settings(cfg) -> None:
-    """The checks of ``PolicyLossConfig``'s correction fields (each error names the value and
-    what is allowed)."""
-    if cfg.policy_loss not in POLICY_LOSSES:
-        raise ValueError(f"policy_loss must be one of {POLICY_LOSSES}, got {cfg.policy_loss!r}")
-    if not 0.0 <= cfg.eps_low_is <= 1.0:
-        raise ValueError(
-            f"eps_low_is must be in [0, 1] (1: no lower bound), got {cfg.eps_low_is!r}"
-        )
-    if not cfg.eps_high_is >= 0.0:
-        raise ValueError(f"eps_high_is must be >= 0, got {cfg.eps_high_is!r}")
-    if cfg.mis not in (None, *MIS_LEVELS):
-        raise ValueError(f"mis must be one of {(None, *MIS_LEVELS)}, got {cfg.mis!r}")
-    if (cfg.mis is None) != (cfg.mis_bounds is None):
-        raise ValueError(
-            f"mis ({cfg.mis!r}) and mis_bounds ({cfg.mis_bounds!r}) are set together: "
-            f"mis in {MIS_LEVELS} with mis_bounds = (low, high), or both None"
-        )
 
 
 def masks_on(cfg) -> bool:

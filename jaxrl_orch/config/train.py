@@ -82,27 +82,6 @@ class Warmup:
         positive(self, "learning_rate")
 
 
-# The policy terms and ratio masks algorithms/losses.py offers (config stays free of JAX, so
-# they are spelled here too; tests/algorithms/test_corrections.py checks they agree).
-POLICY_LOSSES = ("ppo", "gspo", "gspo_token", "cispo")
-MIS_LEVELS = ("token", "sequence")
-
-
-def _ratio_band(section: object, name: str) -> None:
-    value = getattr(section, name)
-    if value is None:
-        return
-    try:
-        low, high = (float(v) for v in value)
-    except (TypeError, ValueError):
-        low, high = float("nan"), float("nan")
-    require(
-        0.0 <= low < high,
-        f"{type(section).__name__}.{name} must be None (off) or a pair (low, high) of ratios "
-        f"with 0 <= low < high, got {value!r}",
-    )
-
-
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class RL:
@@ -178,20 +157,9 @@ class RL:
         self._check_corrections()
 
     def _check_corrections(self) -> None:
-        one_of(self, "policy_loss", POLICY_LOSSES)
-        one_of(self, "mis", (None, *MIS_LEVELS))
-        require(
-            0.0 <= self.eps_low_is <= 1.0,
-            f"RL.eps_low_is must be in [0, 1] (1: no lower bound), got {self.eps_low_is}",
-        )
-        require(self.eps_high_is >= 0.0, f"RL.eps_high_is must be >= 0, got {self.eps_high_is}")
-        require(
-            (self.mis is None) == (self.mis_bounds is None),
-            f"RL.mis ({self.mis!r}) and RL.mis_bounds ({self.mis_bounds!r}) are set together: "
-            f"mis in {MIS_LEVELS} with mis_bounds = (low, high), or both None",
-        )
-        for name in ("icepop", "mis_bounds", "geo_mask"):
-            _ratio_band(self, name)
+        from jaxrl_orch.algorithms.correction_settings import check_settings
+
+        check_settings(self, prefix="RL.")
 
     @property
     def batch_size(self) -> int:

@@ -431,8 +431,6 @@ def test_bad_settings_name_the_value_and_the_allowed():
         with pytest.raises(ValueError, match=msg):
             train_config.RL(**kw)
     assert Cfg(icepop=[0.5, 2]).icepop == (0.5, 2.0)  # a list binding becomes a float pair
-    assert train_config.POLICY_LOSSES == corrections.POLICY_LOSSES
-    assert train_config.MIS_LEVELS == corrections.MIS_LEVELS
 
 
 def test_rl_settings_reach_the_step_config():
