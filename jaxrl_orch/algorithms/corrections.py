@@ -52,17 +52,23 @@ def masks_on(cfg) -> bool:
     return cfg.icepop is not None or cfg.mis is not None or cfg.geo_mask is not None
 
 
-def sequence_sum(x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-    """Each token's sequence total of ``x`` ``[R, L]`` (zero ``x`` off the loss mask first)."""
+def sequence_totals(x: jax.Array, segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """``x`` ``[R, L]`` summed per sequence: ``(totals, ids)``, where ``totals[ids]`` is each
+    token's sequence total (flattened). One id per (row, segment) pair: segment ids within a
+    row are < L + 1."""
     if x.ndim != 2:
         raise ValueError(f"sequence-level terms need [rows, length] arrays, got shape {x.shape}")
     rows, length = x.shape
     seg = jnp.zeros(x.shape, jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)
-    # One id per (row, segment) pair, as in losses.loss_weights.
-    flat = jnp.arange(rows, dtype=jnp.int32)[:, None] * (length + 1) + seg.astype(jnp.int32)
-    flat = flat.reshape(-1)
-    totals = jax.ops.segment_sum(x.reshape(-1), flat, num_segments=rows * (length + 1))
-    return totals[flat].reshape(x.shape)
+    ids = jnp.arange(rows, dtype=jnp.int32)[:, None] * (length + 1) + seg.astype(jnp.int32)
+    ids = ids.reshape(-1)
+    return jax.ops.segment_sum(x.reshape(-1), ids, num_segments=rows * (length + 1)), ids
+
+
+def sequence_sum(x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """Each token's sequence total of ``x`` ``[R, L]`` (zero ``x`` off the loss mask first)."""
+    totals, ids = sequence_totals(x, segment_ids)
+    return totals[ids].reshape(x.shape)
 
 
 def sequence_mean(x: jax.Array, maskf: jax.Array, segment_ids: jax.Array | None) -> jax.Array:

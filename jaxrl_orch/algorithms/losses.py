@@ -168,21 +168,13 @@ def loss_weights(
         return mask / jnp.maximum(mask.sum(), 1.0)
     if mask.ndim != 2:
         raise ValueError(f"{norm} norm needs [rows, length] arrays, got shape {mask.shape}")
-    rows, length = mask.shape
-    seg = (
-        jnp.zeros((rows, length), jnp.int32)
-        if segment_ids is None
-        else jnp.asarray(segment_ids, jnp.int32)
-    )
-    # One id per (row, segment) pair; segment ids within a row are < length + 1.
-    flat = (jnp.arange(rows, dtype=jnp.int32)[:, None] * (length + 1) + seg).reshape(-1)
-    counts = jax.ops.segment_sum(mask.reshape(-1), flat, num_segments=rows * (length + 1))
+    counts, ids = corrections.sequence_totals(mask, segment_ids)
     num_seqs = jnp.maximum(jnp.sum(counts > 0), 1).astype(jnp.float32)
     if norm == "constant":
         if norm_constant is None:
             raise ValueError("norm 'constant' needs norm_constant")
         return mask / (float(norm_constant) * num_seqs)
-    per_token_count = counts[flat].reshape(rows, length)
+    per_token_count = counts[ids].reshape(mask.shape)
     return mask / jnp.maximum(per_token_count, 1.0) / num_seqs
 
 
