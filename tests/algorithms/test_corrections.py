@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.loss_chunks import assert_rows_add_up
 
 from jaxrl_orch.algorithms import corrections, losses
 from jaxrl_orch.config import train as train_config
@@ -277,14 +278,7 @@ def test_row_chunks_add_up_to_the_batch():
         geo_mask=(0.85, 1.2),
         icepop=(0.6, 1.6),
     )
-    whole_loss, whole = _run(b, cfg, use_old=True)
-    parts = [_run(b, cfg, use_old=True, rows=slice(i, i + 1)) for i in range(R)]
-    merged = parts[0][1]
-    for _, s in parts[1:]:
-        merged = losses.merge_metric_sums(merged, s)
-    np.testing.assert_allclose(sum(float(p[0]) for p in parts), float(whole_loss), rtol=1e-5)
-    for k in whole:
-        np.testing.assert_allclose(float(merged[k]), float(whole[k]), rtol=1e-5, err_msg=k)
+    assert_rows_add_up(lambda rows: _run(b, cfg, use_old=True, rows=rows), R)
 
 
 def test_off_mask_junk_and_empty_chunks_contribute_nothing():

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.loss_chunks import assert_rows_add_up
 
 from jaxrl_orch.algorithms import losses
 
@@ -253,14 +254,7 @@ def test_chunked_sums_equal_whole_batch():
             old_logp=jnp.asarray(b["old"][sl]),
         )
 
-    whole_loss, whole = run(slice(None))
-    parts = [run(slice(i, i + 1)) for i in range(R)]
-    merged = parts[0][1]
-    for _, s in parts[1:]:
-        merged = losses.merge_metric_sums(merged, s)
-    np.testing.assert_allclose(sum(float(p[0]) for p in parts), float(whole_loss), rtol=1e-5)
-    for k in whole:
-        np.testing.assert_allclose(float(merged[k]), float(whole[k]), rtol=1e-5, err_msg=k)
+    assert_rows_add_up(run, R)
 
 
 def test_gradient_matches_numpy_surrogate_derivative():

@@ -15,7 +15,7 @@ import time
 
 import pytest
 from support.standin_process import StandInProcess
-from support.standin_replica import HeldDriver, StandInEngine, serve
+from support.standin_replica import FakeOffer, HeldDriver, StandInEngine, serve
 
 from jaxrl_orch.config.train import Processes
 from jaxrl_orch.distributed.client import RemoteEngineClient, ReplicaLost
@@ -28,15 +28,22 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 SAMPLING = SamplingParams(max_tokens=4)
 
 
-class FakeOffer:
-    """The stand-ins "pull" any offer at once: an offer is just a fresh uuid."""
-
-    def __init__(self) -> None:
-        self.offers = 0
-
-    def offer(self, arrays, *, expire_s=None):
-        self.offers += 1
-        return self.offers
+async def _started(procs, *, pull_timeout_s, health_timeout_s, extra_s=None) -> RemotePool:
+    """A pool over ``procs`` probing every 0.1 s, started at version 3. Its requests may wait
+    60 s, far past the deadlines under test: a pool that waited for them would fail instead of
+    losing the replica."""
+    pool = RemotePool(
+        [p.url for p in procs],
+        FakeOffer(),
+        request_timeout_s=60,
+        pull_timeout_s=pull_timeout_s,
+        probe_interval_s=0.1,
+        health_timeout_s=health_timeout_s,
+    )
+    if extra_s is not None:
+        pool.load_extra_s = extra_s
+    await pool.start(3, "w3")
+    return pool
 
 
 @pytest.fixture
@@ -71,17 +78,7 @@ def test_a_stopped_replica_is_lost_its_groups_finish_elsewhere_and_it_rejoins_on
     held, quick = replicas
 
     async def main():
-        # request_timeout_s is far beyond the health deadline: a pool that waited for it would
-        # fail the requests (RuntimeError) instead of moving them.
-        pool = RemotePool(
-            [held.url, quick.url],
-            FakeOffer(),
-            request_timeout_s=60,
-            pull_timeout_s=5,
-            probe_interval_s=0.1,
-            health_timeout_s=2.0,
-        )
-        await pool.start(3, "w3")
+        pool = await _started([held, quick], pull_timeout_s=5, health_timeout_s=2.0)
         watch = asyncio.ensure_future(pool.watch())
         handle = pool.select()
         while handle.replica != 0:
@@ -125,16 +122,7 @@ def test_a_pull_to_a_stopped_replica_past_its_deadline_loses_it_instead_of_faili
     async def main():
         # The health deadline is long and nothing watches yet: the pull's own deadline
         # (pull_timeout_s + load_extra_s) is what finds the replica silent.
-        pool = RemotePool(
-            [held.url, quick.url],
-            FakeOffer(),
-            request_timeout_s=60,
-            pull_timeout_s=1.0,
-            probe_interval_s=0.1,
-            health_timeout_s=60,
-        )
-        pool.load_extra_s = 1.0
-        await pool.start(3, "w3")
+        pool = await _started([held, quick], pull_timeout_s=1.0, health_timeout_s=60, extra_s=1.0)
         quick.pause()
         await pool.load_weights(4, "w4")  # does not raise: replica 0 is live
         lost = (set(pool.live), pool.lost_total)

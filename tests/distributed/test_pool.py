@@ -8,21 +8,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from support.standin_replica import HeldDriver, StandInEngine, serve
+from support.standin_replica import FakeOffer, HeldDriver, StandInEngine, serve
 
 from jaxrl_orch.distributed.client import ReplicaLost, WeightPullError
 from jaxrl_orch.distributed.pool import RemotePool
 from jaxrl_orch.serving.host import EngineHost
 from jaxrl_orch.types import Completion, SamplingParams
-
-
-class FakeOffer:
-    def __init__(self) -> None:
-        self.offers = 0
-
-    def offer(self, arrays, *, expire_s=None):
-        self.offers += 1
-        return self.offers
 
 
 class FakeReplica:

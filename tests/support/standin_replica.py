@@ -4,7 +4,8 @@
 future for the test to resolve or watch (``answer`` set: it answers each at once with a
 completion of that one token, stamped with its version). ``serve(host, api_key)`` serves an
 ``EngineHost`` with ``make_app`` + ``HttpServer`` from a thread (``grace_s`` 0.2, so a stop cuts
-requests off quickly); the caller stops it.
+requests off quickly); the caller stops it. ``FakeOffer`` stands in for the trainer's weight
+offer when the replicas are stand-ins: they "pull" any offer at once, so an offer is a new uuid.
 """
 
 from __future__ import annotations
@@ -16,6 +17,15 @@ from jaxrl_orch.serving.app import make_app
 from jaxrl_orch.serving.host import EngineHost
 from jaxrl_orch.serving.runner import HttpServer
 from jaxrl_orch.types import Completion
+
+
+class FakeOffer:
+    def __init__(self) -> None:
+        self.offers = 0
+
+    def offer(self, arrays, *, expire_s=None):
+        self.offers += 1
+        return self.offers
 
 
 class StandInEngine:
