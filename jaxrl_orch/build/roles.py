@@ -9,7 +9,8 @@ What it owns
     contract (``distributed.replica``) at the host and port of its own URL, pulling weights only
     from the run's ``--weight_source``, until SIGTERM / SIGINT. ``check_bind``: refuses, before
     any work, a replica URL beyond loopback without an API key.
-    ``follow``: a peer trainer process's RL stage: the leader's commands, in lockstep.
+    ``follow``: a peer trainer process's RL stage: the leader's commands, in lockstep, until
+    the leader's STOP (the run ended) or ABORT (it failed: this process fails too).
 
 Trainer process 0's wiring for replicas is ``sides.LeaderSide``. Checkpoints in a group are
 collective (orbax writes each process's shards): the leader sends CHECKPOINT with the
@@ -27,7 +28,16 @@ from jax.experimental import multihost_utils
 
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas, bind_of
-from jaxrl_orch.distributed.group import CHECKPOINT, STOP, TRAIN, Channel, EngineStager, Role
+from jaxrl_orch.distributed.group import (
+    ABORT,
+    CHECKPOINT,
+    STOP,
+    TRAIN,
+    Channel,
+    EngineStager,
+    GroupAborted,
+    Role,
+)
 from jaxrl_orch.distributed.replica import replica_server, serve_until_signal
 from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.serving.runner import HttpServer
@@ -78,7 +88,8 @@ def serve_replica(cfg: TrainConfig, engine: Any, role: Role, replicas: Replicas)
 
 
 def follow(trainer: Any, ckpt: Checkpointer, stager: EngineStager) -> dict[str, Any]:
-    """A peer's RL stage: take every step, stage and checkpoint the leader takes, until STOP."""
+    """A peer's RL stage: take every step, stage and checkpoint the leader takes, until STOP
+    (or ABORT: the leader failed, and this process fails with its reason)."""
     channel = Channel(leader=False)
     stager.stage(trainer.params)  # the first version the replicas load
     steps = 0
@@ -94,3 +105,5 @@ def follow(trainer: Any, ckpt: Checkpointer, stager: EngineStager) -> dict[str, 
         elif cmd == STOP:
             multihost_utils.process_allgather(trainer.params, tiled=True)
             return {"role": f"trainer process {jax.process_index()}", "steps": steps}
+        elif cmd == ABORT:
+            raise GroupAborted(f"trainer process 0 stopped the run: {body['reason']}")

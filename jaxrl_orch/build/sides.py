@@ -4,7 +4,8 @@ What it owns: the two engine sides the RL stage drives through one interface (th
 ``weights.EngineSide`` hops plus their lifecycle): ``pool`` (what the orchestrator dispatches
 to), ``move`` / ``swap`` / ``engine_seconds`` (the weight path's hops), ``start`` / ``stop``,
 ``before_save`` (what a checkpoint must tell the others first), ``final_params`` (the params the
-export writes), ``gauge_source`` and ``summary`` (the summary's keys of this side).
+export writes), ``abort`` (the stage failed: what the others must be told), ``gauge_source`` and
+``summary`` (the summary's keys of this side).
 
 ``InProcessSide``: the engine on this process's decode mesh, run by an ``InferenceDriver``;
 weights move by a device-to-device reshard (cast to the engine's dtype on the trainer's devices
@@ -93,6 +94,9 @@ class InProcessSide:
     def final_params(self, trainer: Any) -> Any:
         return trainer.params
 
+    def abort(self, reason: str) -> None:
+        """One process: nobody else to tell."""
+
     @property
     def gauge_source(self) -> Any:
         return self.driver
@@ -163,7 +167,14 @@ class LeaderSide:
         if self.channel is None:
             return trainer.params
         self.channel.send(STOP, {})
+        self.channel = None  # the peers have left their loop: nothing more to send them
         return multihost_utils.process_allgather(trainer.params, tiled=True)
+
+    def abort(self, reason: str) -> None:
+        """The stage failed with the trainer thread idle: the peers leave their loop too."""
+        if self.channel is not None:
+            channel, self.channel = self.channel, None
+            channel.abort(reason)
 
     @property
     def gauge_source(self) -> Any:

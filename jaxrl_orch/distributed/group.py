@@ -10,7 +10,11 @@ What it owns
     ``Channel``: leader -> peers commands. Every message is three ``broadcast_one_to_all``
     collectives over the group's devices (a header, a JSON body, the arrays), so a peer
     receives exactly what the leader sent, in order: ``TRAIN`` (a packed batch), ``CHECKPOINT``
-    (the step and the orchestrator's state), ``STOP``.
+    (the step and the orchestrator's state), ``STOP`` (the run ended: gather the final params),
+    ``ABORT`` (the leader failed: each peer raises ``GroupAborted`` with the leader's reason, so
+    the whole group exits with an error instead of waiting in a collective for a leader that
+    left: jax.distributed's shutdown barrier would hold the leader for minutes, then abort the
+    peers with SIGABRT).
     ``EngineStager``: after every step each process runs one jitted program that casts the
     params to the engine's dtype and lays them out as the replicas' decode sharding, replicated
     over processes; the leader's shards then form an array on its own devices, laid out like a
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import threading
 from typing import Any
 
 import jax
@@ -35,8 +41,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-TRAIN, CHECKPOINT, STOP = 1, 2, 3
-_NAMES = {TRAIN: "TRAIN", CHECKPOINT: "CHECKPOINT", STOP: "STOP"}
+TRAIN, CHECKPOINT, STOP, ABORT = 1, 2, 3, 4
+ABORT_TIMEOUT_S = 60.0
+_NAMES = {TRAIN: "TRAIN", CHECKPOINT: "CHECKPOINT", STOP: "STOP", ABORT: "ABORT"}
+
+
+class GroupAborted(RuntimeError):
+    """A peer's RL stage ends: trainer process 0 stopped the run on an error."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +153,20 @@ class Channel:
         multihost_utils.broadcast_one_to_all(np.frombuffer(text, np.uint8))
         if arrays:
             multihost_utils.broadcast_one_to_all(arrays)
+
+    def abort(self, reason: str, timeout_s: float = ABORT_TIMEOUT_S) -> bool:
+        """Send ABORT; False if the peers did not take it within ``timeout_s`` (a peer that
+        failed itself: the launcher stops every process once one exits)."""
+        body = {"reason": reason[:2000]}
+        send = threading.Thread(target=self.send, args=(ABORT, body), daemon=True)
+        send.start()
+        send.join(timeout_s)
+        if send.is_alive():
+            print(
+                f"!! the trainer group's peers did not take ABORT within {timeout_s:g} s",
+                file=sys.stderr,
+            )
+        return not send.is_alive()
 
     def receive(self) -> tuple[int, dict[str, Any], dict[str, np.ndarray]]:
         header = multihost_utils.broadcast_one_to_all(np.zeros(2, np.int64))

@@ -17,7 +17,8 @@ and drives them:
 Then the loop runs to its last step or a drain (SIGTERM: ``StopFlag`` polled on the loop), the
 final checkpoint is written with the orchestrator's final state, the final eval is announced,
 the policy exported, and the summary's RL keys returned. On resume the engine starts on the
-restored weights, so no rollout comes from older ones.
+restored weights, so no rollout comes from older ones. A failure of trainer process 0, once its
+trainer thread is stopped, is passed to the group's peers (``side.abort``) so they exit too.
 
 Never: sets a hook on a part after it is built, or reads a setting a part was built with.
 """
@@ -78,7 +79,11 @@ async def run_rl(parts: RunParts, sft_params: Any, stop: StopFlag) -> dict[str, 
             engine = built.engine
             stager = EngineStager(trainer.mesh, engine.param_shardings, engine.param_dtype)
             return follow(trainer, ckpt, stager)
-        return await _lead(parts, built, side, trainer, ckpt, orch_state, stop)
+        try:
+            return await _lead(parts, built, side, trainer, ckpt, orch_state, stop)
+        except BaseException as exc:  # the trainer thread is stopped: the peers may be told
+            side.abort(f"{type(exc).__name__}: {exc}")
+            raise
     finally:
         ckpt.close()
 

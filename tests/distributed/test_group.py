@@ -1,6 +1,7 @@
 """The process layout (``group.resolve_role``), and a real 2-process trainer group: the
-leader's commands reach the peer intact, and every process stages the params in a replica's
-layout on its own devices (``group.EngineStager``)."""
+leader's commands reach the peer intact, every process stages the params in a replica's
+layout on its own devices (``group.EngineStager``), and a leader that fails takes its peer
+out of the command loop with its error (``Channel.abort``)."""
 
 from __future__ import annotations
 
@@ -42,13 +43,12 @@ def test_layout_errors_name_the_index_and_the_layout(p, r, k, match):
         resolve_role(p, r, k)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_two_process_group_channel_and_stage(tmp_path: Path):
+def _run_group(worker: str, out: Path) -> None:
+    """Both processes of a 2-process group running ``support.<worker>``; both must exit 0."""
     port = free_ports(1)[0]
     procs = [
         subprocess.Popen(
-            helper_cmd("group_worker", str(k), str(port), str(tmp_path)),
+            helper_cmd(worker, str(k), str(port), str(out)),
             env=subprocess_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -65,6 +65,12 @@ def test_two_process_group_channel_and_stage(tmp_path: Path):
                 q.kill()
             pytest.fail("the group's processes did not finish")
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_two_process_group_channel_and_stage(tmp_path: Path):
+    _run_group("group_worker", tmp_path)
     lead, peer = (np.load(tmp_path / f"{k}.npz") for k in range(2))
     # jax.distributed's coordinator binds the address it was given (loopback), not 0.0.0.0.
     assert json.loads(str(lead["coordinator"])) == ["127.0.0.1"]
@@ -77,3 +83,18 @@ def test_two_process_group_channel_and_stage(tmp_path: Path):
     for out in (lead, peer):
         np.testing.assert_array_equal(out["w"], np.arange(48, dtype=np.float32).reshape(8, 6))
         np.testing.assert_array_equal(out["b"], np.arange(6, dtype=np.float32))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_failed_leader_takes_its_peer_out_of_the_command_loop(tmp_path: Path):
+    # Without ABORT the peer waits in a collective for a leader that left; jax.distributed's
+    # shutdown barrier then holds the leader for minutes and the peer ends on SIGABRT.
+    _run_group("group_abort_worker", tmp_path)
+    lead, peer = (json.loads((tmp_path / f"{k}.json").read_text()) for k in range(2))
+    assert lead == {"taken": True}
+    assert peer["batches"] == [[0, 1, 2, 3, 4, 5]]  # the step before the failure was followed
+    assert peer["error"] == (
+        "trainer process 0 stopped the run: "
+        "EmptyBatchError: 81 groups in a row contributed nothing trainable"
+    )
