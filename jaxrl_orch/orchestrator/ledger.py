@@ -5,8 +5,9 @@ spent parked per reason (version hold, pace) between two ships, and the step row
 what the loop saw at ship time (ages and their in-flight / in-queue split, admissions, step
 time, parking, queue depth); with ``step_metrics`` the row waits until that step is trained and
 then carries the trainer's numbers too, so ``metrics.jsonl`` gets exactly one row per step, in
-step order (``flush``; ``flush(final=True)`` at shutdown writes the rest). Also the two pure
-operations of shipping on a batch's rollouts: ``stamp_ages`` and ``drop_stale``.
+step order (``flush``; ``flush(final=True)`` at shutdown writes the rest). Also the pure
+decisions of shipping: ``stamp_ages`` and ``drop_stale`` on a batch's rollouts, and
+``pace_wait``, the ``pace`` policy's test of whether a batch may ship yet.
 
 A helper of ``loop.py``, not a component: no start/stop, no imports of other components.
 """
@@ -54,6 +55,39 @@ def drop_stale(batch: TrainBatch, step: int, bound: int) -> int:
         batch.samples = [s for r in keep for s in r.samples]
     batch.metrics["orch/dropped"] = float(dropped)
     return dropped
+
+
+def pace_wait(
+    step: int,
+    version: int,
+    bound: int,
+    batch_size: int,
+    ready: Sequence[int],
+    unlanded: Sequence[int],
+) -> bool:
+    """Whether shipping batch ``step`` now, as the ``batch_size`` oldest of the ready rollouts
+    (head versions ``ready``), could leave a rollout to be trained past head age ``bound``.
+
+    ``unlanded`` holds, for each rollout that may still be trained but is not ready yet (in
+    flight, or landed in a group still waiting for the rest), a lower bound on its head version.
+    A rollout with head ``x`` must be trained by step ``x + bound + 1``. For every version ``x``
+    the trainer has already moved past (no more rollouts will start under it), what is left
+    with a head <= ``x`` once this batch is taken must fit in the batches after ``step`` that
+    may still train it: ``(x + bound + 1 - step) * batch_size``. For ``x = step - bound - 1``
+    there is no later batch, so every such rollout must be ready and in this one. Versions not
+    yet moved past need no check: the admission gate lets at most ``(x + bound + 1) *
+    batch_size`` rollouts start under version ``x`` or earlier, and every batch holds
+    ``batch_size``, so they fit by count. Taking a younger rollout while older ones are still
+    out uses a slot they may need later: the check refuses exactly that, so waiting always
+    ends once the older ones land.
+    """
+    taken = sorted(ready)[:batch_size]
+    for x in range(step - bound - 1, version):
+        left = sum(h <= x for h in ready) - sum(h <= x for h in taken)
+        left += sum(h <= x for h in unlanded)
+        if left > (x + bound + 1 - step) * batch_size:
+            return True
+    return False
 
 
 class StepLedger:

@@ -11,9 +11,9 @@ Shipping batch ``step`` (1-based; after it trains, the trainer publishes version
 1. drain instead once ``step > max_steps``;
 2. version hold (prime-rl): wait until ``policy.version >= step - 1 - max_staleness``; a hold
    parked longer than ``stall_timeout_s`` raises ``WatcherStallError``;
-3. observed-age policy (DESIGN.md section 4): ``pace`` also waits until no train rollout still
-   in flight started before version ``step - max_staleness`` (it would land too late to be
-   trained within the bound), and batches take the oldest heads first;
+3. observed-age policy (DESIGN.md section 4): ``pace`` routes every landed episode, then waits
+   while the batch, oldest heads first, could leave any rollout to a step past the bound
+   (``ledger.pace_wait``: the one exact test, over what is ready, in flight and waiting);
 4. take the batch from the sink; ``drop`` discards its rollouts past the bound, and a batch
    left empty is not shipped but counts towards the empty-batch guard;
 5. stamp ``off_policy_steps = (step - 1) - head_version`` on live-policy rollouts;
@@ -39,7 +39,7 @@ from typing import Any
 
 from jaxrl_orch.config.orchestrator import OrchestratorConfig
 from jaxrl_orch.orchestrator.faults import warn
-from jaxrl_orch.orchestrator.ledger import StepLedger, StepRecord, drop_stale, stamp_ages
+from jaxrl_orch.orchestrator.ledger import StepLedger, StepRecord, drop_stale, pace_wait, stamp_ages
 from jaxrl_orch.orchestrator.parts import LoopParts, StepHooks
 from jaxrl_orch.orchestrator.progress import (
     Progress,
@@ -75,9 +75,7 @@ class Orchestrator:
         clock: Callable[[], float] = time.monotonic,
         hooks: StepHooks = StepHooks(),
     ) -> None:
-        self.config = config
-        self.clock = clock
-        self.trainer = trainer
+        self.config, self.clock, self.trainer = config, clock, trainer
         self.on_step = hooks.on_step
         # Versions count finished optimizer steps, so a run resumed before step k holds k - 1.
         self.policy = policy
@@ -92,8 +90,7 @@ class Orchestrator:
         self.stopped = asyncio.Event()
         self.draining = False
         self.eval_history: list[EvalBatch] = []
-        self.dropped_total = 0
-        self._empty_batches = 0
+        self.dropped_total = self._empty_batches = 0
         self._tasks: list[asyncio.Task] = []
         self._failed: asyncio.Task | None = None
         # One row per step, written once trained (``step_metrics``) or at ship time.
@@ -188,10 +185,7 @@ class Orchestrator:
                 else await next_episode(self.dispatcher.out_q, self.policy, POLL_S)
             )
             while episode is not None:
-                self._route(episode)
-                if not episode[0].is_eval:
-                    await self.train_sink.add(episode)
-                    self._check_signal()
+                await self._take(episode)
                 # The dispatcher emits in bursts: take what is already queued in one run, up to
                 # the first episode after which there is something to ship.
                 episode = q.get_nowait() if q.qsize() and not self._ship_due() else None
@@ -213,6 +207,12 @@ class Orchestrator:
             or self.policy.version < self.step - 1 - cfg.max_staleness
             or self.train_sink.ready_count >= cfg.batch_size
         )
+
+    async def _take(self, episode: list[Rollout]) -> None:
+        self._route(episode)
+        if not episode[0].is_eval:
+            await self.train_sink.add(episode)
+            self._check_signal()
 
     def _route(self, episode: list[Rollout]) -> None:
         self.progress.moved()
@@ -282,9 +282,14 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ shipping
 
-    def _pace_blocks(self) -> bool:
-        oldest = self.dispatcher.oldest_train_version()
-        return oldest is not None and oldest < self.step - self.config.max_staleness
+    async def _pace_blocks(self) -> bool:
+        # An episode still queued is neither in flight nor in the sink: route what has landed.
+        while self.dispatcher.out_q.qsize():
+            await self._take(self.dispatcher.out_q.get_nowait())
+        ready, waiting = self.train_sink.untrained_heads()
+        unlanded = waiting + self.dispatcher.train_in_flight()
+        s = self.config.max_staleness
+        return pace_wait(self.step, self.policy.version, s, self.config.batch_size, ready, unlanded)
 
     async def _try_ship(self) -> None:
         cfg = self.config
@@ -304,7 +309,7 @@ class Orchestrator:
                 continue
             if self.train_sink.ready_count < cfg.batch_size:
                 return
-            if cfg.age_policy == "pace" and self._pace_blocks():
+            if cfg.age_policy == "pace" and await self._pace_blocks():
                 # Not blocking: stragglers must keep landing in the sink while we wait.
                 self.ledger.park("pace")
                 return

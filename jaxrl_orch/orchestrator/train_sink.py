@@ -29,7 +29,8 @@ What it owns: everything between "a rollout finished" and "a batch is ready to s
 5. Batch. Once ``batch_size`` clean rollouts are ready, the loop takes a batch
    (``take_batch``): ``batch_size`` of them, first in arrival order or, for the ``pace``
    policy, oldest head version first. Extra ready rollouts wait for the next batch, so one
-   group may straddle two batches.
+   group may straddle two batches. ``untrained_heads`` tells the ``pace`` policy the head
+   versions of what is waiting here: ready, or in a group still missing rollouts.
 
 Two lists are kept apart: the observation window (every rollout of every group completed since
 the previous batch, errored and filtered too: ``TrainBatch.rollouts``, for metrics) and the
@@ -64,7 +65,7 @@ import numpy as np
 
 from jaxrl_orch.algorithms.advantages import NonFiniteRewardError, get_algorithm
 from jaxrl_orch.orchestrator.samples import GroupArrays, group_to_samples, trace_to_sample
-from jaxrl_orch.orchestrator.stats import window_stats
+from jaxrl_orch.orchestrator.stats import head_versions, window_stats
 from jaxrl_orch.types import Algorithm, Episode, Rollout, Sample, TrainBatch
 
 _BATCH_ORDERS = ("arrival", "oldest")
@@ -185,6 +186,18 @@ class TrainSink:
         """Clean, scored rollouts waiting for a batch."""
         return len(self._ready)
 
+    def untrained_heads(self) -> tuple[list[int], list[int]]:
+        """Head versions of the rollouts here that may still be trained: the ready ones, and a
+        lower bound for the clean ones of groups still waiting for the rest of their rollouts
+        (the version their group started at: they are not tokenized yet)."""
+        pending = [
+            r.policy_version_at_start
+            for group in self._pending.values()
+            for r in group
+            if not r.errors and r.trainable
+        ]
+        return head_versions(list(self._ready)), pending
+
     def _report_discards(self, n: int) -> None:
         if n and self._on_discard is not None:
             self._on_discard(n)
@@ -278,7 +291,9 @@ class TrainSink:
             return None
         if self.config.batch_order == "oldest":
             # Stable: equal head versions keep arrival order.
-            self._ready = deque(sorted(self._ready, key=lambda r: r.head_version))
+            ready = list(self._ready)
+            heads = head_versions(ready)
+            self._ready = deque(ready[i] for i in sorted(range(len(ready)), key=heads.__getitem__))
         trained = [self._ready.popleft() for _ in range(self.batch_size)]
         # Every ready rollout holds exactly one sample (tokenized, scored, unflagged).
         samples = [s for r in trained for s in r.samples]

@@ -113,6 +113,9 @@ def test_group_pinned_to_one_client_and_open_groups_continue_first():
         env = ScriptedEnv(script=lambda g, e: (random.Random(e).uniform(0.1, 2.0), "ok"))
         d, _, _ = make(loop, env, source=CountingSource(limit=6), max_inflight=3, group_size=4)
         runner = asyncio.create_task(d.start())
+        await until(loop, lambda: len(env.calls) == 3)
+        # Group 0 started three of its four: the fourth, not started, is not in flight.
+        assert d.train_in_flight() == [0, 0, 0]
         await until(loop, lambda: len(env.calls) == 24 and d.idle)
         await d.stop()
         await runner
@@ -279,17 +282,17 @@ def test_per_env_sources_round_robin_and_finite_sources_run_dry():
     assert {g for g, *_ in a.calls} == {0, 2} and {g for g, *_ in b.calls} == {1, 3, 4, 5, 6}
 
 
-def test_oldest_train_version_and_state_round_trip():
+def test_train_in_flight_and_state_round_trip():
     async def scenario(loop):
         env = ScriptedEnv(script=lambda g, e: (0.0, "hang"))
         d, _, policy = make(loop, env, max_inflight=2, group_size=1)
-        assert d.oldest_train_version() is None
+        assert d.train_in_flight() == []
         runner = asyncio.create_task(d.start())
         await until(loop, lambda: len(env.calls) == 2)
         policy.advance(4)
         d.cancel_stale(1)  # frees both permits; new groups open at version 4
         await until(loop, lambda: len(env.calls) == 4)
-        assert d.oldest_train_version() == 4
+        assert d.train_in_flight() == [4, 4]  # the cancelled ones have landed
         saved = d.state()
         await d.stop()
         await runner

@@ -81,7 +81,7 @@ def test_rollouts_that_never_suspend_are_emitted_in_the_same_pass_without_tasks(
         # admissions, and the two that suspended are still running.
         assert (gate.accepted, gate.running, gate.admitted) == (4, 2, 6)
         assert d.inflight == 2 and len(asyncio.all_tasks()) == tasks_before + 2
-        assert d.oldest_train_version() == 0
+        assert d.train_in_flight() == [0, 0]
         runner = asyncio.create_task(d.start())
         await until(loop, lambda: d.out_q.qsize() >= 2)  # the suspended ones land as usual
         await d.stop()

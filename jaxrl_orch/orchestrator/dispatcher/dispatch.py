@@ -29,7 +29,7 @@ Staleness gate
     ``on_finish(n, accepted)`` with ``accepted = not rollout.has_error``. Eval rollouts never
     touch the gate. The dispatcher never imports the gate: the loop passes ``GateHooks``. Age
     policies act from outside: the loop's ``drop`` calls ``cancel_stale(min_version)`` and its
-    ``pace`` reads ``oldest_train_version()``. ``state()``/``restore()`` checkpoint the train
+    ``pace`` reads ``train_in_flight()``. ``state()``/``restore()`` checkpoint the train
     sources' cursors (rollouts in flight at save time are not replayed).
 
 Exactly-once invariant
@@ -138,14 +138,16 @@ class RolloutDispatcher:
         """Nothing in flight and no eval work waiting: the drain is complete."""
         return not self._flights and not self._eval_pending
 
-    def oldest_train_version(self) -> int | None:
-        """Oldest group-start version among train rollouts in flight (None if none are).
+    def train_in_flight(self) -> list[int]:
+        """For each train rollout started and not yet on ``out_q``, the version its group opened
+        at: a lower bound on its head version, for the loop's ``pace`` policy.
 
-        A lower bound on their head versions, for the loop's ``pace`` policy. Unstarted
-        rollouts of open groups do not count: they may be waiting on the very gate that a
-        held trainer keeps closed.
+        Unstarted rollouts of a group started half-way (too few permits) do not count: they
+        will start under the current version or a later one. They wait on permits, not on the
+        gate (the group opened only with gate room for all of it, and open groups continue
+        first), so a held trainer never keeps them from starting.
         """
-        return self._flights.oldest_train_version()
+        return [g.version_at_start for g in self._groups.values() for _ in range(g.running)]
 
     def state(self) -> dict[str, Any]:
         """Checkpointable: each train source's cursor and the id counters. Rollouts in flight

@@ -13,11 +13,10 @@ Running (``Flights.start``)
     without suspending (an env that awaits nothing real, e.g. an instant engine) is handed
     back to the dispatcher at once and never gets a Task, since nothing could cancel it or
     wait on it; one that suspends continues under a Task, and only those are in flight for
-    ``cancel_stale``, ``stop`` and ``oldest_train_version``. A Task still running
-    ``timeout_s`` after it started is cancelled and settled as an ``EnvTimeout`` error
-    (``timeouts_total``); a loop timer, so a hung environment costs no polling. Tasks report through
-    done-callbacks, and ``reap`` settles only the finished ones, so a pass costs O(finished),
-    not O(in flight).
+    ``cancel_stale`` and ``stop``. A Task still running ``timeout_s`` after it started is
+    cancelled and settled as an ``EnvTimeout`` error (``timeouts_total``); a loop timer, so a
+    hung environment costs no polling. Tasks report through done-callbacks, and ``reap``
+    settles only the finished ones, so a pass costs O(finished), not O(in flight).
 
 Settling (``settle``, ``Flights.emit``)
     Whatever an environment returned is restamped with what only the dispatcher knows: env
@@ -149,10 +148,6 @@ class Flights:
     def unreaped(self) -> bool:
         """Some Task finished since the last ``reap``."""
         return bool(self._done)
-
-    def oldest_train_version(self) -> int | None:
-        versions = [f.group.version_at_start for f in self._tasks.values() if not f.group.is_eval]
-        return min(versions) if versions else None
 
     def start(
         self,
