@@ -109,7 +109,9 @@ def build_host(args: argparse.Namespace) -> EngineHost:
         params = to_engine(pretrained, engine)
     else:
         params = engine.load_params(seed=cfg.seed)
-    source = TransferSource(engine, args.weight_source) if args.weight_source else None
+    source = None
+    if args.weight_source:  # its receiver binds this server's own address
+        source = TransferSource(engine, args.weight_source, host=args.host)
     return EngineHost(
         engine,
         model=args.served_model_name or cfg.model.name,

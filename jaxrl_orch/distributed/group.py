@@ -214,12 +214,14 @@ class EngineStager:
 
     def transfer_layout(self) -> dict[str, Any]:
         """How ``local`` lays the arrays out, for a replica whose decode mesh differs (JSON:
-        mesh axis sizes, one spec per leaf; ``source.transfer_targets`` reads it)."""
+        mesh axis sizes, one spec per leaf, the floating dtype; ``source.transfer_targets``
+        reads it, and a replica refuses another dtype than its own)."""
         specs = [
             [list(p) if isinstance(p, tuple) else p for p in s.spec]
             for s in jax.tree.leaves(self._local)
         ]
-        return {"mesh": dict(self.local_mesh.shape), "specs": specs}
+        dtype = jnp.dtype(self.dtype).name
+        return {"mesh": dict(self.local_mesh.shape), "specs": specs, "dtype": dtype}
 
     def stage(self, params: Any) -> Any:
         """The collective part: every process of the group calls it after every step."""

@@ -12,8 +12,9 @@ generation (503) until the pool's first ``POST /update_weights`` lands, which al
 warms up the driver; each later update swaps between two decode steps. Every update is logged
 as ``replica R: serving version V (pull ..., swap ...)``, the line operators and tests read.
 
-Never: pulls from an address a request names (the update body has no address field), or binds
-beyond loopback without an API key.
+Never: pulls from an address a request names (the update body has no address field), binds
+beyond loopback without an API key, or listens anywhere but the host of its own URL (the HTTP
+server and the weight receiver alike).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def replica_server(
         engine,
         replica=replica,
         model=model,
-        source=TransferSource(engine, weight_source),
+        # Its receiver binds the replica's own host too: nothing here listens on every interface.
+        source=TransferSource(engine, weight_source, host=bind[0]),
         warm_up=warm_up,
         max_queued=max_queued,
     )

@@ -1,10 +1,11 @@
 """TransferSource: a replica's one weight source, the trainer leader's transfer server.
 
 What it owns: fetching an offered pytree (``transfer.WeightOffer`` on the sender) into an
-engine's decode shardings and weight dtype. ``TransferSource(engine, address)`` is bound to ONE
-sender address when the server starts (``--weight_source``); ``source(uuid, layout,
-timeout_s) -> params`` is what ``serving.host.EngineHost`` calls for ``POST /update_weights``,
-so a request names an offer, never where to pull from.
+engine's decode shardings and weight dtype. ``TransferSource(engine, address, host=...)`` is
+bound to ONE sender address when the server starts (``--weight_source``) and pulls through a
+receiver on ``host``, the server's own bind address (loopback by default); ``source(uuid,
+layout, timeout_s) -> params`` is what ``serving.host.EngineHost`` calls for
+``POST /update_weights``, so a request names an offer, never where to pull from.
 
 Layouts: the transfer copies shard for shard between identical layouts. A sender whose hosts
 have fewer devices than this replica's decode mesh (a v5e trainer host has 4 chips, a v5e-8
@@ -38,17 +39,18 @@ from sharding.reshard import reshard
 
 
 class TransferSource:
-    def __init__(self, engine: Any, address: str) -> None:
-        host, port = host_port(address, "weight source")
-        self.engine = engine
-        self.address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    def __init__(self, engine: Any, address: str, *, host: str = "127.0.0.1") -> None:
+        sender, port = host_port(address, "weight source")
+        self.engine, self.host = engine, host
+        self.address = f"{sender}:{port}" if ":" not in sender else f"[{sender}]:{port}"
         self._targets: Any = None
 
     def __call__(self, uuid: int, layout: Any, timeout_s: float) -> Any:
+        self._check_dtype(layout)
         if layout is not None and layout == self.own_layout():
             layout = None  # staged in this engine's own layout: pull straight in
         targets = self.pull_targets() if layout is None else self._layout_targets(layout)
-        params = transfer.pull(self.address, int(uuid), targets, float(timeout_s))
+        params = transfer.pull(self.address, int(uuid), targets, float(timeout_s), host=self.host)
         if layout is not None:  # on this host's devices: into the decode sharding
             params = jax.block_until_ready(reshard(params, self.engine.param_shardings))
         bad = nonfinite_leaves(params)
@@ -63,7 +65,19 @@ class TransferSource:
         return {
             "mesh": dict(self.engine.mesh.shape),
             "specs": [spec_to_json(x.spec) for x in shardings],
+            "dtype": jax.numpy.dtype(self.engine.param_dtype).name,
         }
+
+    def _check_dtype(self, layout: Any) -> None:
+        """The transfer copies raw bytes into this engine's dtype, so weights staged in another
+        (a trainer whose ``Engine.param_dtype`` differs) would decode as garbage: refused."""
+        sent = layout.get("dtype") if isinstance(layout, dict) else None
+        mine = jax.numpy.dtype(self.engine.param_dtype).name
+        if sent is not None and sent != mine:
+            raise ValueError(
+                f"the weights are staged in {sent!r}, this replica's engine holds {mine!r}: "
+                "Engine.param_dtype must be the same in every process of the run"
+            )
 
     def _layout_targets(self, layout: Any) -> Any:
         try:

@@ -24,27 +24,33 @@ What the transfer API requires (jax 0.10.2, verified on CPU between two processe
   given (0: a free one; port 0 does not hang here, unlike the DCN socket flag
   ``reshard_cross_process`` uses) and free data ports; ``server.address()`` is the
   ``HOST:PORT`` a receiver connects to.
-- Deadlines: ``connection.pull`` returns at once with arrays whose buffers fill in later; the
-  wait is in ``block_until_ready``. Its ``timeout`` argument (an absolute ``datetime``) did NOT
-  end the wait for a uuid never offered (still hanging after 60 s), so ``pull`` enforces
-  ``timeout_s`` itself: the transfer runs in a daemon thread and ``pull`` stops waiting for it.
-  A timed-out transfer's thread stays blocked until its sender goes away; it does not block
-  later pulls over the same connection (verified).
+- Deadlines: ``connect`` and ``connection.pull`` return at once (a sender that is down or
+  refuses the connection included) with arrays whose buffers fill in later; the wait is in
+  ``block_until_ready``, which has no deadline, and ``pull``'s own ``timeout`` argument (an
+  absolute ``datetime``) did NOT end the wait for a uuid never offered (still hanging after
+  60 s). So ``pull`` polls ``is_ready`` until ``timeout_s`` and then drops the arrays: no
+  thread is left waiting, nothing grows (200 abandoned pulls of 4 MB: no thread, no memory
+  kept), later pulls over the same connection work and the process exits cleanly (verified).
+- Addresses: every server binds the host it is given, never every interface. ``connect`` is a
+  method of a server, so a receiver runs one too, on the host its caller binds (a replica: the
+  host of its own URL; ``host`` of ``pull``): the receiver dials the sender for both control and
+  data, and nothing dials the receiver's server (verified between 127.0.0.2 and 127.0.0.3), so
+  a receiver on loopback pulls from any host it can reach.
 
 Threads: ``pull`` blocks its caller (a replica's ``source.TransferSource``, which the HTTP
-server runs in a worker thread, never on the event loop); any number of pulls may run at once.
-One receiver-side transfer server per process (``connect`` is a method of a server), and one
-connection per sender address, are made lazily and kept. This module never imports
-orchestration or trainer code.
+server runs in a worker thread, never on the event loop) and starts none; any number of pulls
+may run at once.
+One receiver-side transfer server per bind host, and one connection per (bind host, sender
+address), are made lazily and kept. This module never imports orchestration or trainer code.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import datetime
 import itertools
 import secrets
 import threading
+import time
 from typing import Any
 
 import jax
@@ -52,13 +58,15 @@ import numpy as np
 from jax.experimental import transfer
 from jax.sharding import Mesh, NamedSharding, Sharding
 
+_POLL_S = 0.005  # how often a pull looks at its buffers: a 100 MB pull takes ~140 ms here
 _lock = threading.Lock()
-_receiver: Any = None  # this process's receiver-side transfer server
-_connections: dict[str, Any] = {}
+_receivers: dict[str, Any] = {}  # bind host -> this process's receiver-side transfer server
+_connections: dict[tuple[str, str], Any] = {}  # (bind host, sender address) -> connection
 
 
 def _start_server(host: str, port: int = 0) -> Any:
     client = jax.local_devices()[0].client
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6
     return transfer.start_transfer_server(client, f"{host}:{port}", [f"{host}:0"])
 
 
@@ -124,15 +132,13 @@ def local_layout(shardings: Any) -> Any:
     return jax.tree.map(rebuild, shardings, is_leaf=lambda x: isinstance(x, Sharding))
 
 
-def _connection(address: str) -> Any:
-    global _receiver
+def _connection(address: str, host: str) -> Any:
     with _lock:
-        if address not in _connections:
-            if _receiver is None:
-                loopback = address.startswith(("127.", "localhost:", "[::1]:"))
-                _receiver = _start_server("127.0.0.1" if loopback else "0.0.0.0")
-            _connections[address] = _receiver.connect(address)
-        return _connections[address]
+        if (host, address) not in _connections:
+            if host not in _receivers:
+                _receivers[host] = _start_server(host)
+            _connections[host, address] = _receivers[host].connect(address)
+        return _connections[host, address]
 
 
 def _check_targets(targets: Any) -> None:
@@ -143,28 +149,25 @@ def _check_targets(targets: Any) -> None:
             )
 
 
-def pull(address: str, uuid: int, targets: Any, timeout_s: float) -> Any:
+def pull(
+    address: str, uuid: int, targets: Any, timeout_s: float, *, host: str = "127.0.0.1"
+) -> Any:
     """Fetch the pytree offered under ``uuid`` at ``address`` into ``targets`` (a pytree of
-    ``ShapeDtypeStruct`` with shardings, in the sender's layout on this process's devices).
+    ``ShapeDtypeStruct`` with shardings, in the sender's layout on this process's devices),
+    through this process's receiver server on ``host`` (the caller's own bind address).
 
     Returns the arrays once every buffer has arrived; raises ``TimeoutError`` naming the
     address and uuid when that takes longer than ``timeout_s``.
     """
     _check_targets(targets)
-    done: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            out = _connection(address).pull(int(uuid), targets)
-            done.set_result(jax.block_until_ready(out))
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-            done.set_exception(exc)
-
-    threading.Thread(target=run, name=f"weight-pull-{uuid}", daemon=True).start()
-    try:
-        return done.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        raise TimeoutError(
-            f"weight pull of uuid {uuid} from {address} did not finish within {timeout_s} s "
-            "(never offered, already pulled, or the sender is stuck)"
-        ) from None
+    deadline = time.monotonic() + timeout_s
+    out = _connection(address, host).pull(int(uuid), targets)
+    while not all(x.is_ready() for x in jax.tree.leaves(out)):
+        if time.monotonic() >= deadline:
+            del out  # abandoned: its buffers go with it, and no thread waits on them
+            raise TimeoutError(
+                f"weight pull of uuid {uuid} from {address} did not finish within {timeout_s} s "
+                "(never offered, already pulled, or the sender is down or stuck)"
+            )
+        time.sleep(_POLL_S)
+    return jax.block_until_ready(out)  # a transfer that failed raises its error here

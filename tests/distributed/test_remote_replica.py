@@ -1,12 +1,16 @@
 """An engine replica in another process, over its HTTP API, with weights pulled device to device.
 
-Each test starts its own replica subprocess (``python -m support.replica_main``: tiny-byte on a
-tp=2 mesh of its 2 CPU devices, ``max_queued=3``, weights only from this module's
-``WeightOffer``), so none depends on what another loaded, on the version another reached, or on
-another having killed it; they pass in any order. This process builds the same engine on its
-first 2 devices as the reference (once: it keeps only compiled programs between drivers), stages
-params with ``local_layout`` and offers them with ``WeightOffer`` (one server, on 127.0.0.2
-standing for the trainer's host; every offer has its own uuid, pulled at most once).
+Two loopback addresses stand for two hosts: this process is the trainer's (its ``WeightOffer``
+on 127.0.0.2), each replica another's (127.0.0.3), so a pull or a listener that fell back to
+the replica's own loopback or to every interface shows.
+
+Each test starts its own replica subprocess (``support.replica_main``'s engine: tiny-byte on a
+tp=2 mesh of its 2 CPU devices, ``max_queued=3``, served as ``distributed.replica`` serves one on
+the host of its URL, weights only from this module's ``WeightOffer``), so none depends on what
+another loaded, on the version another reached, or on another having killed it; they pass in
+any order. This process builds the same engine on its first 2 devices as the reference (once: it
+keeps only compiled programs between drivers), stages params with ``local_layout`` and offers
+them with ``WeightOffer`` (one server; every offer has its own uuid, pulled at most once).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import threading
 import aiohttp
 import jax
 import numpy as np
+import psutil
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from support.checkout import helper_cmd, subprocess_env, xla_flags
@@ -38,6 +43,16 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(90)]
 
 PROMPTS = [list(b"the quick brown"), list(b"jax on two cores")]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+TRAINER_HOST, REPLICA_HOST = "127.0.0.2", "127.0.0.3"
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """The (address, port) of every TCP socket process ``pid`` listens on."""
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(pid).net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +69,8 @@ def compile_cache(tmp_path_factory):
 def replica(compile_cache, offer):
     """A fresh replica, holding no weights, pulling from ``offer``: ``(url, process)``."""
     env = subprocess_env(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2), **compile_cache)
-    cmd = helper_cmd("replica_main", "--max-queued", "3", "--weight-source", offer.address)
+    flags = ["--host", REPLICA_HOST, "--weight-source", offer.address, "--max-queued", "3"]
+    cmd = helper_cmd("replica_main", *flags)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
@@ -85,9 +101,9 @@ def reference():
 
 @pytest.fixture(scope="module")
 def offer():
-    # The trainer's host as another machine would see it: an address of its own (127.0.0.2),
-    # not the replica's loopback default, which a replica on another host would dial instead.
-    return WeightOffer(host="127.0.0.2")
+    # The trainer's host as another machine would see it: an address of its own, not the
+    # replica's loopback default, which a replica on another host would dial instead.
+    return WeightOffer(host=TRAINER_HOST)
 
 
 def _reference_run(engine, params, version, prompts, sampling):
@@ -173,6 +189,44 @@ def test_pulled_weights_decode_like_the_in_process_engine_and_stamp_their_versio
     assert health["ready"] and health["version"] == 2
 
 
+def test_trainer_and_replica_hosts_pull_and_serve_listening_only_on_their_own_addresses(
+    replica, reference, offer
+):
+    url, proc = replica
+    engine, params = reference
+    before = listening(os.getpid())
+    fresh = WeightOffer(host=TRAINER_HOST)  # its ports are opened in this test
+
+    async def main():
+        client = RemoteEngineClient(url, replica=1)
+        loaded = await _load(client, offer, engine, params[1], 4)
+        done = await client.generate(PROMPTS[0], GREEDY)
+        await client.close()
+        return loaded, done
+
+    loaded, done = asyncio.run(main())
+    assert loaded["version"] == 4 and done.versions == [4] * len(done.token_ids)
+    # The trainer's side: every socket an offerer opens (control port, data ports once a pull
+    # came) is on its host, and nothing in this process listens on every interface.
+    ours = listening(os.getpid())
+    assert {ip for ip, _ in ours - before} == {TRAINER_HOST}, ours - before
+    assert not {ip for ip, _ in ours} & {"0.0.0.0", "::", "::ffff:0.0.0.0"}, ours
+    sender_port = int(offer.address.rpartition(":")[2])
+    assert (TRAINER_HOST, sender_port) in ours
+    assert (TRAINER_HOST, int(fresh.address.rpartition(":")[2])) in ours - before
+    # The replica: its HTTP server and its weight receiver (control and data ports) on the
+    # host of its URL only, and the pull dialled the trainer's host, not its own loopback.
+    theirs = listening(proc.pid)
+    assert {ip for ip, _ in theirs} == {REPLICA_HOST}, theirs
+    assert (REPLICA_HOST, int(url.rpartition(":")[2])) in theirs and len(theirs) >= 3
+    dialled = {
+        (c.raddr.ip, c.raddr.port)
+        for c in psutil.Process(proc.pid).net_connections(kind="tcp")
+        if c.raddr
+    }
+    assert (TRAINER_HOST, sender_port) in dialled, dialled
+
+
 def test_a_sender_with_fewer_devices_names_its_layout_and_the_replica_reshards(
     replica, reference, offer
 ):
@@ -222,6 +276,15 @@ def test_failed_pulls_name_replica_and_version_swap_nothing_in_and_the_replica_k
         nan_offer = offer.offer(reshard(poisoned, local_layout(engine.param_shardings)))
         with pytest.raises(WeightPullError, match=r"version 8 .*NaN or inf in \["):
             await client.load_weights(8, nan_offer, timeout_s=5.0)
+        # Staged in another dtype than the engine's (its bytes would decode as garbage):
+        # refused before any pull, naming both.
+        mine = jax.numpy.dtype(engine.param_dtype).name
+        other = "bfloat16" if mine == "float32" else "float32"
+        specs = [spec_to_json(x.spec) for x in jax.tree.leaves(engine.param_shardings)]
+        layout = {"mesh": dict(engine.mesh.shape), "specs": specs, "dtype": other}
+        fresh = offer.offer(reshard(params[1], local_layout(engine.param_shardings)))
+        with pytest.raises(WeightPullError, match=rf"version 8 .*staged in '{other}'.*'{mine}'"):
+            await client.load_weights(8, fresh, 5.0, layout)
         after_failures = await client.health()
         # Still serving: the next offer loads, and its version decodes.
         loaded = await _load(client, offer, engine, params[1], 9)
@@ -241,6 +304,32 @@ def test_failed_pulls_name_replica_and_version_swap_nothing_in_and_the_replica_k
     assert after_failures["in_flight"] == 0 and after_failures["queued"] == 0
     assert loaded["version"] == 9 and done.versions == [9] * len(done.token_ids)
     assert final["version"] == 9 and final["ready"]
+
+
+def test_200_failed_pulls_leave_no_thread_behind_and_sigterm_still_ends_the_replica(
+    replica, reference, offer
+):
+    url, proc = replica
+    engine, params = reference
+
+    async def main():
+        client = RemoteEngineClient(url, replica=1)
+        await _load(client, offer, engine, params[1], 1)  # its worker threads exist now
+        before = psutil.Process(proc.pid).num_threads()
+        for i in range(200):  # offers never made: each pull is abandoned at its deadline
+            with pytest.raises(WeightPullError, match="504"):
+                await client.load_weights(2, 10**6 + i, timeout_s=0.02)
+        after = psutil.Process(proc.pid).num_threads()
+        loaded = await _load(client, offer, engine, params[2], 3)  # still takes real weights
+        done = await client.generate(PROMPTS[0], GREEDY)
+        await client.close()
+        return before, after, loaded, done
+
+    before, after, loaded, done = asyncio.run(main())
+    assert after - before < 10, (before, after)  # a thread per failed pull would be +200
+    assert loaded["version"] == 3 and done.versions == [3] * len(done.token_ids)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
 
 
 def test_beyond_max_queued_is_refused_naming_the_bound_and_kill_9_is_replica_lost(

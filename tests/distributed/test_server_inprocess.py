@@ -176,6 +176,50 @@ def test_weight_updates_pull_only_from_the_bound_source_and_failures_are_weight_
     assert health["version"] == -1 and not health["ready"]
 
 
+def test_loads_without_the_key_are_refused_counted_and_never_reach_the_source():
+    calls = []
+
+    def source(uuid, layout, timeout_s):
+        calls.append(uuid)
+        raise TimeoutError(f"nothing offered under uuid {uuid}")
+
+    server = _serve(EngineHost(_Engine(), model="stand-in", source=source), api_key="s3cret")
+
+    async def main():
+        outsiders = [
+            RemoteEngineClient(server.url, replica=0),
+            RemoteEngineClient(server.url, replica=0, api_key="a-guess"),
+        ]
+        for client in outsiders:
+            # A far-future version with an unbounded pull: were it taken, the trainer's next
+            # load would go backwards, and the load lock would be held for 11 days.
+            with pytest.raises(WeightPullError, match="HTTP 401") as refused:
+                await client.load_weights(10**6, 7, timeout_s=10**6)
+            assert not isinstance(refused.value, ReplicaLost)
+        trainer = RemoteEngineClient(server.url, replica=0, api_key="s3cret")
+        with pytest.raises(WeightPullError, match="HTTP 504.*uuid=8"):
+            await trainer.load_weights(1, 8, timeout_s=0.5)  # the key reaches the source
+        health = await outsiders[0].health()
+        auth = {"Authorization": "Bearer s3cret"}
+        async with (
+            aiohttp.ClientSession(server.url, headers=auth) as http,
+            http.get("/metrics") as r,
+        ):
+            text = await r.text()
+        for client in [*outsiders, trainer]:
+            await client.close()
+        return health, text
+
+    try:
+        health, text = asyncio.run(main())
+    finally:
+        server.stop()
+    assert calls == [8]  # only the keyed load reached the source
+    assert health["version"] == -1 and not health["ready"]
+    assert 'jaxrl_http_requests_total{route="/update_weights",status="401"} 2.0' in text
+    assert 'jaxrl_http_requests_total{route="/update_weights",status="504"} 1.0' in text
+
+
 def test_the_client_drops_idle_connections_before_the_server_does():
     # Otherwise a POST could go out on a connection uvicorn is closing, and fail as a loss.
     assert uvicorn.Config(app=None).timeout_keep_alive > KEEPALIVE_S

@@ -1,12 +1,12 @@
 """A test engine replica: ``python -m support.replica_main --weight-source HOST:PORT
-[--max-queued N]`` (``tests/`` on ``PYTHONPATH``).
+[--host ADDR] [--max-queued N]`` (``tests/`` on ``PYTHONPATH``).
 
 Builds a ``DecodeEngine`` of ``tiny-byte`` on a tp=2 decode mesh over this process's 2 local
 CPU devices (the caller sets ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` and
 ``JAX_PLATFORMS=cpu``), serves it as the train command's replicas are served
-(``distributed.replica``: HTTP on a free port of 127.0.0.1, weights pulled only from
-``--weight-source``) and prints ``READY <url> <pid>`` once it answers. Runs until SIGTERM /
-SIGINT. ``make_engine`` is shared with the tests' in-process reference engine.
+(``distributed.replica``: HTTP on a free port of ``--host``, 127.0.0.1 by default, weights
+pulled only from ``--weight-source``) and prints ``READY <url> <pid>`` once it answers. Runs
+until SIGTERM / SIGINT. ``make_engine`` is shared with the tests' in-process reference engine.
 """
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--weight-source", required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="the address this replica binds")
     parser.add_argument("--max-queued", type=int, default=4096)
     args = parser.parse_args()
     host, server = replica_server(
         make_engine(),
         replica=1,
         model="tiny-byte",
-        bind=("127.0.0.1", 0),
+        bind=(args.host, 0),
         weight_source=args.weight_source,
         max_queued=args.max_queued,
     )
