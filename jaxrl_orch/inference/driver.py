@@ -21,8 +21,9 @@ Invariants:
   of the params of the call that produced it. KV already in the cache is kept (no re-prefill);
   a queued prefix computed under an older version is recomputed before insertion.
 - Every future is resolved exactly once: a ``Completion``, or the exception its engine call
-  raised (an engine error never kills the thread or the process), or ``RuntimeError`` when
-  the driver stops first. A cancelled future frees its slot at the next loop turn.
+  raised, or ``RuntimeError`` when the driver stops first. An engine error fails only what it
+  concerns (a prefill its group, an insert its sample, a generate the running requests) and
+  never kills the thread or the process. A cancelled future frees its slot at the next turn.
 - ``stop()`` joins the thread: no thread is left behind.
 
 Pause (vLLM's three modes, for weight updates between decode steps): ``pause("keep")`` stops
@@ -54,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_orch.inference.narrow import decode_widths, pack, warm_up
+from jaxrl_orch.inference.narrow import decode_widths, repack, warm_up
 from jaxrl_orch.inference.pause import PauseState
 from jaxrl_orch.inference.prefixes import Prefixes
 from jaxrl_orch.inference.rate import TokenRate
@@ -63,9 +64,12 @@ from jaxrl_orch.inference.requests import (
     NO_LP,
     STOPPED,
     Group,
+    RequestLimits,
     Seq,
     accepts,
     check_request,
+    consumed,
+    finish_reason,
     resolve,
     valid_tokens,
 )
@@ -93,10 +97,9 @@ class InferenceDriver:
         self._gate = gate
         self._rate = TokenRate(rate_window_s)
         self._n_slots = int(engine.max_concurrent_decodes)
-        self._max_prefill = int(engine.max_prefill_length)
+        self._limits = RequestLimits.of(engine)
         self._cache_len = getattr(engine, "max_target_length", None)
         self._pass_sampling = accepts(engine.insert, "sampling")
-        self._max_stop = getattr(engine, "max_stop_tokens", None)
         self._pass_version = accepts(engine.generate, "version")
         self._widths = decode_widths(engine, self._n_slots)
         self._width = self._n_slots
@@ -132,9 +135,7 @@ class InferenceDriver:
         with one per sample (then ``n`` defaults to, and must equal, its length). ``on_token``:
         see Streaming in the module docstring.
         """
-        prompt, samplings = check_request(
-            prompt_ids, sampling, n, max_prefill=self._max_prefill, max_stop=self._max_stop
-        )
+        prompt, samplings = check_request(prompt_ids, sampling, n, self._limits)
         futures = [concurrent.futures.Future() for _ in samplings]
         members = list(zip(futures, samplings, strict=True))
         with self._cv:
@@ -307,21 +308,32 @@ class InferenceDriver:
             while free and group.members:
                 with self._cv:
                     future, sampling = group.members.pop(0)
-                if future.cancelled():
-                    continue
-                slot = free.pop(0)
-                with self._cv:
-                    listener = self._listeners.pop(future, None)
-                seq = Seq(future, sampling, int(group.prompt.size), on_token=listener)
-                self._slots[slot] = seq
-                kwargs = {"sampling": sampling} if self._pass_sampling else {}
-                state = self._decode_state
-                self._decode_state = self.engine.insert(group.prefix, state, slot, **kwargs)
-                if group.first is not None:
-                    self._append(slot, seq, *group.first, self._version)
+                if not future.cancelled() and self._insert(group, free[0], future, sampling):
+                    free.pop(0)
             with self._cv:
                 if not group.members and self._pending and self._pending[0] is group:
                     self._pending.popleft()
+
+    def _insert(
+        self, group: Group, slot: int, future: concurrent.futures.Future, sampling: SamplingParams
+    ) -> bool:
+        """Put one sample of ``group`` into free ``slot``; False when the engine refused it (that
+        sample fails alone, unless the refused call consumed the decode state)."""
+        kwargs = {"sampling": sampling} if self._pass_sampling else {}
+        state = self._decode_state
+        with self._cv:
+            listener = self._listeners.pop(future, None)
+        try:
+            self._decode_state = self.engine.insert(group.prefix, state, slot, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - this sample's caller gets the error
+            resolve(future, error=exc)
+            if consumed(state):  # donated to the failed call: every running request is lost
+                raise
+            return False
+        self._slots[slot] = seq = Seq(future, sampling, int(group.prompt.size), on_token=listener)
+        if group.first is not None:
+            self._append(slot, seq, *group.first, self._version)
+        return True
 
     def _ensure_prefix(self, group: Group) -> None:
         if group.prefix is not None and group.prefix_version == self._version:
@@ -329,21 +341,13 @@ class InferenceDriver:
         group.prefix, group.first = self._prefixes.get(group.prompt, self._params, self._version)
         group.prefix_version = self._version
 
-    def _narrow(self) -> dict[str, int]:
-        """Pack the running requests below the narrowest width (``narrow.pack``); the
-        ``generate`` kwargs that width needs."""
-        self._width, moves = pack(self._slots, self._widths)
-        for src, dst in moves:
-            self._decode_state = self.engine.move_slot(self._decode_state, src, dst)
-            self._slots[dst], self._slots[src] = self._slots[src], None
-        return {} if self._width == self._n_slots else {"width": self._width}
-
     def _step(self) -> None:
         kwargs = {"version": self._version} if self._pass_version else {}
-        kwargs.update(self._narrow())
+        state = self._decode_state  # the running requests packed below the narrowest width
+        self._width, state = repack(self.engine, self._slots, state, self._widths)
+        kwargs.update({} if self._width == self._n_slots else {"width": self._width})
         version = self._version
         t0 = time.perf_counter()
-        state = self._decode_state
         self._decode_state, result = self.engine.generate(self._params, state, **kwargs)
         result = result.convert_to_numpy()  # the one host round trip per call
         self._decode_s += time.perf_counter() - t0
@@ -368,17 +372,10 @@ class InferenceDriver:
         if seq.on_token is not None:
             with contextlib.suppress(Exception):  # a listener must never stop the decode loop
                 seq.on_token(token, logprob, version)
-        n = len(seq.token_ids)
-        cache_full = self._cache_len is not None and seq.prompt_len + n > self._cache_len
-        reason = None
-        if token in seq.sampling.stop_token_ids:
-            reason = "stop"
-        elif n >= seq.sampling.max_tokens or cache_full:
-            reason = "length"
-        if reason is None:
-            return False
-        self._finish(slot, seq, reason)
-        return True
+        reason = finish_reason(seq, token, self._cache_len)
+        if reason is not None:
+            self._finish(slot, seq, reason)
+        return reason is not None
 
     def _finish(self, slot: int, seq: Seq, reason: str) -> None:
         self._slots[slot] = None

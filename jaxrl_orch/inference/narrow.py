@@ -2,7 +2,7 @@
 
 When an engine offers ``decode_widths`` with ``generate(..., width=w)`` and ``move_slot``
 (``decode_widths``), the driver runs each call at the narrowest width holding every running
-request, after packing requests at or above it into free lower slots (``pack``). Refills
+request, after packing requests at or above it into free lower slots (``pack``, ``repack``). Refills
 always take the lowest free slot, so packing is rare: a drain moves at most ``slots - 1``
 requests. A near-empty batch then costs a fraction of a full step instead of a full one (the
 tail of every finite batch). ``warm_up`` runs every program the driver can call once.
@@ -44,6 +44,16 @@ def pack(slots: Sequence[Any], widths: Sequence[int]) -> tuple[int, list[tuple[i
     width = next(w for w in widths if w >= len(running))
     free = iter([i for i in range(width) if slots[i] is None])
     return width, [(src, next(free)) for src in running if src >= width]
+
+
+def repack(engine: Any, slots: list[Any], state: Any, widths: Sequence[int]) -> tuple[int, Any]:
+    """``(width, state)``: ``pack``'s moves done on ``slots`` (in place) and on the engine's
+    decode ``state``, and the width the next ``generate`` runs at."""
+    width, moves = pack(slots, widths)
+    for src, dst in moves:
+        state = engine.move_slot(state, src, dst)
+        slots[dst], slots[src] = slots[src], None
+    return width, state
 
 
 def warm_up(engine: Any, params: Any, version: int, widths: Sequence[int]) -> float:

@@ -6,9 +6,12 @@ log-probs and versions generated so far); ``resolve`` (settle a future exactly o
 the caller did with it); ``accepts`` (whether an engine method takes an optional keyword, so a
 plain JetStream-shaped engine can be driven too); ``first_token`` (the token a JetStream-style
 engine samples at prefill); ``valid_tokens`` (a decode step's valid tokens, log-probs and
-versions per running slot, read from the result in one pass); ``check_request`` (a submission
-validated against the engine's limits; sample i of one seeded ``SamplingParams`` for n samples
-gets seed ``seed + i``). Host-side only; the thread that uses them is ``driver.py``'s.
+versions per running slot, read from the result in one pass); ``finish_reason`` (the host-side
+finishing rules); ``consumed`` (whether a failed engine call took the decode state with it);
+``check_request`` (a submission validated against the engine's ``RequestLimits``: prompt ids in
+the vocabulary, settings that fit the engine's slot fields; sample i of one seeded
+``SamplingParams`` for n samples gets seed ``seed + i``). Host-side only; the thread that uses
+them is ``driver.py``'s.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxrl_orch.inference.engine_api import ResultTokens
@@ -49,6 +53,22 @@ class Seq:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+
+
+def finish_reason(seq: Seq, token: int, cache_len: int | None) -> str | None:
+    """Why ``seq`` ends with ``token``, its latest: ``"stop"`` (a stop id), ``"length"``
+    (``max_tokens``, or past the engine's ``cache_len``), or None while it runs on."""
+    if token in seq.sampling.stop_token_ids:
+        return "stop"
+    n = len(seq.token_ids)
+    if n >= seq.sampling.max_tokens or (cache_len is not None and seq.prompt_len + n > cache_len):
+        return "length"
+    return None
+
+
+def consumed(state: Any) -> bool:
+    """Whether a decode state holds an array already deleted (donated to a call that failed)."""
+    return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state))
 
 
 def accepts(fn: Any, name: str) -> bool:
@@ -119,24 +139,35 @@ def _valid(tokens: Any, valid: Any, logprobs: Any, versions: Any) -> tuple:
     return keep(tokens), keep(logprobs), keep(versions)
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What one engine can hold of a submission (``of``: read from the engine once)."""
+
+    max_prefill: int  # prompt tokens one prefill takes
+    max_stop: int | None = None  # stop ids a slot holds (None: any number)
+    vocab: int | None = None  # prompt ids must be in [0, vocab) (None: unknown, e.g. a plug-in)
+
+    @classmethod
+    def of(cls, engine: Any) -> RequestLimits:
+        vocab = getattr(getattr(engine, "config", None), "vocab_size", None)
+        return cls(int(engine.max_prefill_length), getattr(engine, "max_stop_tokens", None), vocab)
+
+
+# The engine holds each setting in a per-slot int32 / float32 field: a value past it would fail
+# (or wrap) at insert time, inside the decode loop, instead of naming itself to its caller.
+_INT32_MAX = 2**31 - 1
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def check_request(
     prompt_ids: Any,
     sampling: SamplingParams | Sequence[SamplingParams],
     n: int | None,
-    *,
-    max_prefill: int,
-    max_stop: int | None,
+    limits: RequestLimits,
 ) -> tuple[np.ndarray, list[SamplingParams]]:
     """A submission's prompt as int32 ids and one ``SamplingParams`` per sample, validated
-    against the engine's limits (every error names the bad value and the limit)."""
-    prompt = np.asarray(list(prompt_ids), dtype=np.int32)
-    if prompt.ndim != 1 or prompt.size == 0:
-        raise ValueError(f"prompt_ids must be a non-empty 1-D sequence, got {prompt_ids!r}")
-    if prompt.size > max_prefill:
-        raise ValueError(
-            f"prompt has {prompt.size} tokens; this engine allows at most "
-            f"max_prefill_length={max_prefill}"
-        )
+    against the engine's ``limits`` (every error names the bad value and the limit)."""
+    prompt = _prompt(prompt_ids, limits)
     samplings = [sampling] * (n or 1) if isinstance(sampling, SamplingParams) else list(sampling)
     if isinstance(sampling, SamplingParams) and sampling.seed is not None:
         # One seeded setting for n samples (vLLM's rule): sample i gets seed + i, so the
@@ -150,9 +181,47 @@ def check_request(
     for sp in samplings:
         if not isinstance(sp, SamplingParams):
             raise TypeError(f"sampling must be SamplingParams, got {type(sp).__name__}")
-        if max_stop is not None and len(sp.stop_token_ids) > max_stop:
-            raise ValueError(
-                f"{len(sp.stop_token_ids)} stop_token_ids {sp.stop_token_ids}; this engine "
-                f"holds at most max_stop_tokens={max_stop}"
-            )
+        _check_sampling(sp, limits)
     return prompt, samplings
+
+
+def _prompt(prompt_ids: Any, limits: RequestLimits) -> np.ndarray:
+    raw = np.asarray(list(prompt_ids))
+    if raw.ndim != 1 or raw.size == 0:
+        raise ValueError(f"prompt_ids must be a non-empty 1-D sequence, got {prompt_ids!r}")
+    if raw.dtype.kind not in "iuO":
+        raise ValueError(f"prompt_ids must be integer token ids, got {raw.dtype} values")
+    high = _INT32_MAX + 1 if limits.vocab is None else int(limits.vocab)
+    ok = [isinstance(t, int) and 0 <= t < high for t in raw] if raw.dtype.kind == "O" else None
+    bad = np.flatnonzero((raw < 0) | (raw >= high) if ok is None else ~np.array(ok))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"prompt_ids[{i}]={raw.tolist()[i]} is outside the vocabulary: ids must be in "
+            f"[0, {high})"
+        )
+    if raw.size > limits.max_prefill:
+        raise ValueError(
+            f"prompt has {raw.size} tokens; this engine allows at most "
+            f"max_prefill_length={limits.max_prefill}"
+        )
+    return raw.astype(np.int32)
+
+
+def _check_sampling(sp: SamplingParams, limits: RequestLimits) -> None:
+    if limits.max_stop is not None and len(sp.stop_token_ids) > limits.max_stop:
+        raise ValueError(
+            f"{len(sp.stop_token_ids)} stop_token_ids {sp.stop_token_ids}; this engine "
+            f"holds at most max_stop_tokens={limits.max_stop}"
+        )
+    for name in ("top_k", "max_tokens"):
+        value = getattr(sp, name)
+        if value > _INT32_MAX:
+            raise ValueError(f"{name}={value} is past what the engine holds: at most {_INT32_MAX}")
+    if sp.temperature > _FLOAT32_MAX:
+        raise ValueError(
+            f"temperature={sp.temperature!r} is past float32's largest value {_FLOAT32_MAX:.6g}"
+        )
+    outside = [t for t in sp.stop_token_ids if not -_INT32_MAX - 1 <= t <= _INT32_MAX]
+    if outside:
+        raise ValueError(f"stop_token_ids hold {outside[0]}, outside int32 token ids")

@@ -4,6 +4,7 @@ import asyncio
 import random
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -180,6 +181,91 @@ def test_engine_prefill_error_fails_only_that_group(make_driver):
         with pytest.raises(ValueError, match="toy prefill failure"):
             f.result(timeout=10)
     assert good.result(timeout=10).token_ids == [2, 3, 4, 5, 6]
+
+
+class _Refusing(ToyEngine):
+    """Refuses to insert a sample of ``top_k=13``, as an engine refuses a setting it cannot hold;
+    with ``top_k=14`` it takes the decode state with it (donated to the failed call)."""
+
+    def init_decode_state(self):
+        return {**super().init_decode_state(), "donated": _Buffer()}
+
+    def insert(self, prefix, decode_state, slot, sampling):
+        if sampling.top_k == 14:
+            decode_state["donated"].deleted = True
+        if sampling.top_k in (13, 14):
+            raise ValueError(f"toy insert cannot hold top_k={sampling.top_k}")
+        return super().insert(prefix, decode_state, slot, sampling)
+
+
+class _Buffer:
+    deleted = False
+
+    def is_deleted(self):
+        return self.deleted
+
+
+def test_an_insert_the_engine_refuses_fails_that_sample_alone(make_driver):
+    driver, engine = make_driver(_Refusing(cache_len=10**9))
+    driver.start()
+    (running,) = driver.submit([20], SamplingParams(temperature=0.0, max_tokens=30))
+    while engine.generate_calls == 0:  # decoding in a slot when the bad sample comes
+        time.sleep(0.001)
+    bad = SamplingParams(temperature=0.0, max_tokens=5, top_k=13)
+    shared = driver.submit([3], [GREEDY, bad, GREEDY])  # one group: one prefill, three slots
+    with pytest.raises(ValueError, match="cannot hold top_k=13"):
+        shared[1].result(timeout=10)
+    for f in (shared[0], shared[2]):
+        assert f.result(timeout=10).token_ids == [4, 5, 6, 7, 8]
+    assert running.result(timeout=10).token_ids == expected_tokens([20], 30, engine.vocab)
+    assert engine.prefill_calls == 2
+
+    async def through_the_client():  # what environments call: one request per sample
+        client = EngineClient(driver)
+        calls = [client.generate([7], sp) for sp in (GREEDY, bad, GREEDY)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    good, refused, also_good = asyncio.run(through_the_client())
+    assert isinstance(refused, ValueError) and "cannot hold top_k=13" in str(refused)
+    assert good.token_ids == also_good.token_ids == [8, 9, 10, 11, 12]
+
+    # A refused insert that consumed the decode state loses what was running (the error
+    # reaches each), and the driver starts over with a fresh state.
+    calls = engine.generate_calls
+    (lost,) = driver.submit([20], SamplingParams(temperature=0.0, max_tokens=10**6))
+    while engine.generate_calls < calls + 2:  # decoding when the next sample comes
+        time.sleep(0.001)
+    (gone,) = driver.submit([5], SamplingParams(temperature=0.0, max_tokens=5, top_k=14))
+    for f in (lost, gone):
+        with pytest.raises(ValueError, match="cannot hold top_k=14"):
+            f.result(timeout=10)
+    assert driver.submit([1], GREEDY)[0].result(timeout=10).token_ids == [2, 3, 4, 5, 6]
+
+
+def test_settings_past_the_engines_slot_fields_are_refused_at_submit(make_driver):
+    engine = ToyEngine()
+    engine.config = types.SimpleNamespace(vocab_size=engine.vocab)  # a known vocabulary
+    driver, _ = make_driver(engine)
+    cases = [
+        (
+            [1, 50],
+            GREEDY,
+            r"prompt_ids\[1\]=50 is outside the vocabulary: ids must be in \[0, 50\)",
+        ),
+        ([-1], GREEDY, r"prompt_ids\[0\]=-1 is outside"),
+        ([2**70], GREEDY, r"prompt_ids\[0\]=1180591620717411303424 is outside"),
+        ([1.5], GREEDY, "integer token ids"),
+        ([1], SamplingParams(top_k=2**31), r"top_k=2147483648 .* at most 2147483647"),
+        ([1], SamplingParams(max_tokens=2**40), r"max_tokens=1099511627776 .* at most"),
+        ([1], SamplingParams(temperature=1e39), r"temperature=1e\+39 is past float32's"),
+        ([1], SamplingParams(stop_token_ids=(2**40,)), "outside int32"),
+    ]
+    for prompt, sampling, match in cases:
+        with pytest.raises(ValueError, match=match):
+            driver.submit(prompt, sampling)
+    driver.start()  # nothing was queued; the bounds themselves are accepted
+    edge = SamplingParams(temperature=0.0, top_k=2**31 - 1, max_tokens=3)
+    assert driver.submit([0, 49], edge)[0].result(timeout=10).token_ids == [0, 1, 2]
 
 
 def test_stop_leaves_no_thread_and_fails_unfinished_requests():

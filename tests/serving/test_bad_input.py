@@ -75,6 +75,7 @@ CASES = {
     "max_tokens 0": (lambda c: _post(c, _body(max_tokens=0)), 400, ["max_tokens", ">= 1"], None),
     "max_tokens negative": (lambda c: _post(c, _body(max_tokens=-3)), 400, ["-3"], None),
     "max_tokens a string": (lambda c: _post(c, _body(max_tokens="8")), 400, ["integer"], None),
+    "max_tokens a fraction": (lambda c: _post(c, _body(max_tokens=1.5)), 400, ["integer"], None),
     "max_tokens past the context": (
         lambda c: _post(c, _body(max_tokens=60)),
         400,
@@ -85,6 +86,12 @@ CASES = {
         lambda c: _post(c, _body(token_ids=[1, 2, 512])),
         400,
         ["token_ids[2]=512", "[0, 512)"],
+        "token_ids",
+    ),
+    "a token id past any int": (
+        lambda c: _post(c, _body(token_ids=[1, 2**70])),
+        400,
+        [f"token_ids[1]={2**70}", "[0, 512)"],
         "token_ids",
     ),
     "negative token id": (
@@ -208,3 +215,37 @@ def test_samples_in_flight_count_against_max_queued(served):
     assert three.result().status_code == 200 and one.result().status_code == 200
     until(lambda: host.in_flight == 0, what="the samples finished")
     assert _post(served.client, _body(n=4)).status_code == 200
+
+
+def test_one_bad_request_among_those_sharing_its_prompt_fails_alone(served, monkeypatch):
+    engine, host = served.host.engine, served.host
+    post = lambda body: served.in_background("POST", "/inference/v1/generate", json=body)  # noqa: E731
+    engine.hold(after=0)  # every request below is in flight before one token is decoded
+    first = [post(_body()) for _ in range(2)]
+    until(lambda: host.in_flight == 2, what="two requests of the prompt in flight")
+    # A setting the engine's slot fields cannot hold is refused by name before it is queued.
+    r = _post(served.client, _body(top_k=2**31))
+    assert r.status_code == 400, r.text
+    assert "top_k=2147483648" in r.json()["error"]["message"]
+    # One the engine itself refuses when its sample is inserted (an engine's own limit): the
+    # requests sharing its prompt, decoding or queued with it, go on.
+    insert = engine.insert
+
+    def refusing(prefix, state, slot, sampling=None):
+        if sampling is not None and sampling.seed == 4242:
+            raise ValueError("this engine cannot hold seed=4242")
+        return insert(prefix, state, slot, sampling=sampling)
+
+    monkeypatch.setattr(engine, "insert", refusing, raising=False)
+    bad = post(_body(seed=4242))
+    after = post(_body())
+    until(lambda: host.in_flight == 4, what="the bad request and one more queued")
+    engine.release()
+    refused = bad.result()
+    assert refused.status_code == 500, refused.text
+    assert "ValueError: this engine cannot hold seed=4242" in refused.json()["error"]["message"]
+    for r in [*first, after]:
+        ok = r.result()
+        assert ok.status_code == 200, ok.text
+        assert len(ok.json()["choices"][0]["token_ids"]) == 4
+    until(lambda: host.in_flight == 0, what="every slot free")
