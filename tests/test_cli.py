@@ -76,9 +76,11 @@ def _entries(listing: str) -> dict[str, list[str]]:
 
 
 def _source_comments() -> tuple[dict[str, str], dict[str, str]]:
-    """An independent reading of config/train.py (plain regexes on its lines): trailing comments,
-    and the comment block directly above each field, keyed as the listing names the field."""
-    lines = (ROOT / "jaxrl_orch" / "config" / "train.py").read_text().splitlines()
+    """An independent reading of the sections' sources, config/train.py and config/rl.py (plain
+    regexes on their lines): trailing comments, and the comment block directly above each field,
+    keyed as the listing names the field."""
+    config = ROOT / "jaxrl_orch" / "config"
+    lines = [x for name in ("train.py", "rl.py") for x in (config / name).read_text().splitlines()]
     trailing, above = {}, {}
     prefix = ""
     for i, line in enumerate(lines):

@@ -1,7 +1,9 @@
 """What ``python -m jaxrl_orch.train`` tells a newcomer: every setting, and the shipped configs.
 
 ``--list_config`` prints every setting, grouped by section (``RL``, ``Engine``, ...), each as
-``Section.name: type = default`` with its meaning: exactly the name a gin binding uses. The
+``Section.name: type = default`` with what it may hold (``allowed: >= 1``, read from the
+section's ``ALLOWED`` table, the one its own check uses: ``config.checks``) and its meaning:
+exactly the name a gin binding uses. The
 field set comes from ``dataclasses.fields`` (a field whose default is a dataclass is a section,
 listed field by field under its heading), so a new field is listed without touching this file;
 the meanings are read from the comments in the class's own source (``inspect`` + ``tokenize``),
@@ -29,6 +31,8 @@ import textwrap
 import tokenize
 from pathlib import Path
 
+from jaxrl_orch.config.checks import allowed_of
+
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 WIDTH = 100
 
@@ -40,6 +44,7 @@ class FieldDoc:
     default: str  # repr of the default, as a gin binding would spell it
     comment: str | None  # the trailing comment on the field's line(s)
     above: tuple[str, ...]  # comment lines directly above the field, without the "# "
+    allowed: str | None = None  # what the section's check lets it hold (None: unchecked here)
 
 
 def _comments(cls: type) -> dict[str, tuple[str | None, tuple[str, ...]]]:
@@ -90,11 +95,13 @@ def field_docs(cls: type, prefix: str = "") -> list[FieldDoc]:
     for klass in reversed(cls.__mro__):  # a subclass's comment on a field wins over its base's
         if dataclasses.is_dataclass(klass):
             comments.update(_comments(klass))
+    allowed = allowed_of(cls)
     docs = []
     for f in dataclasses.fields(cls):
         comment, above = comments.get(f.name, (None, ()))
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        docs.append(FieldDoc(prefix + f.name, kind, _default(f), comment, above))
+        rule = str(allowed[f.name]) if f.name in allowed else None
+        docs.append(FieldDoc(prefix + f.name, kind, _default(f), comment, above, rule))
     return docs
 
 
@@ -140,6 +147,8 @@ def _entry_lines(docs: list[FieldDoc]) -> list[str]:
             out.append("")
             out.extend(f"  # {line}" for line in d.above)
         out.append(f"  {d.name}: {d.type} = {d.default}")
+        if d.allowed:
+            out.append(f"    allowed: {d.allowed}")
         if d.comment:
             out.extend(_wrap(d.comment))
     return out

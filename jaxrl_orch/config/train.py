@@ -3,8 +3,9 @@
 Each section is a frozen dataclass that gin configures by its own name, read by the code it
 names: ``Model`` (the network, its precision and kernels: ``build.accel``), ``Data`` (the task
 and its examples: ``build.parts``), ``Warmup`` (the SFT stage: ``run.warmup``), ``RL`` (the
-algorithm, its optimizer, sampling and evals: ``run.rl``, ``build.accel``), ``Trainer`` (rows
-and the trainer mesh), ``Engine`` (the decoding engine: ``build.engines``, ``build.sides``),
+algorithm, its loss and corrections, optimizer, sampling and evals, in ``config.rl``: ``run.rl``,
+``build.accel``), ``Trainer`` (rows and the trainer mesh), ``Engine`` (the decoding engine:
+``build.engines``, ``build.sides``),
 ``Orchestrator`` (staleness, concurrency and timeouts of the loop: ``TrainConfig.loop``),
 ``Processes`` (a multi-process layout: ``distributed``, ``build.roles``) and ``Outputs``
 (checkpoints, logging, export). A gin file binds ``RL.steps = 40``; ``TrainConfig`` itself
@@ -20,13 +21,17 @@ The defaults are the embedded CPU scenario (tiny byte-level model, bundled rever
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import gin
 
-from jaxrl_orch.config.checks import at_least, one_of, positive, require
-from jaxrl_orch.config.orchestrator import OrchestratorConfig
+from jaxrl_orch.config.checks import Allowed, check_allowed, require
+from jaxrl_orch.config.orchestrator import AGE_POLICIES, OrchestratorConfig
+from jaxrl_orch.config.rl import RL
 
 DTYPES = ("float32", "bfloat16")
+ATTENTION = ("auto", "einsum", "xla", "chunked", "splash")
+REMAT = ("none", "full", "dots", "dots_no_batch")
 
 
 @gin.configurable
@@ -41,11 +46,15 @@ class Model:
     remat: str = "none"  # per-block rematerialisation: none, full, dots, dots_no_batch
     scan_layers: bool = False  # trainer forward as one lax.scan over layers (fast TPU compile)
 
+    ALLOWED: ClassVar[dict[str, Allowed]] = {
+        "compute_dtype": Allowed.one_of("auto", *DTYPES),
+        "param_dtype": Allowed.one_of(*DTYPES),
+        "attention": Allowed.one_of(*ATTENTION),
+        "remat": Allowed.one_of(*REMAT),
+    }
+
     def __post_init__(self) -> None:
-        one_of(self, "compute_dtype", ("auto", *DTYPES))
-        one_of(self, "param_dtype", DTYPES)
-        one_of(self, "attention", ("auto", "einsum", "xla", "chunked", "splash"))
-        one_of(self, "remat", ("none", "full", "dots", "dots_no_batch"))
+        check_allowed(self)
 
 
 @gin.configurable
@@ -58,9 +67,10 @@ class Data:
     data_dir: str | None = None
     rl_prompt_pool: int | None = None  # RL prompts from only the first N train examples (a probe)
 
+    ALLOWED: ClassVar[dict[str, Allowed]] = {"rl_prompt_pool": Allowed.at_least(1).or_none()}
+
     def __post_init__(self) -> None:
-        pool = self.rl_prompt_pool
-        require(pool is None or pool >= 1, f"Data.rl_prompt_pool must be >= 1 or None, got {pool}")
+        check_allowed(self)
 
 
 @gin.configurable
@@ -76,105 +86,16 @@ class Warmup:
     # reference answer for that share of examples (envs/demonstrator.py); () = always right.
     demonstrations: tuple[tuple[str, float], ...] = ()
 
-    def __post_init__(self) -> None:
-        at_least(self, 1, "batch_size", "checkpoint_every")
-        at_least(self, 0, "steps", "lr_warmup_steps")
-        positive(self, "learning_rate")
-
-
-@gin.configurable
-@dataclasses.dataclass(frozen=True)
-class RL:
-    """The RL stage. The off-policy corrections (docs/losses.md; combinable):
-
-    - ``policy_loss``: "ppo" (clipped token surrogate), "gspo" / "gspo_token" (sequence ratio
-      clipped to [1 - eps_low, 1 + eps_high]; the paper's eps are 3e-4 / 4e-4) or "cispo".
-    - ``eps_low_is`` / ``eps_high_is``: CISPO's weight band [1 - eps_low_is, 1 + eps_high_is].
-    - ``icepop``: (a, b) or None: drop tokens whose trainer/engine ratio leaves [a, b].
-    - ``mis``: None, "token" or "sequence": rejection sampling on that ratio (or its product).
-    - ``mis_bounds``: (low, high), the band of ``mis`` (set exactly when ``mis`` is).
-    - ``geo_mask``: (low, high) or None: drop sequences whose geometric-mean ratio leaves it.
-    """
-
-    # "rl", or the imitation control "sft": the RL stage's optimizer updates spent on more SFT
-    # of the demonstrations instead, evaluated alike (run/control.py)
-    after_warmup: str = "rl"
-    steps: int = 60
-    prompts_per_step: int = 8
-    group_size: int = 16
-    algorithm: str = "grpo"  # mean-centred GRPO; "permuted:grpo" = its noise-only control
-    dynamic_sampling: bool = True  # drop flat groups and wait for groups with signal (DAPO)
-    learning_rate: float = 1e-4
-    lr_warmup_steps: int = 10  # linear LR warmup (fresh Adam moments on noisy policy gradients)
-    temperature: float = 1.0
-    max_new_tokens: int = 68
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    # None: the algorithm's own ("constant" over max_new_tokens for dr_grpo, else "token")
-    loss_norm: str | None = None
-    # Truncated importance sampling: recompute the trainer's old log-probs before the update
-    # and weight each token by min(pi_old / pi_behaviour, tis_cap) (None: no TIS weight).
-    # None: only when the engine reports no behaviour log-probs (upstream JetStream's do not).
-    recompute_old_logprobs: bool | None = None
-    tis_cap: float | None = 2.0
-    minibatches: int = 1  # optimizer steps per RL batch (the batch split into this many parts)
-    ppo_epochs: int = 1  # passes over the batch per RL step
-    kl_beta: float = 0.0
-    # The policy term: "ppo" (the clipped token surrogate), "gspo", "gspo_token" or "cispo"
-    policy_loss: str = "ppo"
-    eps_low_is: float = 1.0  # CISPO weight clipped below at 1 - eps_low_is (1: no lower bound)
-    eps_high_is: float = 0.28  # CISPO weight clipped above at 1 + eps_high_is
-    # Masks on rho = pi_trainer / pi_behaviour (trainer: the recomputed old log-probs when
-    # recompute_old_logprobs, else the current policy); a dropped token's policy term is 0.
-    icepop: tuple[float, float] | None = None  # IcePop: drop tokens with rho outside (a, b)
-    mis: str | None = None  # rejection sampling (MIS): "token" (rho) or "sequence" (prod rho)
-    mis_bounds: tuple[float, float] | None = None  # the (low, high) band of mis
-    geo_mask: tuple[float, float] | None = None  # drop sequences: exp(mean log rho) outside
-    eval_every: int = 10  # RL steps between two evals of the held-out set (0: first and last)
-    eval_examples: int = 128  # held-out examples each eval decodes (greedy, and sampled)
+    ALLOWED: ClassVar[dict[str, Allowed]] = {
+        "steps": Allowed.at_least(0),
+        "batch_size": Allowed.at_least(1),
+        "learning_rate": Allowed.above(0),
+        "lr_warmup_steps": Allowed.at_least(0),
+        "checkpoint_every": Allowed.at_least(1),
+    }
 
     def __post_init__(self) -> None:
-        from jaxrl_orch.algorithms.advantages import get_algorithm
-
-        algorithm = get_algorithm(self.algorithm)  # an unknown name fails, naming the known
-        one_of(self, "after_warmup", ("rl", "sft"))
-        one_of(self, "loss_norm", (None, "token", "sequence", "constant"))
-        token_sum = getattr(algorithm, "token_sum_normalization", False)
-        require(
-            not token_sum or self.loss_norm in (None, "constant"),
-            f"algorithm {self.algorithm!r} normalises the loss by a constant (Dr. GRPO); "
-            f"loss_norm {self.loss_norm!r} contradicts it: leave loss_norm unset",
-        )
-        require(
-            self.group_size >= 2,
-            f"RL.group_size must be >= 2, got {self.group_size}: group-relative advantages "
-            "compare the rollouts of one prompt, so a group of one has none",
-        )
-        at_least(self, 1, "steps", "prompts_per_step", "minibatches", "ppo_epochs")
-        at_least(self, 1, "max_new_tokens", "eval_examples")
-        at_least(self, 0, "lr_warmup_steps", "eval_every")
-        positive(self, "learning_rate", "temperature")  # T = 0: every sample of a group alike
-        self._check_corrections()
-
-    def _check_corrections(self) -> None:
-        from jaxrl_orch.algorithms.correction_settings import check_settings
-
-        check_settings(self, prefix="RL.")
-
-    @property
-    def batch_size(self) -> int:
-        """Rollouts per training batch."""
-        return self.prompts_per_step * self.group_size
-
-    @property
-    def resolved_loss_norm(self) -> str:
-        """``loss_norm``, or the algorithm's own when unset (see the field's comment)."""
-        from jaxrl_orch.algorithms.advantages import get_algorithm
-
-        if self.loss_norm is not None:
-            return self.loss_norm
-        token_sum = getattr(get_algorithm(self.algorithm), "token_sum_normalization", False)
-        return "constant" if token_sum else "token"
+        check_allowed(self)
 
 
 @gin.configurable
@@ -188,12 +109,15 @@ class Trainer:
     logprob_chunk: int = 0  # log-probs and loss in chunks of this many positions; 0: off
     mesh: tuple[tuple[str, int], ...] = ()  # () with Engine.mesh (): the devices split evenly
 
+    ALLOWED: ClassVar[dict[str, Allowed]] = {
+        "row_len": Allowed.at_least(2).because("targets are the tokens shifted by one"),
+        "rows_per_batch": Allowed.at_least(1).or_none(),
+        "chunk_rows": Allowed.at_least(1),
+        "logprob_chunk": Allowed.at_least(0),
+    }
+
     def __post_init__(self) -> None:
-        at_least(self, 0, "logprob_chunk")
-        at_least(self, 1, "chunk_rows")
-        at_least(self, 2, "row_len")  # targets are the tokens shifted by one
-        if self.rows_per_batch is not None:
-            at_least(self, 1, "rows_per_batch")
+        check_allowed(self)
 
 
 @gin.configurable
@@ -216,14 +140,18 @@ class Engine:
     # response naming its policy version) for evals and agents; None: off, 0: any free port
     serve_port: int | None = None
 
+    ALLOWED: ClassVar[dict[str, Allowed]] = {
+        "slots": Allowed.at_least(1),
+        "max_target_length": Allowed.at_least(2).because("a prompt token and a generated one"),
+        "steps_per_call": Allowed.at_least(1),
+        "param_dtype": Allowed.one_of(None, *DTYPES),
+        "compute_dtype": Allowed.one_of(None, *DTYPES),
+        "overlap": Allowed.one_of("auto", "overlapped", "sliced"),
+        "serve_port": Allowed.between(0, 65535).or_none(),
+    }
+
     def __post_init__(self) -> None:
-        if self.serve_port is not None and not 0 <= self.serve_port <= 65535:
-            raise ValueError(f"Engine.serve_port must be None or 0..65535, got {self.serve_port!r}")
-        one_of(self, "param_dtype", (None, *DTYPES))
-        one_of(self, "compute_dtype", (None, *DTYPES))
-        one_of(self, "overlap", ("auto", "overlapped", "sliced"))
-        at_least(self, 1, "slots", "steps_per_call")
-        at_least(self, 2, "max_target_length")  # a prompt token and a generated one
+        check_allowed(self)
 
 
 # The loop's own defaults and checks (config/orchestrator.py) are the only ones: the section
@@ -241,6 +169,19 @@ class Orchestrator:
     env_timeout_s: float = _LOOP["env_timeout_s"]  # one rollout (generation + env) longer: cancel
     drain_timeout_s: float = _LOOP["drain_timeout_s"]  # SIGTERM: in-flight work past it cancelled
     loop_block_warn_s: float = _LOOP["loop_block_warn_s"]  # the event loop blocked longer: named
+
+    ALLOWED: ClassVar[dict[str, Allowed]] = {
+        "max_staleness": Allowed.at_least(0),
+        "age_policy": Allowed.one_of(*AGE_POLICIES),
+        "max_concurrent": Allowed.at_least(1).or_none(),
+        "stall_timeout_s": Allowed.above(0).or_none(),
+        "env_timeout_s": Allowed.above(0).or_none(),
+        "drain_timeout_s": Allowed.above(0),
+        "loop_block_warn_s": Allowed.above(0).or_none(),
+    }
+
+    def __post_init__(self) -> None:
+        check_allowed(self)
 
     @property
     def synchronous(self) -> bool:
@@ -267,17 +208,16 @@ class Processes:
     replica_health_timeout_s: float = 20.0
     tpu_topology: str | None = None  # the slice this config is sized for, e.g. "v5e:2x4" (aot)
 
+    ALLOWED: ClassVar[dict[str, Allowed]] = {
+        "trainer_processes": Allowed.at_least(1),
+        "engine_replicas": Allowed.at_least(0),
+        "weight_pull_timeout_s": Allowed.above(0),
+        "replica_request_timeout_s": Allowed.above(0),
+        "replica_health_timeout_s": Allowed.at_least(1).because("replicas are probed each second"),
+    }
+
     def __post_init__(self) -> None:
-        at_least(self, 1, "trainer_processes")
-        at_least(self, 0, "engine_replicas")
-        for name in ("weight_pull_timeout_s", "replica_request_timeout_s"):
-            value = getattr(self, name)
-            require(value > 0, f"Processes.{name} must be > 0 seconds, got {value}")
-        require(
-            self.replica_health_timeout_s >= 1,
-            "Processes.replica_health_timeout_s must be >= 1 second (replicas are probed once a "
-            f"second), got {self.replica_health_timeout_s}",
-        )
+        check_allowed(self)
 
 
 @gin.configurable
@@ -292,10 +232,15 @@ class Outputs:
     wandb_mode: str | None = None  # "online", "offline", "disabled"; None: W&B's own (WANDB_MODE)
     export_hf: bool = True  # write the final policy as an HF checkpoint to WORKDIR/export
 
+    ALLOWED: ClassVar[dict[str, Allowed]] = {
+        "checkpoint_every": Allowed.at_least(1),
+        "max_to_keep": Allowed.at_least(1),
+        "log_interval_s": Allowed.above(0),
+        "wandb_mode": Allowed.one_of(None, "online", "offline", "disabled"),
+    }
+
     def __post_init__(self) -> None:
-        one_of(self, "wandb_mode", (None, "online", "offline", "disabled"))
-        at_least(self, 1, "checkpoint_every", "max_to_keep")
-        positive(self, "log_interval_s")
+        check_allowed(self)
 
 
 SECTIONS = (Model, Data, Warmup, RL, Trainer, Engine, Orchestrator, Processes, Outputs)

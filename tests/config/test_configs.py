@@ -49,7 +49,9 @@ def test_unknown_binding_is_named():
         ("RL.lr_warmup_steps = -3", r"RL.lr_warmup_steps must be >= 0, got -3"),
         ("Orchestrator.age_policy = 'yolo'", r"age_policy must be one of .*'yolo'"),
         ("Engine.overlap = 'always'", r"Engine.overlap must be one of .*'always'"),
-        ("Processes.weight_pull_timeout_s = 0", r"weight_pull_timeout_s must be > 0 seconds"),
+        ("Processes.weight_pull_timeout_s = 0", r"weight_pull_timeout_s must be > 0"),
+        ("Orchestrator.env_timeout_s = 0", r"Orchestrator.env_timeout_s must be > 0 or None"),
+        ("Engine.slots = 2.5", r"Engine.slots must be an int, got 2.5"),
         ("RL.algorithm = 'ppo'", r"unknown advantage algorithm 'ppo'; choose one of"),
         ("Data.rl_prompt_pool = 0", r"rl_prompt_pool must be >= 1 or None"),
         # Each of these used to pass the config and fail later: mid-run, or after the warm-up.
