@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import socket
 import threading
@@ -36,6 +37,7 @@ from jaxrl_orch.paths import Pathish, as_path, is_url
 LOCK_NAME = "run.lock"
 REFRESH_S = 60.0
 STALE_S = 300.0
+REACH_S = 60.0  # the first call to a gs:// workdir: an answer, or one line
 
 
 class WorkdirBusy(ValueError):
@@ -86,7 +88,7 @@ class _LocalClaim:
 class _ObjectClaim:
     def __init__(self, workdir: Any, clock: Any = time.time) -> None:
         self._path, self._clock = workdir / LOCK_NAME, clock
-        if self._path.exists():
+        if _reach(workdir, self._path.exists):
             owner = _read_json(self._path.read_bytes())
             age = clock() - float(owner.get("refreshed", owner.get("since", 0)))
             if age < STALE_S:
@@ -115,6 +117,42 @@ class _ObjectClaim:
             self._stop.set()
             with contextlib.suppress(Exception):
                 self._path.unlink()
+
+
+def _reach(workdir: Any, probe: Any, timeout_s: float = REACH_S) -> Any:
+    """``probe()``, the first call to the workdir's storage, within ``timeout_s``: an
+    unreachable service, a missing bucket or missing credentials end the command in one line
+    naming the workdir, not in the client's hundred-line chain after minutes of retries."""
+    done: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            done["value"] = probe()
+        except Exception as exc:
+            done["error"] = exc
+
+    # gcsfs logs each exhausted retry with its whole traceback: the line below says it once.
+    client_log = logging.getLogger("gcsfs")
+    level = client_log.level
+    client_log.setLevel(logging.CRITICAL)
+    worker = threading.Thread(target=call, name="workdir-probe", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    client_log.setLevel(level)
+    if "value" in done:
+        return done["value"]
+    if "error" not in done:
+        cause = f"no answer within {timeout_s:g} s"
+    else:
+        root = done["error"]
+        while root.__cause__ is not None or root.__context__ is not None:
+            root = root.__cause__ or root.__context__
+        text = (str(root).splitlines() or [""])[0][:300]
+        cause = f"{type(root).__name__}: {text}"
+    raise ValueError(
+        f"workdir {workdir}: its storage cannot be reached ({cause}); check the bucket's name, "
+        "the credentials and the network"
+    )
 
 
 def _read_json(raw: bytes) -> dict[str, Any]:

@@ -96,3 +96,36 @@ def test_a_workdir_url_the_run_cannot_write_is_one_line_before_any_work(tmp_path
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
     assert "unsupported URL 's3://bucket/run'" in err
+
+
+def _refused() -> None:
+    # How gcsfs fails against a closed port: the connection error wrapped by its retries.
+    try:
+        raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 9)")
+    except ConnectionRefusedError as exc:
+        raise RuntimeError("retries exhausted\n(ninety lines of client frames)") from exc
+
+
+def test_an_unreachable_or_silent_object_store_is_one_line_naming_the_workdir():
+    with pytest.raises(ValueError) as exc:
+        owner._reach("gs://bucket/run", _refused)
+    text = str(exc.value)
+    assert text.startswith("workdir gs://bucket/run: its storage cannot be reached")
+    assert "ConnectionRefusedError: [Errno 111] Connect call failed" in text and "\n" not in text
+    with pytest.raises(ValueError, match=r"gs://bucket/run: .*no answer within 0.2 s"):
+        owner._reach("gs://bucket/run", lambda: time.sleep(30), timeout_s=0.2)
+    assert owner._reach("gs://bucket/run", lambda: True) is True
+
+
+@pytest.mark.slow
+def test_the_train_command_on_an_unreachable_bucket_ends_in_one_line(tmp_path):
+    # Real gcsfs against a port nothing listens on: its retries run out, then one line.
+    env = subprocess_env(JAX_PLATFORMS="cpu", STORAGE_EMULATOR_HOST="http://127.0.0.1:9")
+    cmd = [sys.executable, "-m", "jaxrl_orch.train", "--workdir=gs://no-bucket/run"]
+    out = subprocess.run(
+        [*cmd, "--gin_param=RL.steps = 1"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "workdir gs://no-bucket/run: its storage cannot be reached" in lines[0]
