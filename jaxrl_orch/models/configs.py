@@ -8,8 +8,8 @@ argument of a jitted function.
 Presets:
 - ``tiny-byte`` / ``small-byte``: byte-level models whose vocab equals ``ByteTokenizer``'s
   (``BYTE_VOCAB_SIZE``); ~1M / ~3M params, sized to run on 2 CPU cores.
-- ``qwen2.5-0.5b``, ``qwen2.5-1.5b``, ``qwen2.5-3b``, ``qwen3-0.6b``, ``llama-3.2-1b``: the
-  published shapes of those checkpoints
+- ``qwen2.5-0.5b``, ``qwen2.5-1.5b``, ``qwen2.5-3b``, ``qwen3-0.6b``, ``llama-3.2-1b``,
+  ``llama-3.1-8b``, ``qwen2.5-7b``, ``qwen3-8b``: the published shapes of those checkpoints
   (from their ``config.json``), so ``hf_import.load_hf_checkpoint`` of the real weights agrees
   with ``get_config`` of the same name.
 
@@ -250,6 +250,51 @@ _PRESETS: dict[str, ModelConfig] = {
         rope_scaling=RopeScaling(
             factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
         ),
+    ),
+    # The 7-8B class (LoRA's main users: one or two TPU hosts), untied embeddings.
+    "llama-3.1-8b": ModelConfig(
+        vocab_size=128256,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=14336,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+        tie_embeddings=False,
+        max_seq_len=131072,
+        rope_scaling=RopeScaling(
+            factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
+        ),
+    ),
+    "qwen2.5-7b": ModelConfig(
+        vocab_size=152064,
+        d_model=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        head_dim=128,
+        d_ff=18944,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qkv_bias=True,
+        tie_embeddings=False,
+        max_seq_len=32768,
+    ),
+    "qwen3-8b": ModelConfig(
+        vocab_size=151936,
+        d_model=4096,
+        n_layers=36,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=12288,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qk_norm=True,
+        tie_embeddings=False,
+        max_seq_len=40960,
     ),
 }
 

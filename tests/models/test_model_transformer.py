@@ -294,6 +294,10 @@ def test_named_configs():
     assert abs(get_config("qwen2.5-0.5b").num_params - 494.0e6) < 1e6
     assert abs(get_config("qwen3-0.6b").num_params - 596.0e6) < 1e6
     assert abs(get_config("llama-3.2-1b").num_params - 1235.8e6) < 1e6
+    # The 7-8B presets (untied embeddings): the exact counts of their safetensors.
+    assert get_config("llama-3.1-8b").num_params == 8_030_261_248
+    assert get_config("qwen2.5-7b").num_params == 7_615_616_512
+    assert get_config("qwen3-8b").num_params == 8_190_735_360
     built = nnx.eval_shape(lambda: Transformer(tiny, rngs=nnx.Rngs(0)))
     assert sum(x.size for x in jax.tree.leaves(nnx.state(built))) == tiny.num_params
     assert get_config("tiny-byte", dtype="bfloat16").dtype == jnp.bfloat16
