@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from support.checkout import subprocess_env, xla_flags
 
@@ -82,6 +83,18 @@ def _finish(proc: subprocess.Popen, timeout: float = 900) -> str:
         out, _ = proc.communicate()
         pytest.fail(f"launch_local did not finish within {timeout} s:\n{out[-4000:]}")
     return out
+
+
+def _kill_process(launcher: subprocess.Popen, index: int) -> None:
+    """SIGKILL process ``index`` of this launch only: a machine-wide ``pgrep`` would also kill
+    the process of that index of any other run on the machine."""
+    found = [
+        p
+        for p in psutil.Process(launcher.pid).children(recursive=True)
+        if p.cmdline()[-1:] == [f"--process_index={index}"]
+    ]
+    assert len(found) == 1, [p.cmdline() for p in found]
+    found[0].send_signal(signal.SIGKILL)
 
 
 def _logs(workdir: Path) -> str:
@@ -184,11 +197,7 @@ def test_replica_killed_mid_run_loses_no_rollout(tmp_path: Path) -> None:
             time.sleep(0.5)
         time.sleep(random.uniform(0.0, 2.0))  # a random point of the run
         victim = random.choice([1, 2])
-        pattern = f"jaxrl_orch.train .*--process_index={victim}$"
-        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-        assert pids.split(), f"replica process {victim} not found"
-        for pid in pids.split():
-            os.kill(int(pid), signal.SIGKILL)
+        _kill_process(proc, victim)
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
@@ -235,10 +244,7 @@ def test_lost_trainer_stops_the_run_sigterm_drains_and_the_same_command_resumes(
     proc = _launch(workdir, *run, replicas=1, start_new_session=True)
     try:
         _wait_for_step(workdir, proc, 3)
-        pattern = "jaxrl_orch.train .*--process_index=1$"
-        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-        for pid in pids.split():
-            os.kill(int(pid), signal.SIGKILL)
+        _kill_process(proc, 1)
         out = _finish(proc, timeout=120)  # a hang guard: the launcher stops on the loss
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
