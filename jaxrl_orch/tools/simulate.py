@@ -206,14 +206,15 @@ class Scenario:
     recover_gate_on_resume: bool = True
 
 
-async def run_scenario(sc: Scenario) -> dict[str, Any]:
+def build_scenario(sc: Scenario, trainer_cls: type = SimTrainer) -> tuple[Any, Any, Any]:
+    """``(orchestrator, engine, trainer)`` of a scenario, on the running (virtual) loop: the
+    real orchestrator against the simulated engine and a ``trainer_cls`` trainer."""
     rng = np.random.default_rng(sc.seed)
     # Created here and shared: the simulated engine stamps the version the orchestrator reads.
     policy = PolicyHandle(sc.start_step - 1)
     engine = SimEngine(sc.latency, policy, rng)
     publisher = InProcessPublisher()
-    trainer = SimTrainer(publisher, sc.train_time)
-    loop = asyncio.get_running_loop()
+    trainer = trainer_cls(publisher, sc.train_time)
 
     async def reload(version: int, params: Any) -> None:
         if sc.transfer_time:
@@ -243,9 +244,15 @@ async def run_scenario(sc: Scenario) -> dict[str, Any]:
         trainer=trainer,
         version_source=publisher,
         reload_fn=reload,
-        clock=loop.time,
+        clock=asyncio.get_running_loop().time,
         telemetry=Telemetry(log_interval_s=1e9),
     )
+    return orch, engine, trainer
+
+
+async def run_scenario(sc: Scenario) -> dict[str, Any]:
+    orch, engine, trainer = build_scenario(sc)
+    loop = asyncio.get_running_loop()
     try:
         history = await orch.run()
     finally:

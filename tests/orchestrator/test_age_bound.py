@@ -10,19 +10,13 @@ The real gate, dispatcher, sinks and loop run against the simulator's engine and
 
 from __future__ import annotations
 
-import asyncio
-
-import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from jaxrl_orch.build.orchestrator import Telemetry, build_orchestrator
-from jaxrl_orch.config.orchestrator import OrchestratorConfig
 from jaxrl_orch.orchestrator.ledger import pace_wait
 from jaxrl_orch.orchestrator.vclock import run_virtual
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
-from jaxrl_orch.tools.simulate import Scenario, SimEngine, SimEnv, SimSource, SimTrainer, simulate
-from jaxrl_orch.types import PolicyHandle, SamplingParams
+from jaxrl_orch.tools.simulate import Scenario, SimTrainer, build_scenario, simulate
 
 
 class RecordingTrainer(SimTrainer):
@@ -38,42 +32,23 @@ class RecordingTrainer(SimTrainer):
 
 
 def _run_pace(latency: str, seed: int, *, bound: int, batch: int, steps: int, start: int = 1):
+    # Concurrency never binds before the gate does: the gate alone decides what starts.
+    # start > 1: a resumed run, the gate recovered by its rule.
+    sc = Scenario(
+        max_staleness=bound,
+        batch_size=batch,
+        group_size=4,
+        max_concurrent=8 * batch,
+        latency=latency,
+        train_time=1.0,
+        steps=steps,
+        policy="pace",
+        seed=seed,
+        start_step=start,
+    )
+
     async def main():
-        loop = asyncio.get_running_loop()
-        rng = np.random.default_rng(seed)
-        policy = PolicyHandle(start - 1)  # start > 1: resumed, the gate recovered by its rule
-        publisher = InProcessPublisher()
-        trainer = RecordingTrainer(publisher, 1.0)
-        cfg = OrchestratorConfig(
-            max_steps=start - 1 + steps,
-            batch_size=batch,
-            group_size=4,
-            max_staleness=bound,
-            # Concurrency never binds before the gate does: the gate alone decides what starts.
-            max_concurrent=8 * batch,
-            age_policy="pace",
-            eval_at_start=False,
-            stall_timeout_s=None,
-            env_timeout_s=None,
-            loop_block_warn_s=None,
-        )
-
-        async def reload(version, params):
-            return None
-
-        orch = build_orchestrator(
-            cfg,
-            policy,
-            pool=SimEngine(latency, policy, rng),
-            envs={"sim": SimEnv(rng)},
-            source=SimSource(),
-            sampling=SamplingParams(temperature=1.0, max_tokens=8),
-            trainer=trainer,
-            version_source=publisher,
-            reload_fn=reload,
-            clock=loop.time,
-            telemetry=Telemetry(log_interval_s=1e9),
-        )
+        orch, _, trainer = build_scenario(sc, RecordingTrainer)
         try:
             await orch.run()
         finally:
