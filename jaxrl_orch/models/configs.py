@@ -25,6 +25,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxrl_orch.models.lora import LoraConfig
+
 # Must equal ByteTokenizer().vocab_size: 256 bytes + specials, padded to 512 so that new special
 # tokens (e.g. tool-call tags) can be added without changing checkpoint shapes.
 BYTE_VOCAB_SIZE = 512
@@ -98,6 +100,9 @@ class ModelConfig:
     # Low-precision weight gradients copy one operand contracted-axes-last (models/matmul.py):
     # XLA:CPU's fast bf16 dot needs that layout; build/accel.py sets it on CPU only.
     grad_transpose_copy: bool = False
+    # LoRA adapters on the projections (models/lora.py): the trainer's model trains only them,
+    # over a frozen base in param_dtype; None: every weight is the model's own.
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_IMPLS:

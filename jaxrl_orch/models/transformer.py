@@ -50,7 +50,7 @@ from jaxrl_orch.models.kv_cache import (
     cache_logical_specs,
     init_cache,
 )
-from jaxrl_orch.models.matmul import matmul
+from jaxrl_orch.models.lora import add_adapters, project
 from jaxrl_orch.models.rope import apply_rope as _apply_rope
 from jaxrl_orch.models.rope import rope_inv_freq
 
@@ -120,14 +120,14 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.norm_eps, pd, rngs=rngs)
             self.k_norm = RMSNorm(hd, cfg.norm_eps, pd, rngs=rngs)
+        add_adapters(self, cfg.lora, rngs)
 
     def project(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray):
         """``x[B,T,E]`` -> rotated ``q[B,T,H,D]``, ``k[B,T,Hkv,D]`` and ``v[B,T,Hkv,D]``."""
-        dt = self.cfg.dtype
-        tc = self.cfg.grad_transpose_copy
-        q = matmul("bte,ehd->bthd", x, self.q_proj[...], dt, tc)
-        k = matmul("bte,ehd->bthd", x, self.k_proj[...], dt, tc)
-        v = matmul("bte,ehd->bthd", x, self.v_proj[...], dt, tc)
+        cfg, dt = self.cfg, self.cfg.dtype
+        q = project(self, "q_proj", "bte,ehd->bthd", x, cfg)
+        k = project(self, "k_proj", "bte,ehd->bthd", x, cfg)
+        v = project(self, "v_proj", "bte,ehd->bthd", x, cfg)
         if self.cfg.qkv_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -137,8 +137,7 @@ class Attention(nnx.Module):
         return _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq), v
 
     def output(self, o: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        return matmul("bthd,hde->bte", o, self.o_proj[...], cfg.dtype, cfg.grad_transpose_copy)
+        return project(self, "o_proj", "bthd,hde->bte", o, self.cfg)
 
 
 class MLP(nnx.Module):
@@ -146,16 +145,17 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
-        self.dtype, self.transpose_copy = cfg.dtype, cfg.grad_transpose_copy
+        self.cfg = cfg
         self.gate_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
         self.up_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
         self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), pd)
+        add_adapters(self, cfg.lora, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dt, tc = self.dtype, self.transpose_copy
-        gate = jax.nn.silu(matmul("bte,ef->btf", x, self.gate_proj[...], dt, tc))
-        up = matmul("bte,ef->btf", x, self.up_proj[...], dt, tc)
-        return matmul("btf,fe->bte", gate * up, self.down_proj[...], dt, tc)
+        cfg = self.cfg
+        gate = jax.nn.silu(project(self, "gate_proj", "bte,ef->btf", x, cfg))
+        up = project(self, "up_proj", "bte,ef->btf", x, cfg)
+        return project(self, "down_proj", "btf,fe->bte", gate * up, cfg)
 
 
 class Block(nnx.Module):

@@ -1,0 +1,194 @@
+"""LoRA adapters on the model's weight projections: the trainable part of a LoRA run.
+
+A target projection ``W`` (its contracted axes lead: ``q/k/v [E, H, D]``, ``o [H, D, E]``,
+``gate/up [E, F]``, ``down [F, E]``) gets two ``nnx.LoRAParam`` variables beside it on its
+module, ``<name>_lora_a`` (``W``'s contracted axes + ``rank``) and ``<name>_lora_b`` (``rank`` +
+``W``'s output axes), and the projection becomes ``x @ W + (alpha / rank) * (x @ A) @ B``.
+``B`` starts at zero, so a fresh adapter leaves the model's outputs bit-identical; ``A`` starts
+uniform in ``+-1/sqrt(fan_in)`` (PEFT's default for ``lora_A``). Adapters are float32 masters
+whatever the base's ``param_dtype`` (bf16 for a frozen 8B base); their matmuls run in the
+model's compute dtype through ``models.matmul`` like every other weight.
+
+Why not qwix's ``apply_lora_to_model``: it finds a projection by intercepting
+``jax.lax.dot_general`` / ``jnp.einsum`` calls on a module attribute. This model's weight matmul
+runs inside a ``custom_vjp`` (``models.matmul``: the bf16 backward), and ``scan_layers`` calls
+the blocks on stacked, merged copies of their params, so qwix would see neither the weight nor
+the module; the adapters here are the same maths (and qwix's names: ``<weight>_lora_a/_b``,
+``nnx.LoRAParam``), written against this model's projections (DESIGN.md section 11).
+
+No dropout: the RL loss takes the ratio of the trainer's log-probs to the engine's, and a
+dropped-out adapter would make that ratio noisy even on-policy.
+
+``merge_adapters`` folds adapters into the base (the engine serves merged weights);
+``peft_tensors`` lays them out as a PEFT adapter of the HF checkpoint ``models.hf_import``
+writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_orch.models.matmul import matmul
+
+# Target name -> (module attribute path under a block, contracted leading axes of W, HF name).
+TARGETS: dict[str, tuple[tuple[str, str], int, str]] = {
+    "q": (("attn", "q_proj"), 1, "self_attn.q_proj"),
+    "k": (("attn", "k_proj"), 1, "self_attn.k_proj"),
+    "v": (("attn", "v_proj"), 1, "self_attn.v_proj"),
+    "o": (("attn", "o_proj"), 2, "self_attn.o_proj"),
+    "gate": (("mlp", "gate_proj"), 1, "mlp.gate_proj"),
+    "up": (("mlp", "up_proj"), 1, "mlp.up_proj"),
+    "down": (("mlp", "down_proj"), 1, "mlp.down_proj"),
+}
+_BY_WEIGHT = {path[1]: (name, contract) for name, (path, contract, _) in TARGETS.items()}
+RANK_AXIS = "lora_rank"  # no sharding rule names it: replicated
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Adapters of ``rank`` on the ``targets`` projections, scaled by ``alpha / rank``."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    targets: tuple[str, ...] = tuple(TARGETS)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank must be an int >= 1, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha must be > 0, got {self.alpha!r}")
+        targets = tuple(self.targets)
+        bad = [t for t in targets if t not in TARGETS]
+        if bad or not targets or len(set(targets)) != len(targets):
+            raise ValueError(
+                f"LoRA targets must be distinct names from {tuple(TARGETS)}, got {targets!r}"
+            )
+        object.__setattr__(self, "targets", targets)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def add_adapters(module: nnx.Module, cfg: LoraConfig | None, rngs: nnx.Rngs) -> None:
+    """Give ``module``'s target projections their adapters (a no-op without ``cfg``)."""
+    if cfg is None:
+        return
+    for weight_name, (target, contract) in _BY_WEIGHT.items():
+        if target not in cfg.targets or not hasattr(module, weight_name):
+            continue
+        w = getattr(module, weight_name)
+        axes = tuple(w.get_metadata("logical_axes"))
+        fan_in = math.prod(w.shape[:contract])
+        bound = 1.0 / math.sqrt(fan_in)
+        a = jax.random.uniform(
+            rngs.params(), (*w.shape[:contract], cfg.rank), jnp.float32, -bound, bound
+        )
+        b = jnp.zeros((cfg.rank, *w.shape[contract:]), jnp.float32)
+        a_axes, b_axes = (*axes[:contract], RANK_AXIS), (RANK_AXIS, *axes[contract:])
+        setattr(module, f"{weight_name}_lora_a", nnx.LoRAParam(a, logical_axes=a_axes))
+        setattr(module, f"{weight_name}_lora_b", nnx.LoRAParam(b, logical_axes=b_axes))
+
+
+def project(module: nnx.Module, name: str, spec: str, x: jax.Array, cfg: Any) -> jax.Array:
+    """``einsum(spec, x, W)`` of ``module.<name>`` in ``cfg.dtype``, plus its adapter if any.
+
+    ``spec`` is the projection's ``"<x axes>,<W axes>-><out axes>"``; the adapter path is
+    ``x -> [.., rank] -> out`` (two thin matmuls), never the merged ``[in, out]`` delta."""
+    dt, tc = cfg.dtype, cfg.grad_transpose_copy
+    y = matmul(spec, x, getattr(module, name)[...], dt, tc)
+    a = getattr(module, f"{name}_lora_a", None) if cfg.lora is not None else None
+    if a is None:
+        return y
+    ins, out = spec.split("->")
+    x_axes, w_axes = ins.split(",")
+    contract = w_axes[: _BY_WEIGHT[name][1]]
+    rest = "".join(c for c in x_axes if c not in contract)
+    t = matmul(f"{x_axes},{contract}r->{rest}r", x, a[...], dt, tc)
+    b = getattr(module, f"{name}_lora_b")[...]
+    d = matmul(f"{rest}r,r{w_axes[len(contract) :]}->{out}", t, b, dt, tc)
+    return y + (d * cfg.lora.scale).astype(dt)
+
+
+def delta(a: jax.Array, b: jax.Array, shape: Sequence[int]) -> jax.Array:
+    """``A @ B`` as a float32 array of the weight's ``shape`` (the unscaled update)."""
+    r = a.shape[-1]
+    return (a.reshape(-1, r).astype(jnp.float32) @ b.reshape(r, -1).astype(jnp.float32)).reshape(
+        shape
+    )
+
+
+def _adapter_of(path: tuple[Any, ...], suffix: str) -> tuple[Any, ...] | None:
+    """The key path of the adapter ``suffix`` of the weight at ``path`` (its last dict key)."""
+    for i in range(len(path) - 1, -1, -1):
+        key = getattr(path[i], "key", None)
+        if isinstance(key, str):
+            return (*path[:i], jax.tree_util.DictKey(f"{key}{suffix}"), *path[i + 1 :])
+    return None
+
+
+def merge_adapters(base: Any, adapters: Any, scale: float) -> Any:
+    """``base`` with every adapted weight replaced by ``W + scale * A @ B`` (in ``W``'s dtype,
+    summed in float32). ``base`` is the base model's state (or pure dict), ``adapters`` the
+    ``nnx.LoRAParam`` state of the same model: the two are matched by key path."""
+    found = dict(jax.tree_util.tree_leaves_with_path(adapters))
+
+    def merge(path: tuple[Any, ...], w: jax.Array) -> jax.Array:
+        a_path, b_path = _adapter_of(path, "_lora_a"), _adapter_of(path, "_lora_b")
+        if a_path not in found:
+            return w
+        d = delta(found[a_path], found[b_path], w.shape)
+        return (w.astype(jnp.float32) + scale * d).astype(w.dtype)
+
+    merged = jax.tree_util.tree_map_with_path(merge, base)
+    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(base)]
+    used = sum(_adapter_of(p, "_lora_a") in found for p in paths)
+    if 2 * used != len(found):
+        raise ValueError(
+            f"adapters do not match the base: {len(found)} adapter arrays, {used} adapted "
+            "weights found"
+        )
+    return merged
+
+
+def peft_tensors(adapters: dict[str, Any], n_layers: int, cfg: LoraConfig) -> dict[str, np.ndarray]:
+    """A PEFT adapter's tensors (``lora_A.weight [r, in]``, ``lora_B.weight [out, r]``, HF
+    names under ``base_model.model.``) from pure-dict adapters (``nnx.to_pure_dict``)."""
+    out: dict[str, np.ndarray] = {}
+    for i in range(n_layers):
+        layer = adapters["layers"][i]
+        for target in cfg.targets:
+            (module, weight), _, hf_name = TARGETS[target]
+            a = np.asarray(layer[module][f"{weight}_lora_a"], np.float32)
+            b = np.asarray(layer[module][f"{weight}_lora_b"], np.float32)
+            r = a.shape[-1]
+            prefix = f"base_model.model.model.layers.{i}.{hf_name}"
+            out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)
+            out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T)
+    return out
+
+
+def peft_config(cfg: LoraConfig, base_model: str) -> dict[str, Any]:
+    """``adapter_config.json`` of ``peft_tensors``: plain LoRA, no dropout, no bias."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted(TARGETS[t][2].split(".")[-1] for t in cfg.targets),
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+    }
