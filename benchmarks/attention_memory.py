@@ -48,6 +48,7 @@ def main() -> None:
 
     from jaxrl_orch.algorithms.packing import pack_samples
     from jaxrl_orch.models.configs import ModelConfig
+    from jaxrl_orch.trainer import optim as optim_lib
     from jaxrl_orch.trainer import step as step_lib
     from jaxrl_orch.trainer.trainer import RowLayout, Trainer
     from jaxrl_orch.types import Sample
@@ -94,13 +95,13 @@ def main() -> None:
         )
     packed = pack_samples(samples, n, num_rows=args.rows)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-    optim = step_lib.OptimConfig(learning_rate=1e-4)
+    optim = optim_lib.OptimConfig(learning_rate=1e-4)
     arrays = {k: getattr(packed, k) for k in step_lib.BATCH_FIELDS}
     trainers, memory, first = {}, {}, {}
     for name, (cfg, chunk) in variants.items():
         step = step_lib.StepConfig(chunk_rows=args.rows, logprob_chunk=chunk)
         tr = Trainer(cfg, mesh, rows=RowLayout(row_len=n), step=step, optim=optim, seed=0)
-        ma = tr._step_fn.lower(tr.params, tr.opt_state, arrays, tr.rng, None).compile()
+        ma = tr._step_fn.lower(tr.params, tr.opt_state, arrays, tr.rng, None, None).compile()
         ma = ma.memory_analysis()
         memory[name] = (
             ma.argument_size_in_bytes

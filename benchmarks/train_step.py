@@ -74,6 +74,7 @@ def main() -> None:
     from jaxrl_orch.build import accel
     from jaxrl_orch.config.load import make_config
     from jaxrl_orch.models.transformer import get_config
+    from jaxrl_orch.trainer import optim as optim_lib
     from jaxrl_orch.trainer import step as step_lib
     from jaxrl_orch.trainer.trainer import RowLayout, Trainer
     from jaxrl_orch.types import Sample
@@ -106,7 +107,7 @@ def main() -> None:
     packed = pack_samples(samples, args.row_len, num_rows=args.rows)
     arrays = {k: getattr(packed, k) for k in step_lib.BATCH_FIELDS}
 
-    optim = step_lib.OptimConfig(learning_rate=1e-5)
+    optim = optim_lib.OptimConfig(learning_rate=1e-5)
     loss_cfg = losses.PolicyLossConfig(tis_cap=None)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     trainer = Trainer(
@@ -119,7 +120,7 @@ def main() -> None:
 
     # ---- the minimal hand-written step
     graphdef = trainer.graphdef
-    tx = step_lib.make_optimizer(optim)
+    tx = optim_lib.make_optimizer(optim)
     params = jax.device_get(trainer.params)
     params = jax.device_put(params, jax.devices()[0])
     opt_state = tx.init(params)

@@ -25,7 +25,7 @@ from jaxrl_orch.data.sources import DatasetSource, make_source, text_file_path
 from jaxrl_orch.models.configs import ModelConfig, get_config
 from jaxrl_orch.models.hf_import import config_from_hf, load_hf_checkpoint
 from jaxrl_orch.models.tokenizer import load_tokenizer
-from jaxrl_orch.trainer.step import OptimConfig
+from jaxrl_orch.trainer.optim import OptimConfig
 from sharding.mesh import make_meshes
 
 

@@ -10,7 +10,8 @@ What it owns
       dict of arrays keyed by their dotted pytree path (``params.layers.0.attn.q_proj.value``);
       flattening keeps orbax independent of NNX / optax container classes, and restoring into
       the caller's tree structure is exact.
-    - ``meta`` (``JsonSave``): step, policy version, optimizer steps done, format version.
+    - ``meta`` (``JsonSave``): step, policy version, optimizer steps done, format version, and
+      a LoRA run's base fingerprint (its adapters restore onto that base only).
     - ``orchestrator`` (``JsonSave``): the orchestrator's arbitrary JSON-serialisable state
       (progress step, data cursor, gate counters, per-env sampler state).
 
@@ -295,7 +296,12 @@ def save_trainer(
         params=st["params"],
         opt_state=st["opt_state"],
         rng=st["rng"],
-        meta={"version": st["version"], "steps_done": st["steps_done"]},
+        meta={
+            "version": st["version"],
+            "steps_done": st["steps_done"],
+            # A LoRA run saves only its adapters: the base they were trained over, by content.
+            "base": trainer.base_fingerprint,
+        },
         orchestrator_state=orchestrator_state,
     )
 
@@ -305,6 +311,13 @@ def restore_trainer(ckpt: Checkpointer, trainer: Any, step: int | None = None) -
     ``step``, the newest checkpoint that restores (``restore_newest_intact``)."""
     abstract = trainer.abstract_state()
     out = restore_newest_intact(ckpt, abstract) if step is None else ckpt.restore(abstract, step)
+    saved, ours = out["meta"].get("base"), trainer.base_fingerprint
+    if saved != ours:
+        raise CheckpointError(
+            f"checkpoint step {out['meta']['version']} in {ckpt.directory} holds LoRA adapters "
+            f"trained over base {saved}, but this run's base is {ours}: resume with the base "
+            "the run started from (the same warm-up / init checkpoint), or a fresh workdir"
+        )
     trainer.load_state(
         {
             "params": out["params"],

@@ -3,6 +3,12 @@
 ``build_programs`` is shared by ``trainer.Trainer`` (which then allocates onto the shardings) and
 ``jaxrl-aot`` (which lowers ``step_fn`` against the abstract arrays deviceless for
 a TPU topology). ``splash_specs`` resolves the PartitionSpecs splash attention runs under.
+
+The trained part: with ``ModelConfig.lora`` the model's state splits in two, the adapters
+(``nnx.LoRAParam``: ``abstract_params``, what the optimizer updates and the step donates) and the
+frozen base (``abstract_frozen``, every other weight: an argument of the step, never
+differentiated, no optimizer state). Without it, ``abstract_params`` is every weight and
+``abstract_frozen`` is None.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl_orch.models.transformer import ModelConfig, Transformer, logical_specs
+from jaxrl_orch.trainer import optim as optim_lib
 from jaxrl_orch.trainer import step as step_lib
 from sharding.rules import TRAINER_RULES, Rules, logical_to_mesh_spec, resolve_shardings
 
@@ -31,6 +38,8 @@ class TrainPrograms:
     abstract_opt_state: Any
     opt_shardings: Any
     step_fn: Any
+    abstract_frozen: Any = None
+    frozen_shardings: Any = None
 
 
 def splash_specs(model_config: ModelConfig, mesh: Mesh, rules: Rules, rows: int, row_len: int):
@@ -51,20 +60,25 @@ def build_programs(
     model_config: ModelConfig,
     mesh: Mesh,
     step_cfg: step_lib.StepConfig,
-    optim_cfg: step_lib.OptimConfig,
+    optim_cfg: optim_lib.OptimConfig,
     rules: Rules = TRAINER_RULES,
     seed: int = 0,
     row_len: int = 2048,
 ) -> TrainPrograms:
     """Shapes, shardings, optimizer and the jitted step of a trainer (no arrays built)."""
     abstract = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(seed)))
-    graphdef, abstract_state = nnx.split(abstract)
+    if model_config.lora is None:
+        graphdef, abstract_state = nnx.split(abstract)
+        frozen = frozen_shardings = None
+    else:
+        graphdef, abstract_state, frozen = nnx.split(abstract, nnx.LoRAParam, ...)
+        frozen_shardings = resolve_shardings(logical_specs(frozen), mesh, rules, shapes=frozen)
     param_shardings = resolve_shardings(
         logical_specs(abstract_state), mesh, rules, shapes=abstract_state
     )
-    optimizer = step_lib.make_optimizer(optim_cfg)
+    optimizer = optim_lib.make_optimizer(optim_cfg)
     opt_shape = jax.eval_shape(optimizer.init, abstract_state)
-    opt_shardings = step_lib.opt_state_shardings(opt_shape, abstract_state, param_shardings, mesh)
+    opt_shardings = optim_lib.opt_state_shardings(opt_shape, abstract_state, param_shardings, mesh)
     step_fn = step_lib.build_train_step(
         graphdef,
         optimizer,
@@ -73,7 +87,16 @@ def build_programs(
         opt_shardings=opt_shardings,
         mesh=mesh,
         splash_specs=splash_specs(model_config, mesh, rules, step_cfg.chunk_rows, row_len),
+        frozen_shardings=frozen_shardings,
     )
     return TrainPrograms(
-        graphdef, abstract_state, param_shardings, optimizer, opt_shape, opt_shardings, step_fn
+        graphdef,
+        abstract_state,
+        param_shardings,
+        optimizer,
+        opt_shape,
+        opt_shardings,
+        step_fn,
+        frozen,
+        frozen_shardings,
     )

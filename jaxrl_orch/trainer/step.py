@@ -1,15 +1,16 @@
 """The jitted train step: packed rows in, one (or several) optimizer steps out.
 
 What it owns
-    ``OptimConfig`` / ``make_optimizer`` (optax AdamW behind global-norm clipping, constant or
-    warmup-cosine learning rate), ``StepConfig`` (RL or SFT, gradient-accumulation chunking,
+    ``StepConfig`` (RL or SFT, gradient-accumulation chunking,
     ``ppo_epochs x minibatches``, old-log-prob recomputation, the policy-loss settings) and
     ``build_train_step``, which returns one ``jax.jit``-compiled pure function
 
-        ``step(params, opt_state, batch, rng, ref_params) -> (params, opt_state, metrics)``
+        ``step(params, opt_state, batch, rng, ref_params, frozen) -> (params, opt_state, metrics)``
 
     with explicit in/out shardings and ``params`` / ``opt_state`` donated; its traced pieces
     (forward, log-probs, chunk loss, minibatch update) are the methods of ``_StepProgram``.
+    ``params`` are what the step trains: every weight, or a LoRA run's adapters, whose frozen
+    base comes in as ``frozen`` (neither donated nor differentiated; None without LoRA).
 
 The maths, per batch of packed rows ``[R, L]`` (``algorithms.packing.PackedBatch`` arrays,
 aligned as in ``Sample``: token ``t``'s behavior log-prob, mask and advantage sit at ``t``)
@@ -69,79 +70,7 @@ BATCH_FIELDS = (
     "logprobs",
     "temperatures",
 )
-SCHEDULES = ("constant", "warmup_cosine")
 KINDS = ("rl", "sft")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """AdamW with global-norm clipping. ``schedule``: ``"constant"`` (after an optional linear
-    warmup) or ``"warmup_cosine"`` (warmup, then cosine decay to ``lr * end_lr_ratio`` at
-    ``total_steps``)."""
-
-    learning_rate: float = 1e-5
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    end_lr_ratio: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
-        if self.schedule == "warmup_cosine" and self.total_steps <= self.warmup_steps:
-            raise ValueError(
-                f"total_steps ({self.total_steps}) must exceed warmup_steps "
-                f"({self.warmup_steps}) for warmup_cosine"
-            )
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}")
-
-
-def make_schedule(cfg: OptimConfig) -> optax.Schedule:
-    if cfg.schedule == "warmup_cosine":
-        return optax.warmup_cosine_decay_schedule(
-            init_value=0.0,
-            peak_value=cfg.learning_rate,
-            warmup_steps=cfg.warmup_steps,
-            decay_steps=cfg.total_steps,
-            end_value=cfg.learning_rate * cfg.end_lr_ratio,
-        )
-    if cfg.warmup_steps:
-        return optax.join_schedules(
-            [
-                optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps),
-                optax.constant_schedule(cfg.learning_rate),
-            ],
-            [cfg.warmup_steps],
-        )
-    return optax.constant_schedule(cfg.learning_rate)
-
-
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    # Decay matrices only: norms and biases are scale/offset parameters, not capacity.
-    def decay_mask(params: Any) -> Any:
-        return jax.tree.map(lambda p: p.ndim >= 2, params)
-
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.max_grad_norm),
-        optax.adamw(
-            make_schedule(cfg),
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=decay_mask,
-        ),
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +116,7 @@ def build_train_step(
     mesh: jax.sharding.Mesh,
     row_axis: str | None = "fsdp",
     splash_specs: Any = None,
+    frozen_shardings: Any = None,
 ) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
     """Compile-ready train step (see module docstring). ``row_axis`` shards packed rows
     (data parallel) when the chunk's row count divides over it; ``None`` replicates rows.
@@ -199,7 +129,14 @@ def build_train_step(
     ref_sh, batch_sh = (param_shardings if use_ref else None), batch_shardings(mesh, cfg, row_axis)
     return jax.jit(
         program.step,
-        in_shardings=(param_shardings, opt_shardings, batch_sh, replicated, ref_sh),
+        in_shardings=(
+            param_shardings,
+            opt_shardings,
+            batch_sh,
+            replicated,
+            ref_sh,
+            frozen_shardings,
+        ),
         out_shardings=(param_shardings, opt_shardings, replicated),
         donate_argnums=(0, 1),
     )
@@ -231,43 +168,47 @@ class _StepProgram:
             splash_specs=self.splash_specs,
         )
 
-    def forward(self, params: Any, chunk: dict[str, jax.Array]) -> jax.Array:
-        model = nnx.merge(self.graphdef, params)
+    def model(self, params: Any, frozen: Any) -> Any:
+        """The module on ``params`` (and a LoRA run's frozen base)."""
+        parts = (params,) if frozen is None else (params, frozen)
+        return nnx.merge(self.graphdef, *parts)
+
+    def forward(self, params: Any, chunk: dict[str, jax.Array], frozen: Any) -> jax.Array:
+        model = self.model(params, frozen)
         return model.logits_from_hidden(self.hidden(model, chunk))[:, :-1]
 
-    def stats(self, params: Any, chunk: dict[str, jax.Array], temps: jax.Array, entropy: bool):
+    def stats(self, params, frozen, chunk: dict[str, jax.Array], temps: jax.Array, entropy: bool):
         """Chunked path: (logp, entropy) [C, L-1] from hidden states, no full logits."""
-        model = nnx.merge(self.graphdef, params)
+        model = self.model(params, frozen)
         hidden, head = self.hidden(model, chunk)[:, :-1], model.logits_from_hidden
         lp_chunk = self.cfg.logprob_chunk
         return token_stats(head, hidden, chunk["targets"], temps, lp_chunk, entropy=entropy)
 
-    def logprobs_only(self, params: Any, chunks: dict[str, jax.Array]) -> jax.Array:
+    def logprobs_only(self, params: Any, chunks: dict[str, jax.Array], frozen: Any) -> jax.Array:
         """Gradient-free log-probs of every chunk's targets: ``[n_chunks, C, L-1]``."""
 
         def chunk_lp(chunk):
             chunk = self.constrain_rows(chunk)
             if self.cfg.logprob_chunk:
-                return self.stats(params, chunk, chunk["temperatures"], False)[0]
-            logits = self.forward(params, chunk)
+                return self.stats(params, frozen, chunk, chunk["temperatures"], False)[0]
+            logits = self.forward(params, chunk, frozen)
             return losses.token_logprobs(logits, chunk["targets"], chunk["temperatures"])
 
         zeros = lambda chunk: jnp.zeros(chunk["targets"].shape, jnp.float32)
         _, lp = _scan(lambda _, c: (None, skip_empty(c, chunk_lp, zeros, c)), None, chunks)
         return jax.lax.stop_gradient(lp)
 
-    def chunk_loss(self, params: Any, chunk: dict[str, jax.Array]):
+    def chunk_loss(self, params: Any, chunk: dict[str, jax.Array], frozen: Any):
         """``(loss, metric sums)`` of one row-chunk, weighted by its minibatch's loss weights."""
         cfg, chunk = self.cfg, self.constrain_rows(chunk)
         if cfg.logprob_chunk:
             if cfg.kind == "sft":
                 ones = jnp.ones(chunk["targets"].shape, jnp.float32)
-                return sft_loss_from_logprobs(
-                    self.stats(params, chunk, ones, False)[0], chunk["mask"], chunk["weights"]
-                )
-            new_lp, ent = self.stats(params, chunk, chunk["temperatures"], True)
+                lp = self.stats(params, frozen, chunk, ones, False)[0]
+                return sft_loss_from_logprobs(lp, chunk["mask"], chunk["weights"])
+            new_lp, ent = self.stats(params, frozen, chunk, chunk["temperatures"], True)
         else:
-            logits = self.forward(params, chunk)
+            logits = self.forward(params, chunk, frozen)
             if cfg.kind == "sft":
                 return losses.sft_loss(logits, chunk["targets"], chunk["mask"], chunk["weights"])
             new_lp, ent = losses.logprobs_and_entropy(
@@ -286,7 +227,7 @@ class _StepProgram:
             segment_ids=chunk["target_segments"],
         )
 
-    def minibatch_update(self, params: Any, opt_state: Any, mb: dict[str, jax.Array]):
+    def minibatch_update(self, params: Any, opt_state: Any, mb: dict[str, jax.Array], frozen):
         """One optimizer update: the chunks' gradients summed by a scan, then AdamW."""
         loss_cfg = self.cfg.loss
         mb = dict(mb)
@@ -295,12 +236,12 @@ class _StepProgram:
         )
         chunks = _to_chunks(mb, self.cfg.chunk_rows)
         first = jax.tree.map(lambda v: v[0], chunks)
-        sums_shape = jax.eval_shape(lambda p, c: self.chunk_loss(p, c)[1], params, first)
+        sums_shape = jax.eval_shape(lambda p, c: self.chunk_loss(p, c, frozen)[1], params, first)
         grad_fn = jax.value_and_grad(self.chunk_loss, has_aux=True)
 
         def accumulate(acc, chunk):
             grads_acc, sums_acc = acc
-            (_, sums), grads = grad_fn(params, chunk)
+            (_, sums), grads = grad_fn(params, chunk, frozen)
             grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
             return grads_acc, losses.merge_metric_sums(sums_acc, sums)
 
@@ -320,7 +261,7 @@ class _StepProgram:
         metrics["grad_norm"] = grad_norm
         return params, opt_state, metrics
 
-    def step(self, params, opt_state, batch, rng, ref_params=None):
+    def step(self, params, opt_state, batch, rng, ref_params=None, frozen=None):
         """The jitted step (see the module docstring): ``ppo_epochs x minibatches`` updates."""
         cfg = self.cfg
         data = shift_targets(batch)
@@ -330,7 +271,8 @@ class _StepProgram:
                 f"batch has {rows} rows; it must be a multiple of chunk_rows * minibatches = "
                 f"{cfg.rows_multiple} (pad rows in the trainer)"
             )
-        lp_of = lambda p: self.logprobs_only(p, _to_chunks(data, cfg.chunk_rows)).reshape(rows, -1)
+        chunks = lambda: _to_chunks(data, cfg.chunk_rows)
+        lp_of = lambda p: self.logprobs_only(p, chunks(), frozen).reshape(rows, -1)
         if cfg.kind == "rl" and cfg.recompute_old_logprobs:
             data["old_logp"] = lp_of(params)
         if cfg.kind == "rl" and cfg.loss.kl_beta > 0:
@@ -349,7 +291,7 @@ class _StepProgram:
                 params, opt_state = carry
                 # One unshuffled minibatch is the whole batch: skip the row gather.
                 mb = data if order.shape[0] == 1 else _take_rows(data, idx)
-                params, opt_state, metrics = self.minibatch_update(params, opt_state, mb)
+                params, opt_state, metrics = self.minibatch_update(params, opt_state, mb, frozen)
                 return (params, opt_state), metrics
 
             return _scan(minibatch, (params, opt_state), order)
@@ -380,19 +322,3 @@ def batch_shardings(mesh: jax.sharding.Mesh, cfg: StepConfig, row_axis: str | No
     split = row_axis is not None and cfg.chunk_rows % mesh.shape[row_axis] == 0
     spec = PartitionSpec(row_axis if split else None, None)
     return {k: NamedSharding(mesh, spec) for k in BATCH_FIELDS}
-
-
-def opt_state_shardings(opt_state_shape: Any, params_shape: Any, param_shardings: Any, mesh):
-    """Explicit shardings for an optax state: every sub-tree shaped like the params (Adam's
-    moments) takes the params' shardings; every other leaf (counts) is replicated."""
-    params_def = jax.tree.structure(params_shape)
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def is_params_like(x: Any) -> bool:
-        try:
-            return jax.tree.structure(x) == params_def
-        except Exception:  # noqa: BLE001 - non-pytree nodes simply are not params-like
-            return False
-
-    assign = lambda x: param_shardings if is_params_like(x) else replicated
-    return jax.tree.map(assign, opt_state_shape, is_leaf=is_params_like)

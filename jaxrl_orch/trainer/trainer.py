@@ -4,7 +4,7 @@ What it owns
     The policy params (an NNX ``State``), the optax state, the step RNG and the policy version,
     all placed with explicit shardings on the trainer mesh: param shardings come from
     ``sharding.rules.resolve_shardings(logical_specs(state), mesh, TRAINER_RULES)`` and the
-    optimizer state's from ``step.opt_state_shardings`` (Adam moments follow their params,
+    optimizer state's from ``optim.opt_state_shardings`` (Adam moments follow their params,
     counters are replicated). Params are initialised by a jitted init whose outputs land sharded
     (no replicated copy is ever materialised), or taken from ``init_params`` (e.g. imported HF
     weights) and moved onto the shardings.
@@ -61,13 +61,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_orch.algorithms.packing import PackedBatch, pack_samples
-from jaxrl_orch.models.transformer import ModelConfig, Transformer
+from jaxrl_orch.models.lora import merge_adapters
+from jaxrl_orch.models.transformer import ModelConfig
+from jaxrl_orch.trainer import optim as optim_lib
 from jaxrl_orch.trainer import step as step_lib
-from jaxrl_orch.trainer.programs import TrainPrograms, build_programs
+from jaxrl_orch.trainer.params import fingerprint, initial_params
+from jaxrl_orch.trainer.programs import build_programs
 from jaxrl_orch.types import TrainBatch
 from sharding.rules import TRAINER_RULES, Rules
 
@@ -111,7 +113,7 @@ class Trainer:
         *,
         rows: RowLayout = RowLayout(),
         step: step_lib.StepConfig | None = None,
-        optim: step_lib.OptimConfig | None = None,
+        optim: optim_lib.OptimConfig | None = None,
         seed: int = 0,
         rules: Rules = TRAINER_RULES,
         init_params: Any = None,
@@ -121,7 +123,7 @@ class Trainer:
         self.config = model_config
         self.mesh = mesh
         self.step_cfg = step or step_lib.StepConfig()
-        self.optim_cfg = optim or step_lib.OptimConfig()
+        self.optim_cfg = optim or optim_lib.OptimConfig()
         self.rows = rows
         self._min_rows = _check_rows(rows, model_config, self.step_cfg.rows_multiple)
         self.hooks = hooks
@@ -131,9 +133,12 @@ class Trainer:
         )
         self.graphdef = programs.graphdef
         self.param_shardings = programs.param_shardings
-        self.params = _initial_params(programs, model_config, mesh, seed, init_params)
+        self.frozen_shardings = programs.frozen_shardings
+        # LoRA: params are the adapters, frozen the base (trainer/params.py); else frozen None.
+        self.params, self.frozen = initial_params(programs, model_config, mesh, seed, init_params)
+        self._fingerprint: str | None = None
         self.optimizer = programs.optimizer
-        self._schedule = step_lib.make_schedule(self.optim_cfg)
+        self._schedule = optim_lib.make_schedule(self.optim_cfg)
         self.opt_shardings = programs.opt_shardings
         self.opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
         self._copy = jax.jit(
@@ -207,7 +212,7 @@ class Trainer:
         t0 = time.perf_counter()
         batch = jax.device_put(arrays, self._batch_shardings)
         self.params, self.opt_state, metrics = self._step_fn(
-            self.params, self.opt_state, batch, step_rng, self.ref_params
+            self.params, self.opt_state, batch, step_rng, self.ref_params, self.frozen
         )
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         jax.block_until_ready(self.params)
@@ -313,6 +318,26 @@ class Trainer:
         )
         return g
 
+    # ------------------------------------------------------------------ LoRA
+
+    @property
+    def base_fingerprint(self) -> str | None:
+        """A LoRA run's frozen base by content (``params.fingerprint``); None without LoRA."""
+        if self.frozen is not None and self._fingerprint is None:
+            self._fingerprint = fingerprint(self.frozen)
+        return self._fingerprint
+
+    def merged_params(self) -> Any:
+        """Every weight of the current policy: the params, or the base with the adapters
+        folded in (a new array set on the base's shardings; what an export writes)."""
+        if self.frozen is None:
+            return self.params
+        scale = self.config.lora.scale
+        merge = jax.jit(
+            lambda b, a: merge_adapters(b, a, scale), out_shardings=self.frozen_shardings
+        )
+        return merge(self.frozen, self.params)
+
     # ------------------------------------------------------------------ checkpoint state
 
     def abstract_state(self) -> dict[str, Any]:
@@ -358,37 +383,3 @@ def _check_rows(rows: RowLayout, model_config: ModelConfig, multiple: int) -> in
             f"num_rows {rows.num_rows} must be a multiple of chunk_rows * minibatches = {multiple}"
         )
     return -(-(rows.min_rows or 0) // multiple) * multiple
-
-
-def _initial_params(
-    programs: TrainPrograms, model_config: ModelConfig, mesh: Mesh, seed: int, init_params: Any
-) -> Any:
-    """``init_params`` on the param shardings, or fresh ones from ``seed``, initialised by a
-    jitted init straight onto them."""
-    if init_params is not None:
-        _check_same_shapes(init_params, programs.abstract_params)
-        return jax.device_put(init_params, programs.param_shardings)
-
-    def init() -> Any:
-        return nnx.split(Transformer(model_config, rngs=nnx.Rngs(seed)))[1]
-
-    with jax.set_mesh(mesh):
-        return jax.jit(init, out_shardings=programs.param_shardings)()
-
-
-def _check_same_shapes(params: Any, abstract: Any) -> None:
-    """``init_params`` must match the model built from ``model_config`` leaf for leaf."""
-    got = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(params)}
-    want = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(abstract)}
-    if got.keys() != want.keys():
-        extra, missing = sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys())
-        raise ValueError(
-            f"init_params do not match the model config: missing {missing[:3]}, "
-            f"unexpected {extra[:3]}"
-        )
-    for k, w in want.items():
-        if tuple(np.shape(got[k])) != tuple(w.shape):
-            raise ValueError(
-                f"init_params{k} has shape {tuple(np.shape(got[k]))}, the model config "
-                f"needs {tuple(w.shape)}"
-            )

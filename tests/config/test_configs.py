@@ -67,6 +67,8 @@ def test_unknown_binding_is_named():
         ("Engine.steps_per_call = 0", r"Engine.steps_per_call must be >= 1, got 0"),
         ("Engine.max_target_length = 1", r"Engine.max_target_length must be >= 2, got 1"),
         ("Trainer.chunk_rows = 0", r"Trainer.chunk_rows must be >= 1, got 0"),
+        ("Lora.rank = -1", r"Lora.rank must be >= 0, got -1: 0 trains every weight"),
+        ("Lora.targets = ('q', 'qkv')", r"Lora.targets must be a non-empty tuple of .*'qkv'"),
         (
             "Trainer.rows_per_batch = 1",
             r"rows_per_batch \(1\) must be None or a multiple of Trainer.chunk_rows \* "
@@ -84,7 +86,7 @@ def test_stage_schedules_sft_anneals_rl_warms_up_then_holds():
 
     from jaxrl_orch.build.parts import optim_config
     from jaxrl_orch.config.load import make_config
-    from jaxrl_orch.trainer.step import make_schedule
+    from jaxrl_orch.trainer.optim import make_schedule
 
     gin.clear_config()  # bindings parsed by earlier tests would apply to TrainConfig(...) too
     cfg = make_config({"Warmup.steps": 100, "Warmup.lr_warmup_steps": 10, "RL.lr_warmup_steps": 5})
@@ -312,3 +314,8 @@ def test_one_over_long_line_anywhere_fails_before_any_work_naming_it(tmp_path):
         eval_dataset=f"text:{tmp_path / 'eval.txt'}",
         **{"Warmup.steps": 0},
     )
+
+
+def test_lora_adapters_stay_in_this_process():
+    with pytest.raises(ValueError, match=r"Lora.rank = 8 runs with the engine in this process"):
+        load_config([], ["Lora.rank = 8", "Processes.engine_replicas = 2"])

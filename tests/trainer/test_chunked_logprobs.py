@@ -16,13 +16,14 @@ from support.trainer_batches import TINY, make_batch
 from jaxrl_orch.algorithms import losses
 from jaxrl_orch.algorithms.packing import pack_samples
 from jaxrl_orch.models.transformer import Transformer
+from jaxrl_orch.trainer import optim as optim_lib
 from jaxrl_orch.trainer import step as step_lib
 from jaxrl_orch.trainer.logprobs import token_stats
 from jaxrl_orch.trainer.programs import build_programs
 from jaxrl_orch.trainer.trainer import RowLayout, Trainer
 from sharding.rules import abstract_arrays
 
-OPTIM = step_lib.OptimConfig(learning_rate=1e-2)
+OPTIM = optim_lib.OptimConfig(learning_rate=1e-2)
 
 
 def test_token_stats_chunks_match_full_values_and_grads():
@@ -96,7 +97,7 @@ def test_chunked_step_has_no_full_logits_tensor(setup):
         opt = abstract_arrays(progs.abstract_opt_state, progs.opt_shardings)
         arrays = {k: getattr(packed, k) for k in step_lib.BATCH_FIELDS}
         rng = jax.random.PRNGKey(0)
-        ma = progs.step_fn.lower(params, opt, arrays, rng, None).compile().memory_analysis()
+        ma = progs.step_fn.lower(params, opt, arrays, rng, None, None).compile().memory_analysis()
         temps[chunk] = ma.temp_size_in_bytes
         # params + Adam moments are donated: their outputs alias the inputs.
         leaves = jax.tree.leaves((params, opt))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from support.trainer_batches import TINY, make_batch
 
+from jaxrl_orch.trainer import optim as optim_lib
 from jaxrl_orch.trainer import step as step_lib
 from jaxrl_orch.trainer.checkpoint import (
     Checkpointer,
@@ -20,7 +21,7 @@ from jaxrl_orch.trainer.checkpoint import (
 from jaxrl_orch.trainer.trainer import RowLayout, Trainer
 from sharding.mesh import make_meshes
 
-OPTIM = step_lib.OptimConfig(learning_rate=1e-3, eps=1e-4)
+OPTIM = optim_lib.OptimConfig(learning_rate=1e-3, eps=1e-4)
 STEP = step_lib.StepConfig(chunk_rows=2)
 ORCH = {"progress_step": 1, "cursor": {"reverse_text": 17}, "gate": [3, 4], "note": "x"}
 

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import Mesh
 from support.trainer_batches import TINY, make_batch, make_sample
 
+from jaxrl_orch.trainer import optim as optim_lib
 from jaxrl_orch.trainer import step as step_lib
 from jaxrl_orch.trainer.trainer import RowLayout, StepHooks, Trainer
 from jaxrl_orch.types import Sample, TrainBatch
@@ -47,7 +48,7 @@ def sft_trainer():
         mesh,
         rows=RowLayout(row_len=64),
         step=step_lib.StepConfig(kind="sft", chunk_rows=2),
-        optim=step_lib.OptimConfig(learning_rate=1e-2, warmup_steps=5),
+        optim=optim_lib.OptimConfig(learning_rate=1e-2, warmup_steps=5),
         seed=0,
     )
 

@@ -13,10 +13,11 @@ from support.trainer_batches import TINY, make_batch
 from jaxrl_orch.algorithms import losses
 from jaxrl_orch.algorithms.packing import pack_samples
 from jaxrl_orch.models.transformer import Transformer
+from jaxrl_orch.trainer import optim as optim_lib
 from jaxrl_orch.trainer import step as step_lib
 from jaxrl_orch.trainer.trainer import RowLayout, Trainer
 
-OPTIM = step_lib.OptimConfig(learning_rate=1e-3, eps=1e-4)
+OPTIM = optim_lib.OptimConfig(learning_rate=1e-3, eps=1e-4)
 
 
 def _mesh(fsdp, tp, first=0):
@@ -138,14 +139,14 @@ def test_shift_targets_masks_segment_starts():
 
 
 def test_schedules_match_formula():
-    cfg = step_lib.OptimConfig(
+    cfg = optim_lib.OptimConfig(
         learning_rate=1e-3,
         schedule="warmup_cosine",
         warmup_steps=10,
         total_steps=110,
         end_lr_ratio=0.1,
     )
-    sched = step_lib.make_schedule(cfg)
+    sched = optim_lib.make_schedule(cfg)
     for s in (0, 5, 10, 60, 110, 200):
         if s < 10:
             want = 1e-3 * s / 10
@@ -153,7 +154,7 @@ def test_schedules_match_formula():
             frac = min(s - 10, 100) / 100
             want = 1e-4 + (1e-3 - 1e-4) * 0.5 * (1 + np.cos(np.pi * frac))
         np.testing.assert_allclose(float(sched(s)), want, rtol=1e-5, atol=1e-9)
-    const = step_lib.make_schedule(step_lib.OptimConfig(learning_rate=2e-4, warmup_steps=4))
+    const = optim_lib.make_schedule(optim_lib.OptimConfig(learning_rate=2e-4, warmup_steps=4))
     np.testing.assert_allclose([float(const(s)) for s in (0, 2, 4, 50)], [0, 1e-4, 2e-4, 2e-4])
 
 
@@ -161,7 +162,7 @@ def test_config_errors_name_the_allowed_values():
     with pytest.raises(ValueError, match=r"\('rl', 'sft'\).*'ppo'"):
         step_lib.StepConfig(kind="ppo")
     with pytest.raises(ValueError, match=r"\('constant', 'warmup_cosine'\).*'linear'"):
-        step_lib.OptimConfig(schedule="linear")
+        optim_lib.OptimConfig(schedule="linear")
     with pytest.raises(ValueError, match="minibatches"):
         step_lib.StepConfig(minibatches=0)
     with pytest.raises(ValueError, match="max_seq_len"):

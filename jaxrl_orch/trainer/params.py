@@ -1,0 +1,85 @@
+"""A trainer's first params, and what a LoRA run's frozen base is known by.
+
+``initial_params`` returns ``(params, frozen)``: what the step trains and the frozen base.
+Without LoRA, ``params`` is every weight (``init_params``, e.g. imported HF weights or the
+warm-up's, moved onto the shardings; or fresh ones from ``seed`` by a jitted init whose outputs
+land sharded) and ``frozen`` is None. With LoRA, ``init_params`` (or a fresh model) is the base,
+moved onto the frozen shardings, and ``params`` are fresh adapters from ``seed`` (``B = 0``: the
+run starts exactly at the base); the jitted init returns only them, so no random base is built
+beside a given one.
+
+``fingerprint(frozen)`` names a base by its content (one float32 sum per array, hashed): a
+checkpoint of adapters records it, and a resume onto another base is refused (adapters are
+only meaningful on the weights they were trained over).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxrl_orch.models.transformer import ModelConfig, Transformer
+from jaxrl_orch.trainer.programs import TrainPrograms
+
+
+def initial_params(
+    programs: TrainPrograms, model_config: ModelConfig, mesh: Mesh, seed: int, init_params: Any
+) -> tuple[Any, Any]:
+    """``(params, frozen)`` on their shardings (see the module docstring)."""
+    build = lambda: Transformer(model_config, rngs=nnx.Rngs(seed))
+    if model_config.lora is None:
+        if init_params is not None:
+            _check_same_shapes(init_params, programs.abstract_params)
+            return jax.device_put(init_params, programs.param_shardings), None
+        with jax.set_mesh(mesh):
+            fresh = jax.jit(lambda: nnx.split(build())[1], out_shardings=programs.param_shardings)
+            return fresh(), None
+
+    def adapters_and_base() -> tuple[Any, Any]:
+        _, adapters, base = nnx.split(build(), nnx.LoRAParam, ...)
+        return adapters, base
+
+    shardings = (programs.param_shardings, programs.frozen_shardings)
+    with jax.set_mesh(mesh):
+        if init_params is None:
+            return jax.jit(adapters_and_base, out_shardings=shardings)()
+        adapters = jax.jit(lambda: adapters_and_base()[0], out_shardings=shardings[0])()
+    _check_same_shapes(init_params, programs.abstract_frozen)
+    return adapters, jax.device_put(init_params, programs.frozen_shardings)
+
+
+def fingerprint(frozen: Any) -> str:
+    """A short content hash of a base: its arrays' paths, shapes, dtypes and float32 sums."""
+    leaves = jax.tree_util.tree_leaves_with_path(frozen)
+    sums = jax.device_get(
+        jax.jit(lambda xs: [jnp.sum(x.astype(jnp.float32)) for x in xs])([x for _, x in leaves])
+    )
+    h = hashlib.sha256()
+    for (path, x), total in zip(leaves, sums, strict=True):
+        h.update(f"{jax.tree_util.keystr(path)}:{x.shape}:{x.dtype}:".encode())
+        h.update(np.float32(total).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _check_same_shapes(params: Any, abstract: Any) -> None:
+    """``init_params`` must match the model built from ``model_config`` leaf for leaf."""
+    got = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    want = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(abstract)}
+    if got.keys() != want.keys():
+        extra, missing = sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys())
+        raise ValueError(
+            f"init_params do not match the model config: missing {missing[:3]}, "
+            f"unexpected {extra[:3]}"
+        )
+    for k, w in want.items():
+        if tuple(np.shape(got[k])) != tuple(w.shape):
+            raise ValueError(
+                f"init_params{k} has shape {tuple(np.shape(got[k]))}, the model config "
+                f"needs {tuple(w.shape)}"
+            )
