@@ -41,6 +41,7 @@ from jaxrl_orch.distributed.group import Role
 from jaxrl_orch.envs.base import make_env
 from jaxrl_orch.envs.demonstrator import MixedDemonstrator
 from jaxrl_orch.models.configs import ModelConfig
+from jaxrl_orch.models.lora import LoraConfig
 from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.paths import as_path
 from jaxrl_orch.trainer.sft import sft_sample
@@ -168,7 +169,7 @@ def build_trainer(
         pad_id=parts.tokenizer.pad_id,
     )
     return Trainer(
-        parts.model_cfg,
+        rl_model(cfg, parts.model_cfg) if kind == "rl" else parts.model_cfg,
         parts.placement.trainer_mesh,
         rows=rows,
         step=step_config(cfg, kind, recompute=recompute),
@@ -177,3 +178,11 @@ def build_trainer(
         init_params=init_params,
         hooks=hooks,
     )
+
+
+def rl_model(cfg: TrainConfig, model_cfg: ModelConfig) -> ModelConfig:
+    """The RL trainer's model: with ``Lora.rank`` its adapters over the frozen ``model_cfg``."""
+    lora = cfg.lora
+    if not lora.rank:
+        return model_cfg
+    return dataclasses.replace(model_cfg, lora=LoraConfig(lora.rank, lora.alpha, lora.targets))

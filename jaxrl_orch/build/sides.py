@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import multihost_utils
 
+from jaxrl_orch.build.adapters import AdapterMerge, tree_nbytes
 from jaxrl_orch.build.engines import to_engine
 from jaxrl_orch.build.overlap import OverlapSchedule
 from jaxrl_orch.config.train import TrainConfig
@@ -55,13 +56,28 @@ class InProcessSide:
         self.driver: InferenceDriver | None = None  # attach: it starts on the trainer's params
         self.pool: ClientPool | None = None
         self.hooks = StepHooks(around_step=schedule.training)
+        self.adapters: AdapterMerge | None = None  # a LoRA run: the base lives on the engine
+        self.bytes_moved = 0  # what the last version moved from the trainer's devices
 
     def attach(self, trainer: Any, colocated: bool) -> None:
         """The driver on the trainer's current weights (after a resume: the restored ones)."""
-        first = jax.tree.map(jnp.copy, trainer.params) if colocated else trainer.params
+        if trainer.frozen is not None:
+            lora = trainer.config.lora
+            self.adapters = AdapterMerge(self.engine, trainer.frozen, lora.scale)
+            first = self.adapters.move(trainer.params)
+            stage(
+                "weights",
+                f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: "
+                f"{self.adapters.bytes_moved / 2**20:.2f} MiB of adapters move per version; the "
+                f"frozen base ({tree_nbytes(self.adapters.base) / 2**20:.1f} MiB) stays on "
+                "the engine",
+            )
+        else:
+            first = jax.tree.map(jnp.copy, trainer.params) if colocated else trainer.params
+            first = to_engine(first, self.engine)
         self.driver = InferenceDriver(
             self.engine,
-            to_engine(first, self.engine),
+            first,
             trainer.version,
             gate=self.schedule.engine_may_run,
         )
@@ -71,8 +87,14 @@ class InProcessSide:
             stage("engine", f"warm-up: every prompt bucket and decode width, {secs:.1f} s")
 
     def move(self, params: Any) -> Any:
+        if self.adapters is not None:
+            moved = self.adapters.move(params)
+            self.bytes_moved = self.adapters.bytes_moved
+            return moved
         dtype = getattr(self.engine, "param_dtype", None)
-        return jax.block_until_ready(reshard(params, self.engine.param_shardings, dtype=dtype))
+        moved = jax.block_until_ready(reshard(params, self.engine.param_shardings, dtype=dtype))
+        self.bytes_moved = tree_nbytes(moved)  # cast to the engine's dtype before the move
+        return moved
 
     async def swap(self, version: int, params: Any) -> None:
         await asyncio.wrap_future(self.driver.swap_params(params, version))
@@ -92,7 +114,7 @@ class InProcessSide:
         """One process: nobody else saves."""
 
     def final_params(self, trainer: Any) -> Any:
-        return trainer.params
+        return trainer.merged_params()
 
     def abort(self, reason: str) -> None:
         """One process: nobody else to tell."""
@@ -131,13 +153,16 @@ class LeaderSide:
             layout=self.stager.transfer_layout(),
         )
         self._watch: asyncio.Future | None = None
+        self.bytes_moved = 0  # what each replica pulls per version
 
     def _send_batch(self, arrays: dict[str, Any]) -> None:
         self.channel.send(TRAIN, {}, arrays)
 
     def move(self, params: Any) -> Any:
         """Trainer thread, after every step: the collective stage, then this process's copy."""
-        return self.stager.local(self.stager.stage(params))
+        local = self.stager.local(self.stager.stage(params))
+        self.bytes_moved = tree_nbytes(local)
+        return local
 
     async def swap(self, version: int, params: Any) -> None:
         await self.pool.load_weights(version, params)

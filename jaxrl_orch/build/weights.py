@@ -38,6 +38,8 @@ from jaxrl_orch.orchestrator.watcher import InProcessPublisher
 
 
 class EngineSide(Protocol):
+    bytes_moved: int  # what the last ``move`` took off the trainer's devices
+
     def move(self, params: Any) -> Any: ...
 
     async def swap(self, version: int, params: Any) -> None: ...
@@ -56,11 +58,14 @@ class StepTimes:
         self._generated: dict[int, float] = {}
         self._gen_total = 0.0
 
-    def record(self, version: int, metrics: dict[str, float], transfer_s: float) -> None:
+    def record(
+        self, version: int, metrics: dict[str, float], transfer_s: float, nbytes: int = 0
+    ) -> None:
         """Trainer thread: step ``version``'s diagnostics, before the version is published."""
         row = {f"trainer/{k}": v for k, v in metrics.items()}
         row["time/train_s"] = row.get("trainer/step_s", 0.0)
         row["time/transfer_s"] = transfer_s
+        row["transfer/bytes"] = float(nbytes)
         self._trained[version] = row
 
     def on_ship(self, step: int, _state: dict[str, Any]) -> None:
@@ -106,7 +111,8 @@ class WeightPath:
         t0 = time.perf_counter()
         moved = self.side.move(params)
         transfer_s = time.perf_counter() - t0
-        self.times.record(version, metrics, transfer_s)  # before the checkpoint writes its row
+        # before the checkpoint writes its row
+        self.times.record(version, metrics, transfer_s, self.side.bytes_moved)
         if version % self.checkpoint_every == 0 and version < self.last_step:
             self._checkpoint(version)
         self.publisher.publish(version, moved)

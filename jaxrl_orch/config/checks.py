@@ -28,6 +28,7 @@ class Allowed:
     low_open: bool = False
     choices: tuple | None = None
     band: bool = False
+    subset: bool = False  # a non-empty tuple of distinct ``choices``
     none_ok: bool = False
     why: str = ""
 
@@ -48,6 +49,10 @@ class Allowed:
         return cls(choices=tuple(choices))
 
     @classmethod
+    def some_of(cls, *choices: Any) -> Allowed:
+        return cls(choices=tuple(choices), subset=True)
+
+    @classmethod
     def ratio_band(cls) -> Allowed:
         return cls(band=True)
 
@@ -58,7 +63,9 @@ class Allowed:
         return dataclasses.replace(self, why=why)
 
     def __str__(self) -> str:
-        if self.choices is not None:
+        if self.subset:
+            text = f"a non-empty tuple of distinct names from {self.choices}"
+        elif self.choices is not None:
             text = f"one of {self.choices}"
         elif self.band:
             text = "a pair (low, high) with 0 <= low < high"
@@ -71,6 +78,8 @@ class Allowed:
     def allows(self, value: Any) -> bool:
         if value is None:
             return self.none_ok or (self.choices is not None and None in self.choices)
+        if self.subset:
+            return _is_subset(value, self.choices)
         if self.choices is not None:
             return value in self.choices
         if self.band:
@@ -93,6 +102,12 @@ def _is_band(value: Any) -> bool:
     if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
         return False
     return 0 <= value[0] < value[1]
+
+
+def _is_subset(value: Any, choices: tuple) -> bool:
+    if not isinstance(value, tuple | list) or not value or len(set(value)) != len(value):
+        return False
+    return all(v in choices for v in value)
 
 
 def check_allowed(section: object) -> None:

@@ -4,8 +4,8 @@ Each section is a frozen dataclass that gin configures by its own name, read by 
 names: ``Model`` (the network, its precision and kernels: ``build.accel``), ``Data`` (the task
 and its examples: ``build.parts``), ``Warmup`` (the SFT stage: ``run.warmup``), ``RL`` (the
 algorithm, its loss and corrections, optimizer, sampling and evals, in ``config.rl``: ``run.rl``,
-``build.accel``), ``Trainer`` (rows and the trainer mesh), ``Engine`` (the decoding engine:
-``build.engines``, ``build.sides``),
+``build.accel``), ``Lora`` (the RL stage's adapters: ``build.run``), ``Trainer`` (rows and
+the trainer mesh), ``Engine`` (the decoding engine: ``build.engines``, ``build.sides``),
 ``Orchestrator`` (staleness, concurrency and timeouts of the loop: ``TrainConfig.loop``),
 ``Processes`` (a multi-process layout: ``distributed``, ``build.roles``) and ``Outputs``
 (checkpoints, logging, export). A gin file binds ``RL.steps = 40``; ``TrainConfig`` itself
@@ -32,6 +32,8 @@ from jaxrl_orch.config.rl import RL
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("auto", "einsum", "xla", "chunked", "splash")
 REMAT = ("none", "full", "dots", "dots_no_batch")
+# The projections an adapter may sit on (models/lora.py's TARGETS; a test keeps them equal).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @gin.configurable
@@ -96,6 +98,27 @@ class Warmup:
 
     def __post_init__(self) -> None:
         check_allowed(self)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """The RL stage trains LoRA adapters of ``rank`` on ``targets``, scaled by ``alpha / rank``,
+    over frozen weights (the warm-up's or the imported checkpoint's); rank 0: every weight."""
+
+    rank: int = 0  # adapter rank; 0: the RL stage trains every weight
+    alpha: float = 32.0  # an adapter's output is scaled by alpha / rank
+    targets: tuple[str, ...] = LORA_TARGETS  # attention q, k, v, o and MLP gate, up, down
+
+    ALLOWED: ClassVar[dict[str, Allowed]] = {
+        "rank": Allowed.at_least(0).because("0 trains every weight"),
+        "alpha": Allowed.above(0),
+        "targets": Allowed.some_of(*LORA_TARGETS),
+    }
+
+    def __post_init__(self) -> None:
+        check_allowed(self)
+        object.__setattr__(self, "targets", tuple(self.targets))
 
 
 @gin.configurable
@@ -243,7 +266,7 @@ class Outputs:
         check_allowed(self)
 
 
-SECTIONS = (Model, Data, Warmup, RL, Trainer, Engine, Orchestrator, Processes, Outputs)
+SECTIONS = (Model, Data, Warmup, RL, Lora, Trainer, Engine, Orchestrator, Processes, Outputs)
 
 
 @gin.configurable
@@ -254,6 +277,7 @@ class TrainConfig:
     data: Data = dataclasses.field(default_factory=Data)
     warmup: Warmup = dataclasses.field(default_factory=Warmup)
     rl: RL = dataclasses.field(default_factory=RL)
+    lora: Lora = dataclasses.field(default_factory=Lora)
     trainer: Trainer = dataclasses.field(default_factory=Trainer)
     engine: Engine = dataclasses.field(default_factory=Engine)
     orchestrator: Orchestrator = dataclasses.field(default_factory=Orchestrator)
@@ -272,6 +296,12 @@ class TrainConfig:
             not (self.processes.engine_replicas and rl.after_warmup == "sft"),
             "RL.after_warmup='sft' (the imitation control) runs in one process; set "
             f"Processes.engine_replicas = 0 (got {self.processes.engine_replicas})",
+        )
+        require(
+            not (self.lora.rank and self.processes.engine_replicas),
+            f"Lora.rank = {self.lora.rank} runs with the engine in this process: adapters do "
+            "not yet travel to engine replicas; set Processes.engine_replicas = 0 "
+            f"(got {self.processes.engine_replicas}) or Lora.rank = 0",
         )
         multiple = trainer.chunk_rows * rl.minibatches
         require(

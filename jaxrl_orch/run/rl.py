@@ -152,7 +152,13 @@ async def _lead(
     names = (parts.env.name, parts.sampled_eval)
     summary = rl_summary(parts.workdir, cfg, names, orch, (trainer.version, start_step, secs))
     summary.update(side.summary())
-    summary["export_dir"] = str(export_policy(parts, params)) if cfg.outputs.export_hf else None
+    if cfg.outputs.export_hf:
+        lora = (
+            {} if trainer.frozen is None else {"adapters": trainer.params, "base": trainer.frozen}
+        )
+        summary["export_dir"] = str(export_policy(parts, params, **lora))
+    else:
+        summary["export_dir"] = None
     return summary
 
 

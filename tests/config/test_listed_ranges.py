@@ -93,7 +93,11 @@ def _just_past(section: type, name: str, bound: float, step: int) -> float:
 def test_the_value_at_each_listed_bound_passes_and_one_past_it_is_refused(section, name, rule):
     where = f"{section.__name__}.{name}"
     accepted, refused = [], []
-    if rule.choices is not None:
+    if rule.subset:
+        first, second = rule.choices[:2]
+        accepted += [rule.choices, (first,), (second, first)]
+        refused += [(), (first, first), (first, "no-such-value"), first, None]
+    elif rule.choices is not None:
         accepted += list(rule.choices)
         refused.append("no-such-value")
     elif rule.band:

@@ -121,17 +121,16 @@ def test_sigterm_drains_checkpoints_and_exits_zero(tmp_path):
     assert checkpoints(wd)[-1] == summary["rl_steps"]  # the drain ended on a checkpoint
 
 
-def test_kill9_then_resume_continues_without_repeating_or_skipping(tmp_path):
-    wd = tmp_path / "crash"
-    steps = ["RL.steps = 8"]
+def _kill9_past_a_checkpoint(wd, *params: str) -> int:
+    """Run the command, kill -9 it once a step past its newest checkpoint is on record (rows
+    the resume must trim); returns the step it will resume from."""
     proc = subprocess.Popen(
-        train_cmd(wd, *steps),
+        train_cmd(wd, *params),
         env=train_env(1),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        # Killed once a step past the newest checkpoint is on record: its rows must not stay.
         while not (checkpoints(wd) and rl_rows(wd)[-1:]) or (
             rl_rows(wd)[-1]["step"] <= checkpoints(wd)[-1]
         ):
@@ -141,7 +140,13 @@ def test_kill9_then_resume_continues_without_repeating_or_skipping(tmp_path):
         proc.wait(timeout=60)
     finally:
         proc.kill()
-    resumed_at = checkpoints(wd)[-1]
+    return checkpoints(wd)[-1]
+
+
+def test_kill9_then_resume_continues_without_repeating_or_skipping(tmp_path):
+    wd = tmp_path / "crash"
+    steps = ["RL.steps = 8"]
+    resumed_at = _kill9_past_a_checkpoint(wd, *steps)
     assert resumed_at < 8, "the run finished before it could be killed"
     assert max(r["step"] for r in rl_rows(wd)) > resumed_at  # rows the resume must trim
 
@@ -172,6 +177,32 @@ def test_kill9_then_resume_continues_without_repeating_or_skipping(tmp_path):
     assert len(evals) == len(set(evals)) and {s for s, _ in evals} == {0, 2, 4, 6, 8}
     assert summary["eval_reward_before_rl"] is not None
     assert summary["train_reward_first"] == rl_rows(wd)[0]["train/reward_mean"]  # from step 1
+
+
+def test_a_lora_run_moves_adapters_only_resumes_after_kill9_and_exports_peft(tmp_path):
+    wd = tmp_path / "lora"
+    params = ["RL.steps = 6", "Lora.rank = 2", "Lora.targets = ('q', 'v', 'down')"]
+    resumed_at = _kill9_past_a_checkpoint(wd, *params)
+    assert resumed_at < 6
+    res = run_train(wd, *params)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "== weights: LoRA rank 2 on q, v, down:" in res.stdout
+    summary = json.loads((wd / "summary.json").read_text())
+    assert summary["resumed_from_step"] == resumed_at
+    assert [r["step"] for r in rl_rows(wd)] == list(range(1, 7))  # every step once
+    # tiny-byte's rank-2 adapters per layer: q 128x2 + 2x128, v 128x2 + 2x64, down 512x2 +
+    # 2x128 = 2,176 float32 params; 4 layers.
+    assert {r["transfer/bytes"] for r in rl_rows(wd)} == {2176 * 4 * 4}
+    export = wd / "export"
+    assert (export / "model.safetensors").stat().st_size > 0  # merged, every weight
+    config = json.loads((export / "lora" / "adapter_config.json").read_text())
+    assert config["r"] == 2 and sorted(config["target_modules"]) == [
+        "down_proj",
+        "q_proj",
+        "v_proj",
+    ]
+    assert config["base_model_name_or_path"] == str((export / "lora" / "base").resolve())
+    assert (export / "lora" / "base" / "config.json").is_file()
 
 
 def test_sigterm_in_the_warm_up_keeps_its_progress_and_resumes_there(tmp_path):
