@@ -34,7 +34,12 @@ def pytest_collection_finish(session):
     """Start the TPU configs' deviceless compiles in the background right after collection when
     ``test_aot.py::test_tpu_configs_fit`` will run, so they overlap the rest of the session."""
     for item in session.items:
-        if item.nodeid.endswith("test_aot.py::test_tpu_configs_fit"):
+        if item.nodeid.endswith(
+            (
+                "test_aot.py::test_tpu_configs_fit",
+                "test_aot.py::test_the_8b_lora_config_fits_and_every_weight_does_not",
+            )
+        ):
             item.module.start_background()
             return
 

@@ -35,12 +35,14 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from jaxrl_orch.build.accel import (  # noqa: E402
     accel_model_config,
@@ -48,9 +50,12 @@ from jaxrl_orch.build.accel import (  # noqa: E402
 )
 from jaxrl_orch.build.engines import build_engine  # noqa: E402
 from jaxrl_orch.build.parts import build_placement, model_config, optim_config  # noqa: E402
+from jaxrl_orch.build.run import rl_model  # noqa: E402
 from jaxrl_orch.config.load import load_config  # noqa: E402
 from jaxrl_orch.config.train import TrainConfig  # noqa: E402
+from jaxrl_orch.models.lora import merge_adapters  # noqa: E402
 from jaxrl_orch.models.tokenizer import load_tokenizer  # noqa: E402
+from jaxrl_orch.models.transformer import Transformer  # noqa: E402
 from jaxrl_orch.tools import aot_report  # noqa: E402
 from jaxrl_orch.trainer import step as step_lib  # noqa: E402
 from jaxrl_orch.trainer.programs import build_programs  # noqa: E402
@@ -66,6 +71,23 @@ class Compiled:
     compiled: Any
     chips: int  # devices the program runs on
     model: dict[str, float]  # analytic flops / bytes per chip
+    resident: int = 0  # bytes per chip held beside the program (a LoRA engine's base copy)
+    refused: tuple[float, float] | None = None  # XLA's OOM: (needed, usable) bytes per chip
+
+
+OOM_RE = re.compile(r"temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
+
+
+def compile_or_refusal(lowered: Any) -> Any:
+    """``lowered.compile()``, or ``(needed, usable)`` bytes per chip when XLA refuses a program
+    whose temporaries alone exceed the chip's HBM (it does not fit: a finding, not an error)."""
+    try:
+        return lowered.compile()
+    except Exception as exc:  # noqa: BLE001 - only XLA's out-of-memory refusal is a finding
+        m = OOM_RE.search(str(exc))
+        if m is None:
+            raise
+        return float(m.group(1)) * 2**30, float(m.group(2)) * 2**30
 
 
 def topology_devices(topology: str) -> tuple[str, list[Any]]:
@@ -119,8 +141,38 @@ def compile_train_step(cfg: TrainConfig, model_cfg, mesh) -> tuple[Any, Any, int
     }
     rng = _sds((2,), jnp.uint32, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     ref = params if step_cfg.kind == "rl" and step_cfg.loss.kl_beta > 0 else None
-    compiled = progs.step_fn.lower(params, opt, batch, rng, ref).compile()
+    frozen = None  # a LoRA step's frozen base
+    if progs.abstract_frozen is not None:
+        frozen = abstract_arrays(progs.abstract_frozen, progs.frozen_shardings)
+    compiled = compile_or_refusal(progs.step_fn.lower(params, opt, batch, rng, ref, frozen))
     return compiled, params, rows
+
+
+def per_chip_bytes(tree: Any) -> int:
+    """The bytes one chip holds of abstract arrays laid out by their shardings."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape)
+        total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def _moved_bytes(leaves: list[Any], engine_dtype: Any, lora: bool) -> int:
+    """Bytes per version off the trainer: adapters as they are, full weights cast first."""
+    size = lambda x: x.size * (x.dtype.itemsize if lora else jnp.dtype(engine_dtype).itemsize)
+    return sum(size(x) for x in leaves)
+
+
+def compile_lora_merge(model_cfg: Any, eparams: Any, mesh: Any) -> Any:
+    """The engine folding one version's adapters (float32, replicated) into its base."""
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    _, adapters, _ = nnx.split(abstract, nnx.LoRAParam, ...)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    adapters = jax.tree.map(lambda x: _sds(x.shape, x.dtype, rep), adapters)
+    shardings = jax.tree.map(lambda x: x.sharding, eparams)
+    scale = model_cfg.lora.scale
+    merge = jax.jit(lambda b, a: merge_adapters(b, a, scale), out_shardings=shardings)
+    return merge.lower(eparams, adapters).compile()
 
 
 def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], dict[str, Any]]:
@@ -132,24 +184,34 @@ def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], d
 
     # The run's own builder, for TPU dtypes: only the engine's shapes and programs are used.
     engine = build_engine(cfg, model_cfg, decode_mesh, tokenizer, backend="tpu").engine
-    train, tparams, rows = compile_train_step(cfg, model_cfg, trainer_mesh)
+    rl_cfg = rl_model(cfg, model_cfg)
+    train, tparams, rows = compile_train_step(cfg, rl_cfg, trainer_mesh)
     mc = aot_report.model_costs(model_cfg, cfg, rows, engine.limits)
-    out.append(Compiled("train_step", train, n_tr, mc["train_step"]))
+    if isinstance(train, tuple):
+        out.append(Compiled("train_step", None, n_tr, mc["train_step"], refused=train))
+    else:
+        out.append(Compiled("train_step", train, n_tr, mc["train_step"]))
 
     eparams = engine.abstract_params()
+    # A LoRA engine serves merged weights and keeps the frozen base beside them.
+    base = per_chip_bytes(eparams) if rl_cfg.lora is not None else 0
     rep = jax.sharding.NamedSharding(decode_mesh, jax.sharding.PartitionSpec())
     length = engine.max_prefill_length
     prefill = engine.prefill_program(length).lower(eparams, _sds((1, length), jnp.int32, rep))
-    out.append(Compiled("prefill", prefill.compile(), n_dec, mc["prefill"]))
+    out.append(Compiled("prefill", prefill.compile(), n_dec, mc["prefill"], base))
     state = engine.abstract_decode_state()
     gen = engine.generate_program(engine.max_concurrent_decodes)
     gen = gen.lower(eparams, state, _sds((), jnp.int32, rep)).compile()
-    out.append(Compiled("decode_step", gen, n_dec, mc["decode_step"]))
+    out.append(Compiled("decode_step", gen, n_dec, mc["decode_step"], base))
 
     dt = engine.param_dtype
     leaves = jax.tree.leaves(tparams)
     floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dt]
-    if floats:
+    if rl_cfg.lora is not None:  # adapters move as they are; the engine merges them
+        merge = compile_lora_merge(rl_cfg, eparams, decode_mesh)
+        # While it merges, the engine still serves the previous version's merged weights.
+        out.append(Compiled("lora_merge", merge, n_dec, {"flops": 0.0, "bytes": 0.0}, base))
+    elif floats:
         cast = cast_program.lower(floats, dt).compile()
         out.append(Compiled("reshard", cast, n_tr, mc["reshard"]))
     info = {
@@ -180,7 +242,8 @@ def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], d
         "decode_slots": cfg.engine.slots,
         "steps_per_call": cfg.engine.steps_per_call,
         "engine_param_dtype": str(dt),
-        "transfer_bytes": sum(x.size * jnp.dtype(dt).itemsize for x in leaves),
+        "transfer_bytes": _moved_bytes(leaves, dt, rl_cfg.lora is not None),
+        "lora": None if rl_cfg.lora is None else dataclasses.asdict(rl_cfg.lora),
     }
     return out, info
 

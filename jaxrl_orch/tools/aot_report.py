@@ -136,7 +136,19 @@ def build_report(
         **info,
     }
     for p in programs:
+        if p.refused is not None:
+            need, usable = p.refused
+            report["programs"][p.name] = {"chips": p.chips, "refused_bytes": need}
+            report["shortfalls"].append(
+                f"{p.name} needs {need / 2**30:.2f} GiB of temporaries alone, "
+                f"{(need - usable) / 2**30:.2f} GiB over the {usable / 2**30:.2f} GiB of the "
+                f"{chip_name}'s HBM that XLA compiles for (it refused to compile it)"
+            )
+            continue
         mem = _memory(p.compiled)
+        if p.resident:
+            mem["resident_bytes"] = p.resident
+            mem["bytes_per_chip"] += p.resident
         xf, xb = _xla_costs(p.compiled)
         mf, mb = p.model["flops"] / p.chips, p.model["bytes"] / p.chips
         flops, nbytes = max(xf, mf), max(xb, mb)
@@ -156,7 +168,7 @@ def build_report(
             else "memory",
             "est_seconds": est,
         }
-        if p.name == "reshard":
+        if p.name in ("reshard", "lora_merge"):  # what crosses to the engine
             per_dest = info["transfer_bytes"] / max(1, info["decode_mesh_size"])
             entry["transfer_seconds"] = per_dest / chip.ici_bandwidth
             entry["est_seconds"] = est + entry["transfer_seconds"]
@@ -195,12 +207,23 @@ def format_text(r: dict[str, Any]) -> str:
         "  est s",
     ]
     for name, p in r["programs"].items():
+        if "refused_bytes" in p:
+            lines.append(f"{name:<12} {p['chips']:>5}  refused by XLA: out of HBM")
+            continue
         lines.append(
             f"{name:<12} {p['chips']:>5} {gb(p['argument_bytes'])}{gb(p['output_bytes'])}"
             f"{gb(p['temp_bytes'])} {gb(p['bytes_per_chip'])}   {p['hbm_fraction']:6.1%}"
             f"  {p['flops'] / 1e12:7.3f}  {p['bytes_accessed'] / 1e9:10.3f}  "
             f"{p['est_seconds']:.4f} ({p['bound']})"
+            + (
+                f"; total holds {gb(p['resident_bytes'])} GB resident"
+                if "resident_bytes" in p
+                else ""
+            )
         )
+    if "transfer_bytes" in r:
+        what = "LoRA adapters" if r.get("lora") else "every weight, in the engine's dtype"
+        lines.append(f"moved per version: {r['transfer_bytes'] / 1e6:.1f} MB ({what})")
     if "decode" in r:
         d = r["decode"]
         lines.append(

@@ -29,11 +29,16 @@ from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.tools import aot, aot_report
 
 CONFIGS = {"v5e": "configs/tpu_v5e_8.gin", "v6e": "configs/tpu_v6e_8.gin"}
+LORA = "configs/tpu_v5e_8_lora.gin"
+# Every compile the slow tests read: name -> the command's arguments.
+RUNS = {name: f"--gin_file={cfg}" for name, cfg in CONFIGS.items()}
+RUNS["lora"] = f"--gin_file={LORA}"
+RUNS["lora_off"] = f"--gin_file={LORA} --gin_param=Lora.rank=0"
 _OUT = Path(tempfile.mkdtemp(prefix="aot_test_"))
 _script = " && ".join(
-    f"{sys.executable} -m jaxrl_orch.tools.aot --gin_file={cfg} --json > {_OUT / name}.json "
+    f"{sys.executable} -m jaxrl_orch.tools.aot {args} --json > {_OUT / name}.json "
     f"2> {_OUT / name}.err; echo $? > {_OUT / name}.rc; true"
-    for name, cfg in CONFIGS.items()
+    for name, args in RUNS.items()
 )
 _env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no 8 fake CPU devices needed
 _BG: subprocess.Popen | None = None
@@ -61,7 +66,7 @@ PROGRAMS = ("train_step", "prefill", "decode_step", "reshard")
 def test_tpu_configs_fit():
     """Both configs compile for their topology without a TPU and every program fits within
     90% of the chip's HBM; the JSON carries the documented keys."""
-    start_background().wait(timeout=1800)
+    start_background().wait(timeout=3600)
     for name, cfg in CONFIGS.items():
         rc = int((_OUT / f"{name}.rc").read_text())
         err = (_OUT / f"{name}.err").read_text()
@@ -82,6 +87,26 @@ def test_tpu_configs_fit():
         assert r["model_config"]["attention"] == "splash"
         assert r["engine_param_dtype"] == "bfloat16"
         assert 0 < r["decode"]["fraction_of_hbm_roofline"] <= 1.0
+
+
+@pytest.mark.slow
+def test_the_8b_lora_config_fits_and_every_weight_does_not():
+    """Llama-3.1-8B shapes on a v5e-8: with LoRA every program fits (the engine's base copy
+    counted), only adapters move; with LoRA off the train step does not fit, and says so."""
+    start_background().wait(timeout=3600)
+    rc = int((_OUT / "lora.rc").read_text())
+    assert rc == 0, (_OUT / "lora.err").read_text()[-3000:]
+    r = json.loads((_OUT / "lora.json").read_text())
+    assert r["model"] == "llama-3.1-8b" and r["fits"] is True
+    assert r["lora"]["rank"] == 16
+    assert {"train_step", "prefill", "decode_step", "lora_merge"} <= set(r["programs"])
+    for prog, p in r["programs"].items():
+        assert p["bytes_per_chip"] <= 0.9 * r["hbm_bytes_per_chip"], prog
+    assert r["programs"]["decode_step"]["resident_bytes"] > 3e9  # the bf16 base, per chip
+    assert r["transfer_bytes"] < 0.02 * r["num_params"] * 2  # adapters, not the bf16 weights
+    assert int((_OUT / "lora_off.rc").read_text()) == 1
+    err = (_OUT / "lora_off.err").read_text()
+    assert "does not fit: train_step needs" in err and "GiB over" in err
 
 
 def test_unknown_topology_names_the_allowed_ones():
@@ -144,6 +169,39 @@ def test_a_program_that_does_not_fit_exits_1_naming_it(monkeypatch, capsys):
     assert "decode_step" not in err
     report = json.loads(out)
     assert report["fits"] is False and report["programs"]["decode_step"]["bytes_per_chip"] == 2e9
+
+
+def test_a_program_xla_refuses_for_memory_is_a_shortfall_not_an_error(monkeypatch, capsys):
+    """XLA refuses to compile a program whose temporaries alone exceed the chip's HBM (what an
+    8B model trained on every weight hits on 4 v5e chips): that is exit 1 naming it."""
+
+    class _Refused:
+        def compile(self):
+            raise RuntimeError(
+                "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+                "HLO temporaries (17.49G) exceeds available HBM (15.75G)."
+            )
+
+    class _Broken:
+        def compile(self):
+            raise RuntimeError("INTERNAL: something else")
+
+    need, usable = aot.compile_or_refusal(_Refused())
+    assert (need, usable) == (17.49 * 2**30, 15.75 * 2**30)
+    with pytest.raises(RuntimeError, match="something else"):
+        aot.compile_or_refusal(_Broken())
+    model = {"flops": 1.0, "bytes": 1.0, "min_bytes_per_step": 1.0}
+    progs = [
+        aot.Compiled("train_step", None, 4, model, refused=(need, usable)),
+        aot.Compiled("decode_step", _FakeCompiled(10**9), 4, model),
+    ]
+    info = {"model": "m", "trainer_mesh": {}, "decode_mesh": {}, "decode_mesh_size": 4}
+    info.update(train_rows=1, row_len=1, decode_slots=8, steps_per_call=2)
+    monkeypatch.setattr(aot, "compile_all", lambda cfg, devices: (progs, info))
+    assert aot.main(["--gin_file=configs/tpu_v5e_8.gin"]) == 1
+    out, err = capsys.readouterr()
+    assert "does not fit: train_step needs 17.49 GiB of temporaries alone, 1.74 GiB over" in err
+    assert "train_step       4  refused by XLA: out of HBM" in out
 
 
 def test_model_costs_count_what_the_model_computes():
