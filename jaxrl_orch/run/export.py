@@ -1,7 +1,8 @@
 """The final policy as a Hugging Face checkpoint in ``WORKDIR/export``.
 
 What it owns: ``export_policy(parts, params, adapters=None, base=None)``: ``config.json``, the
-safetensors weights and the tokenizer (a byte-level run writes none); a checkpoint's chat
+safetensors weights and the tokenizer (a byte-level run's as an HF tokenizer directory,
+``models.byte_hf``, so transformers and renderers load the export as is); a checkpoint's chat
 template and special tokens travel with its tokenizer. ``params`` are every weight of the
 policy (a LoRA run's merged weights), so ``export/`` loads in plain ``transformers``.
 
@@ -36,6 +37,7 @@ from typing import Any
 from etils import epath
 
 from jaxrl_orch.build.run import RunParts, rl_model
+from jaxrl_orch.models.byte_hf import save_byte_tokenizer
 from jaxrl_orch.models.hf_import import export_hf_dir, save_hf_checkpoint
 from jaxrl_orch.models.peft_export import save_peft_adapter
 from jaxrl_orch.models.tokenizer import tokenizer_json_path
@@ -61,6 +63,8 @@ def export_policy(
         for sidecar in TOKENIZER_SIDECARS if tok is not None else ():
             if (src := Path(tok).with_name(sidecar)).is_file():
                 (out / sidecar).write_bytes(src.read_bytes())
+        if name == "byte":
+            save_byte_tokenizer(out)
         if adapters is not None:
             _export_adapter(parts, adapters, (checkpoint, base), out / "lora", dest / "lora")
         if is_url(dest):

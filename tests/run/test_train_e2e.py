@@ -73,6 +73,7 @@ def test_split_placement_run_writes_metrics_checkpoints_and_report(tmp_path):
     assert summary["export_dir"] == str(wd / "export")
     assert json.loads((wd / "export" / "config.json").read_text())["hidden_size"] == 128
     assert (wd / "export" / "model.safetensors").stat().st_size > 0
+    assert (wd / "export" / "tokenizer.json").is_file()  # the byte tokenizer, for transformers
     assert "RL.steps = 3" in (wd / "config.gin").read_text()
     assert max(int(a) for a in summary["age_histogram"]) <= 1  # the default bound S = 1
 
