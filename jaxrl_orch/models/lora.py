@@ -126,31 +126,37 @@ def delta(a: jax.Array, b: jax.Array, shape: Sequence[int]) -> jax.Array:
     )
 
 
-def _adapter_of(path: tuple[Any, ...], suffix: str) -> tuple[Any, ...] | None:
-    """The key path of the adapter ``suffix`` of the weight at ``path`` (its last dict key)."""
-    for i in range(len(path) - 1, -1, -1):
-        key = getattr(path[i], "key", None)
-        if isinstance(key, str):
-            return (*path[:i], jax.tree_util.DictKey(f"{key}{suffix}"), *path[i + 1 :])
-    return None
+def _names(path: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A key path's dict keys and indices (an ``nnx.State``'s ``.value`` steps dropped), so a
+    state and a pure dict of the same model name their arrays alike."""
+    keys = [k for k in path if hasattr(k, "key") or hasattr(k, "idx")]
+    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in keys)
+
+
+def _adapter_of(names: tuple[Any, ...], suffix: str) -> tuple[Any, ...]:
+    """The names of the adapter ``suffix`` of the weight named ``names`` (its last key)."""
+    *head, last = names
+    return (*head, f"{last}{suffix}")
 
 
 def merge_adapters(base: Any, adapters: Any, scale: float) -> Any:
     """``base`` with every adapted weight replaced by ``W + scale * A @ B`` (in ``W``'s dtype,
     summed in float32). ``base`` is the base model's state (or pure dict), ``adapters`` the
-    ``nnx.LoRAParam`` state of the same model: the two are matched by key path."""
-    found = dict(jax.tree_util.tree_leaves_with_path(adapters))
+    ``nnx.LoRAParam`` state of the same model: the two are matched by their key names."""
+    found = {_names(p): x for p, x in jax.tree_util.tree_leaves_with_path(adapters)}
+    used = 0
 
     def merge(path: tuple[Any, ...], w: jax.Array) -> jax.Array:
-        a_path, b_path = _adapter_of(path, "_lora_a"), _adapter_of(path, "_lora_b")
-        if a_path not in found:
+        nonlocal used
+        names = _names(path)
+        a = found.get(_adapter_of(names, "_lora_a"))
+        if a is None:
             return w
-        d = delta(found[a_path], found[b_path], w.shape)
+        used += 1
+        d = delta(a, found[_adapter_of(names, "_lora_b")], w.shape)
         return (w.astype(jnp.float32) + scale * d).astype(w.dtype)
 
     merged = jax.tree_util.tree_map_with_path(merge, base)
-    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(base)]
-    used = sum(_adapter_of(p, "_lora_a") in found for p in paths)
     if 2 * used != len(found):
         raise ValueError(
             f"adapters do not match the base: {len(found)} adapter arrays, {used} adapted "

@@ -90,6 +90,26 @@ def test_merge_refuses_adapters_of_another_model():
         merge_adapters(pruned, adapters, LORA.scale)
 
 
+def test_merge_matches_a_pure_dict_base_to_state_adapters():
+    # The engine may hold its base as a pure dict: arrays are matched by name, not by the
+    # state's ``.value`` steps.
+    cfg = dataclasses.replace(BASE, lora=LORA)
+    _, adapters, base = _split(cfg)
+    adapters = _randomise_b(adapters)
+    from_state = merge_adapters(base, adapters, LORA.scale)
+    from_dict = merge_adapters(nnx.to_pure_dict(base), adapters, LORA.scale)
+    assert jax.tree.leaves(from_dict) and len(jax.tree.leaves(from_dict)) == len(
+        jax.tree.leaves(from_state)
+    )
+    for x, y in zip(jax.tree.leaves(from_dict), jax.tree.leaves(from_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    changed = sum(
+        not np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(from_dict), jax.tree.leaves(base), strict=True)
+    )
+    assert changed == len(LORA.targets) * cfg.n_layers
+
+
 class _Proj(nnx.Module):
     """One adapted projection, as the MLP's ``gate`` holds it."""
 
