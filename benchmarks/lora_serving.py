@@ -28,12 +28,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl_orch.build.adapters import tree_nbytes
 from jaxrl_orch.models.lora import LoraConfig, merge_adapters
 from jaxrl_orch.models.transformer import Transformer, get_config, init_cache
-
-
-def _nbytes(tree) -> int:
-    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _decode_fn(graphdef):
@@ -88,9 +85,9 @@ def measure(model: str, rank: int, slots: int, cache_len: int, iters: int) -> di
         "decode_unmerged_over_merged": m["unmerged"] / m["merged"],
         "merge_ms": m["merge"],
         "merge_over_decode_step": m["merge"] / m["merged"],
-        "weights_mib_merged_serving": (_nbytes(base) + _nbytes(merged)) / 2**20,
-        "weights_mib_unmerged_serving": (_nbytes(base) + _nbytes(adapters)) / 2**20,
-        "adapter_mib": _nbytes(adapters) / 2**20,
+        "weights_mib_merged_serving": (tree_nbytes(base) + tree_nbytes(merged)) / 2**20,
+        "weights_mib_unmerged_serving": (tree_nbytes(base) + tree_nbytes(adapters)) / 2**20,
+        "adapter_mib": tree_nbytes(adapters) / 2**20,
     }
 
 

@@ -9,23 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support.trainer_batches import TINY
 
 from jaxrl_orch.config.train import LORA_TARGETS
 from jaxrl_orch.models.lora import TARGETS, LoraConfig, add_adapters, merge_adapters, project
 from jaxrl_orch.models.transformer import ModelConfig, Transformer
 
-BASE = ModelConfig(
-    vocab_size=67,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    d_ff=48,
-    max_seq_len=64,
-    qkv_bias=True,
-    tie_embeddings=False,
-)
+# The trainer tests' tiny model, with Qwen2's q/k/v biases and an untied head: every weight kind.
+BASE = dataclasses.replace(TINY, qkv_bias=True, tie_embeddings=False)
 LORA = LoraConfig(rank=4, alpha=8.0)
 
 
