@@ -125,10 +125,14 @@ def test_a_workdir_serves_its_newest_checkpoint_which_is_the_policy_it_exported(
     resume does. Here the run finished, so its HF export must hold the very same weights."""
     cfg = toy_config({"RL.steps": 2, "Outputs.export_hf": True, "Engine.warmup": False})
     run(prepare(cfg, tmp_path))
-    assert checkpoint_bindings(str(tmp_path)) == [f"Model.name = '{tmp_path / 'export'}'"]
+    export = tmp_path / "export"  # a byte-tokenizer run exports its tokenizer beside the weights
+    assert checkpoint_bindings(str(tmp_path)) == [
+        f"Model.name = '{export}'",
+        f"Model.tokenizer = '{export}'",
+    ]
     restored = jax.tree.leaves(workdir_params(cfg, str(tmp_path)))
     _, model_cfg = build_model(cfg)
-    exported = jax.tree.leaves(pretrained_params(str(tmp_path / "export"), model_cfg))
+    exported = jax.tree.leaves(pretrained_params(str(export), model_cfg))
     assert len(restored) == len(exported) > 0
     for a, b in zip(restored, exported, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
