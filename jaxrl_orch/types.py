@@ -131,6 +131,19 @@ class Sample:
 
 
 @dataclasses.dataclass
+class Branch:
+    """Another root-to-leaf path of a rollout whose trace branches (a verifiers trace whose
+    re-rendered turn did not extend the sampled ids). Aligned like the rollout's own trace;
+    tokens it shares with an earlier path carry ``loss_mask == False``, so a token trains once.
+    """
+
+    token_ids: list[int]
+    loss_mask: list[bool]
+    logprobs: list[float]
+    versions: list[int]
+
+
+@dataclasses.dataclass
 class Rollout:
     """One episode of one environment on one example, whatever its fate.
 
@@ -163,6 +176,8 @@ class Rollout:
     off_policy_steps: int | None = None
     advantage: float | None = None
     samples: list[Sample] = dataclasses.field(default_factory=list)
+    # The trace's further paths when it branches: one more ``Sample`` each (same advantage).
+    branches: list[Branch] = dataclasses.field(default_factory=list)
     # Timestamps on the orchestrator's clock (monotonic seconds, or virtual time in simulation).
     admitted_at: float = 0.0
     finished_at: float = 0.0
@@ -178,7 +193,13 @@ class Rollout:
 
     @property
     def num_model_tokens(self) -> int:
-        return int(sum(self.loss_mask))
+        return int(sum(self.loss_mask)) + sum(int(sum(b.loss_mask)) for b in self.branches)
+
+    def _model_versions(self) -> list[int]:
+        paths = [self, *self.branches]
+        return [
+            v for p in paths for v, m in zip(p.versions, p.loss_mask, strict=True) if m and v >= 0
+        ]
 
     @property
     def head_version(self) -> int:
@@ -186,24 +207,26 @@ class Rollout:
 
         Falls back to the version at group start when no model token carries a version.
         """
-        vs = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m and v >= 0]
+        vs = self._model_versions()
         return min(vs) if vs else self.policy_version_at_start
 
     @property
     def tail_version(self) -> int:
-        vs = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m and v >= 0]
+        vs = self._model_versions()
         return max(vs) if vs else self.policy_version_at_start
 
     def validate_trace(self) -> None:
-        n = len(self.token_ids)
-        lens = {
-            "loss_mask": len(self.loss_mask),
-            "logprobs": len(self.logprobs),
-            "versions": len(self.versions),
-        }
-        bad = {k: v for k, v in lens.items() if v != n}
-        if bad:
-            raise ValueError(f"rollout trace misaligned: token_ids has {n} entries but {bad}")
+        for i, path in enumerate([self, *self.branches]):
+            n = len(path.token_ids)
+            lens = {
+                "loss_mask": len(path.loss_mask),
+                "logprobs": len(path.logprobs),
+                "versions": len(path.versions),
+            }
+            bad = {k: v for k, v in lens.items() if v != n}
+            if bad:
+                where = "rollout trace" if i == 0 else f"rollout branch {i}"
+                raise ValueError(f"{where} misaligned: token_ids has {n} entries but {bad}")
 
 
 # An episode is what one dispatched unit of work yields: one rollout (per-rollout env) or a

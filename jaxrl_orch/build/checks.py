@@ -60,7 +60,7 @@ def check_examples(parts: RunParts, max_prefill: int) -> None:
     """See the module docstring (``max_prefill``: the engine's prompt limit)."""
     cfg, env, data = parts.cfg, parts.env, parts.data
     text_of = getattr(env, "prompt_text", None)
-    if cfg.warmup.steps:
+    if cfg.warmup.steps and parts.demonstrator is not None:
 
         def sample_text(ex: dict[str, Any]) -> str:
             return text_of(ex) + parts.demonstrator.completion(ex)

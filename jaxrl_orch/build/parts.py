@@ -135,10 +135,13 @@ class DataSources:
     sampled_eval: Any
 
 
-def build_data(cfg: TrainConfig) -> DataSources:
-    """The sources of ``Data.dataset`` / ``eval_dataset``. A text file is split in two
+def build_data(cfg: TrainConfig, env: Any = None) -> DataSources:
+    """The sources of ``Data.dataset`` / ``eval_dataset``, or of an env that brings its own
+    examples (``env.examples(split)``, a verifiers taskset). A text file is split in two
     unless a separate eval set is named: then all of it trains, an eval text file is held out
     whole (datasets use their own splits), and a line in both fails."""
+    if hasattr(env, "examples"):
+        return _env_data(cfg, env)
     train_split = "all" if cfg.data.eval_dataset and text_file_path(cfg.data.dataset) else "train"
     train = make_source(
         cfg.data.dataset, split=train_split, data_dir=cfg.data.data_dir, seed=cfg.seed
@@ -163,4 +166,17 @@ def build_data(cfg: TrainConfig) -> DataSources:
                 f"also appear in dataset {cfg.data.dataset!r} (e.g. {shared[0]!r}); eval lines "
                 "must be held out of training"
             )
+    return DataSources(train, sft, *held_out)
+
+
+def _env_data(cfg: TrainConfig, env: Any) -> DataSources:
+    name = f"{env.name} tasks"
+    train = DatasetSource(env.examples("train"), seed=cfg.seed, name=name)
+    if cfg.data.rl_prompt_pool is not None:
+        train = first_examples(train, cfg.data.rl_prompt_pool, cfg.seed)
+    sft = DatasetSource(env.examples("train"), seed=cfg.seed + 1, name=name)
+    held_out = [
+        DatasetSource(env.examples("eval"), shuffle=False, name=f"{env.name} held-out tasks")
+        for _ in range(2)
+    ]
     return DataSources(train, sft, *held_out)

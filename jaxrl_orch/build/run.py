@@ -18,7 +18,9 @@ setting a stage could be handed.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -102,9 +104,11 @@ def build_run(
         placement = Placement(*build_placement(cfg, len(jax.devices())))
     else:
         placement = Placement(*roles.placement(cfg, role))
-    env_kwargs = {} if cfg.data.instruction is None else {"instruction": cfg.data.instruction}
-    env = make_env(cfg.data.env, tokenizer=tokenizer, **env_kwargs)
+    env = make_env(cfg.data.env, tokenizer=tokenizer, **env_kwargs(cfg))
     wants_demos = cfg.warmup.steps or cfg.warmup.demonstrations or cfg.rl.after_warmup == "sft"
+    # A warm-up copied from another run needs no demonstrations (an env may have none).
+    if cfg.warmup.from_workdir and not hasattr(env, "reference_completion"):
+        wants_demos = False
     demonstrator = MixedDemonstrator(env, cfg.warmup.demonstrations) if wants_demos else None
     _check_warmup_from(cfg)
     engine_factory(cfg.engine.kind)  # a bad spec fails here, before any work
@@ -118,11 +122,28 @@ def build_run(
         placement=placement,
         env=env,
         demonstrator=demonstrator,
-        data=build_data(cfg),
+        data=build_data(cfg, env),
     )
     check_examples(parts, engine_limits(cfg).max_prefill_length)
     _announce_data(parts)
     return parts
+
+
+def env_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    """What ``make_env`` passes the env's constructor besides the tokenizer."""
+    if cfg.data.env == "verifiers":
+        from jaxrl_orch.envs.vf.env import tokenizer_dir_for
+
+        vf = cfg.verifiers
+        cache = Path(tempfile.gettempdir()) / "jaxrl_orch"
+        return {
+            "env": vf.env,
+            "tokenizer_dir": tokenizer_dir_for(cfg.model.tokenizer, cache),
+            "renderer": vf.renderer,
+            "max_prompt_len": engine_limits(cfg).max_prefill_length,
+            "holdout_every": vf.holdout_every,
+        }
+    return {} if cfg.data.instruction is None else {"instruction": cfg.data.instruction}
 
 
 def _check_warmup_from(cfg: TrainConfig) -> None:
@@ -141,9 +162,15 @@ def _announce_data(parts: RunParts) -> None:
     mix = ", ".join(f"{b} {x:.0%}" for b, x in cfg.warmup.demonstrations) or "always right"
     stage(
         "data",
-        f"{cfg.data.env} on {cfg.data.dataset}: {len(data.train)} train / {len(data.eval)} "
+        f"{cfg.data.env} on {_dataset_name(parts)}: {len(data.train)} train / {len(data.eval)} "
         f"held-out examples (eval on {cfg.rl.eval_examples}); warm-up demonstrator: {mix}",
     )
+
+
+def _dataset_name(parts: RunParts) -> str:
+    """What the examples come from: the env's own tasks, or ``Data.dataset``."""
+    has_own = hasattr(parts.env, "examples")
+    return f"{parts.env.name}'s tasks" if has_own else parts.cfg.data.dataset
 
 
 def build_trainer(

@@ -2,7 +2,8 @@
 
 Each section is a frozen dataclass that gin configures by its own name, read by the code it
 names: ``Model`` (the network, its precision and kernels: ``build.accel``), ``Data`` (the task
-and its examples: ``build.parts``), ``Warmup`` (the SFT stage: ``run.warmup``), ``RL`` (the
+and its examples: ``build.parts``), ``Verifiers`` (a verifiers environment: ``build.run``),
+``Warmup`` (the SFT stage: ``run.warmup``), ``RL`` (the
 algorithm, its loss and corrections, optimizer, sampling and evals, in ``config.rl``: ``run.rl``,
 ``build.accel``), ``Lora`` (the RL stage's adapters: ``build.run``), ``Trainer`` (rows and
 the trainer mesh), ``Engine`` (the decoding engine: ``build.engines``, ``build.sides``),
@@ -70,6 +71,22 @@ class Data:
     rl_prompt_pool: int | None = None  # RL prompts from only the first N train examples (a probe)
 
     ALLOWED: ClassVar[dict[str, Allowed]] = {"rl_prompt_pool": Allowed.at_least(1).or_none()}
+
+    def __post_init__(self) -> None:
+        check_allowed(self)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Verifiers:
+    """With ``Data.env = 'verifiers'``: the verifiers environment the run trains on (``envs.vf``);
+    its taskset supplies the prompts and the held-out split."""
+
+    env: dict | None = None  # the SingleAgentEnvConfig dict (configs/verifiers.gin: VERIFIERS_ENV)
+    renderer: str = "default"  # the renderers config for chat turns -> ids (e.g. "qwen3")
+    holdout_every: int = 10  # a taskset without a 'split' field holds out every N-th task
+
+    ALLOWED: ClassVar[dict[str, Allowed]] = {"holdout_every": Allowed.at_least(2)}
 
     def __post_init__(self) -> None:
         check_allowed(self)
@@ -266,7 +283,19 @@ class Outputs:
         check_allowed(self)
 
 
-SECTIONS = (Model, Data, Warmup, RL, Lora, Trainer, Engine, Orchestrator, Processes, Outputs)
+SECTIONS = (
+    Model,
+    Data,
+    Verifiers,
+    Warmup,
+    RL,
+    Lora,
+    Trainer,
+    Engine,
+    Orchestrator,
+    Processes,
+    Outputs,
+)
 
 
 @gin.configurable
@@ -275,6 +304,7 @@ class TrainConfig:
     seed: int = 0  # every random choice of the run (init, data order, sampling) derives from it
     model: Model = dataclasses.field(default_factory=Model)
     data: Data = dataclasses.field(default_factory=Data)
+    verifiers: Verifiers = dataclasses.field(default_factory=Verifiers)
     warmup: Warmup = dataclasses.field(default_factory=Warmup)
     rl: RL = dataclasses.field(default_factory=RL)
     lora: Lora = dataclasses.field(default_factory=Lora)
@@ -303,6 +333,7 @@ class TrainConfig:
             "not yet travel to engine replicas; set Processes.engine_replicas = 0 "
             f"(got {self.processes.engine_replicas}) or Lora.rank = 0",
         )
+        self._check_verifiers()
         multiple = trainer.chunk_rows * rl.minibatches
         require(
             trainer.rows_per_batch is None or trainer.rows_per_batch % multiple == 0,
@@ -310,6 +341,21 @@ class TrainConfig:
             f"Trainer.chunk_rows * RL.minibatches = {multiple}: a step trains whole chunks",
         )
         _ = self.loop  # the loop's own checks: age policy, staleness, concurrency, timeouts
+
+    def _check_verifiers(self) -> None:
+        data, vf = self.data, self.verifiers
+        if data.env != "verifiers":
+            return
+        require(
+            vf.env is not None,
+            "Data.env = 'verifiers' needs the environment: bind VERIFIERS_ENV (configs/"
+            "verifiers.gin), e.g. VERIFIERS_ENV = {'taskset': {'id': 'jaxrl-reverse-text'}}",
+        )
+        require(
+            data.instruction is None,
+            f"Data.instruction ({data.instruction!r}) does not apply to a verifiers environment: "
+            "its taskset writes the prompts; set Data.instruction = None",
+        )
 
     @property
     def loop(self) -> OrchestratorConfig:

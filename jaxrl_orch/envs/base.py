@@ -250,6 +250,14 @@ class SingleTurnEnv:
         return trace.fill(rollout)
 
 
+async def close_env(env: Any) -> None:
+    """Release what an env holds open across rollouts (``aclose``: a verifiers env's serving
+    context); a no-op for envs that hold nothing. Stages call it on every exit path."""
+    aclose = getattr(env, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
 def turn_metrics(completions: Sequence[Completion]) -> dict[str, float]:
     """Per-rollout metrics shared by every env: tokens the engine generated (including any an
     env-side stop string cut off; the trained ones are ``Rollout.num_model_tokens``),
@@ -291,6 +299,8 @@ _BUILTIN: dict[str, str] = {
     "reverse_text": "jaxrl_orch.envs.reverse_text:ReverseTextEnv",
     "arithmetic": "jaxrl_orch.envs.arithmetic:ArithmeticEnv",
     "calculator": "jaxrl_orch.envs.calculator:CalculatorEnv",
+    # any verifiers 0.4 environment (the ``verifiers`` extra; its settings: ``Verifiers``)
+    "verifiers": "jaxrl_orch.envs.vf.env:VerifiersEnv",
 }
 _USER: dict[str, Callable[..., Any]] = {}
 

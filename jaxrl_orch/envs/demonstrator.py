@@ -79,7 +79,8 @@ class MixedDemonstrator:
         self.mix = check_mix(mix, known, getattr(env, "name", "env")) if mix else ()
         if not hasattr(env, "reference_completion"):
             raise ValueError(
-                f"env {getattr(env, 'name', env)!r} has no reference completion; set sft_steps=0"
+                f"env {getattr(env, 'name', env)!r} has no reference completion to warm up on; "
+                "set Warmup.steps = 0 or start from another run's warm-up (Warmup.from_workdir)"
             )
 
     def behaviour(self, example: dict[str, Any]) -> str:

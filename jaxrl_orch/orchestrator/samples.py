@@ -17,7 +17,8 @@ them); a rollout whose trace cannot be converted (misaligned lengths, values tha
 the dtypes) never poisons its group: the group falls back to per-rollout conversion, so only
 that rollout fails, with the error ``trace_to_sample`` raises. Pure host NumPy; it touches only
 the rollouts it is given (it may run on a worker thread) and never imports another
-orchestrator component.
+orchestrator component. A rollout whose trace branches (``Rollout.branches``) becomes a sample per
+path (``trace_to_samples``); its group takes the per-rollout path.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxrl_orch.types import NO_VERSION, Rollout, Sample
+from jaxrl_orch.types import NO_VERSION, Branch, Rollout, Sample
 
 
 def trace_to_sample(rollout: Rollout) -> Sample:
@@ -37,19 +38,29 @@ def trace_to_sample(rollout: Rollout) -> Sample:
     Raises ``ValueError`` for a trace whose fields have different lengths.
     """
     rollout.validate_trace()
-    mask = np.asarray(rollout.loss_mask, dtype=bool)
+    return _path_sample(rollout, rollout.temperature)
+
+
+def trace_to_samples(rollout: Rollout) -> list[Sample]:
+    """The rollout's own trace, then each of its ``branches``: one ``Sample`` per path."""
+    rollout.validate_trace()
+    return [_path_sample(p, rollout.temperature) for p in (rollout, *rollout.branches)]
+
+
+def _path_sample(path: Rollout | Branch, temperature: float) -> Sample:
+    mask = np.asarray(path.loss_mask, dtype=bool)
     n = mask.shape[0]
     return Sample(
-        token_ids=np.asarray(rollout.token_ids, dtype=np.int32).reshape(n),
+        token_ids=np.asarray(path.token_ids, dtype=np.int32).reshape(n),
         loss_mask=mask,
-        logprobs=np.where(mask, np.asarray(rollout.logprobs, np.float32).reshape(n), 0.0).astype(
+        logprobs=np.where(mask, np.asarray(path.logprobs, np.float32).reshape(n), 0.0).astype(
             np.float32
         ),
         advantages=np.zeros(n, np.float32),
-        temperatures=np.full(n, rollout.temperature, np.float32),
-        versions=np.where(
-            mask, np.asarray(rollout.versions, np.int64).reshape(n), NO_VERSION
-        ).astype(np.int32),
+        temperatures=np.full(n, temperature, np.float32),
+        versions=np.where(mask, np.asarray(path.versions, np.int64).reshape(n), NO_VERSION).astype(
+            np.int32
+        ),
     )
 
 
@@ -85,8 +96,8 @@ def group_to_samples(rollouts: Sequence[Rollout]) -> GroupArrays | None:
     temps: list[float] = []
     for r in rollouts:
         n = len(r.token_ids)
-        if not n == len(r.loss_mask) == len(r.logprobs) == len(r.versions):
-            return None
+        if r.branches or not n == len(r.loss_mask) == len(r.logprobs) == len(r.versions):
+            return None  # a branching trace takes the per-rollout path (a sample per branch)
         lens.append(n)
         toks += r.token_ids
         mask += r.loss_mask

@@ -4,7 +4,8 @@ What it owns: one file per train step, ``<path>/step_<step:08d>.jsonl``, one JSO
 rollout with exactly the facts the trainer consumed: ids (``env``, ``group_id``,
 ``episode_id``), the token trace (``token_ids``, ``loss_mask``, ``logprobs``, ``versions``),
 ``temperature``, ``reward``, ``advantage``, ``off_policy_steps``, ``head_version`` and
-``live_policy``. Enough to audit or replay a step without re-tokenizing anything.
+``live_policy``, and ``branches`` (each further path's token trace) when the trace branches.
+Enough to audit or replay a step without re-tokenizing anything.
 
 Who drives it: the orchestrator's main loop, from ``finalize_train_batch``: after the batch's
 off-policy ages are stamped and *before* the batch ships, ``write(step, rollouts)`` with the
@@ -38,7 +39,7 @@ from typing import Any
 from etils import epath
 
 from jaxrl_orch.paths import as_path, write_atomic
-from jaxrl_orch.types import Rollout
+from jaxrl_orch.types import Branch, Rollout
 
 _STEP_FILE = re.compile(r"^step_(\d{8,})\.jsonl$")
 
@@ -46,21 +47,30 @@ _STEP_FILE = re.compile(r"^step_(\d{8,})\.jsonl$")
 def rollout_record(rollout: Rollout) -> dict[str, Any]:
     """The persisted form of one trained rollout (plain JSON types only)."""
     rollout.validate_trace()
-    return {
+    record = {
         "env": rollout.env,
         "group_id": int(rollout.group_id),
         "episode_id": int(rollout.episode_id),
-        "token_ids": [int(t) for t in rollout.token_ids],
-        "loss_mask": [bool(m) for m in rollout.loss_mask],
-        # null where the engine reported no log-prob (the trainer recomputed it)
-        "logprobs": [float(x) if math.isfinite(x) else None for x in rollout.logprobs],
-        "versions": [int(v) for v in rollout.versions],
+        **_path_record(rollout),
         "temperature": float(rollout.temperature),
         "reward": float(rollout.reward),
         "advantage": None if rollout.advantage is None else float(rollout.advantage),
         "off_policy_steps": rollout.off_policy_steps,
         "head_version": int(rollout.head_version),
         "live_policy": bool(rollout.live_policy),
+    }
+    if rollout.branches:
+        record["branches"] = [_path_record(b) for b in rollout.branches]
+    return record
+
+
+def _path_record(path: Rollout | Branch) -> dict[str, Any]:
+    return {
+        "token_ids": [int(t) for t in path.token_ids],
+        "loss_mask": [bool(m) for m in path.loss_mask],
+        # null where the engine reported no log-prob (the trainer recomputed it)
+        "logprobs": [float(x) if math.isfinite(x) else None for x in path.logprobs],
+        "versions": [int(v) for v in path.versions],
     }
 
 

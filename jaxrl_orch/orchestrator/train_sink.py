@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl_orch.algorithms.advantages import NonFiniteRewardError, get_algorithm
-from jaxrl_orch.orchestrator.samples import GroupArrays, group_to_samples, trace_to_sample
+from jaxrl_orch.orchestrator.samples import GroupArrays, group_to_samples, trace_to_samples
 from jaxrl_orch.orchestrator.stats import head_versions, window_stats
 from jaxrl_orch.types import Algorithm, Episode, Rollout, Sample, TrainBatch
 
@@ -208,7 +208,7 @@ class TrainSink:
         if arrays is None:
             for r in todo:
                 try:
-                    r.samples = [trace_to_sample(r)]
+                    r.samples = trace_to_samples(r)
                 except ValueError as exc:
                     r.capture_error(exc)
         return arrays
@@ -238,8 +238,7 @@ class TrainSink:
         totals["errors"] += errors
         if self.config.engine_logprobs and (arrays is None or not arrays.all_logprobs_finite()):
             for r in survivors:
-                lp = r.samples[0].logprobs[r.samples[0].loss_mask]
-                if not np.isfinite(lp).all():
+                if not all(np.isfinite(s.logprobs[s.loss_mask]).all() for s in r.samples):
                     self._flag(r, "non_finite_logprob")
             survivors = [r for r in survivors if not r.filtered]
 
@@ -265,8 +264,8 @@ class TrainSink:
             arrays.fan_out(adv)  # survivors are exactly the converted rollouts, in order
         else:
             for r, a in zip(survivors, adv, strict=True):
-                s = r.samples[0]
-                s.advantages[s.loss_mask] = a
+                for s in r.samples:
+                    s.advantages[s.loss_mask] = a
 
         reward_list = rewards.tolist()  # max/min of a few floats: cheaper than np.ptp
         signal = len(survivors) >= 2 and max(reward_list) - min(reward_list) > ZERO_VARIANCE_ATOL
@@ -295,7 +294,7 @@ class TrainSink:
             heads = head_versions(ready)
             self._ready = deque(ready[i] for i in sorted(range(len(ready)), key=heads.__getitem__))
         trained = [self._ready.popleft() for _ in range(self.batch_size)]
-        # Every ready rollout holds exactly one sample (tokenized, scored, unflagged).
+        # Every ready rollout holds its samples (tokenized, scored, unflagged): one per path.
         samples = [s for r in trained for s in r.samples]
         batch = TrainBatch(
             step=self._step,

@@ -28,7 +28,7 @@ import jax
 
 from jaxrl_orch.build.engines import build_engine, to_engine
 from jaxrl_orch.build.run import RunParts, build_trainer
-from jaxrl_orch.envs.base import AtTemperature
+from jaxrl_orch.envs.base import AtTemperature, close_env
 from jaxrl_orch.inference.client import EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.orchestrator.eval_sink import eval_metrics
@@ -43,23 +43,26 @@ from jaxrl_orch.types import SamplingParams
 async def evaluate(parts: RunParts, client: EngineClient) -> dict[str, float]:
     """Greedy and sampled eval of the held-out examples, keyed as the RL run's eval rows."""
     cfg, env, data = parts.cfg, parts.env, parts.data
-    greedy = SamplingParams(temperature=0.0, max_tokens=cfg.rl.max_new_tokens)
+    s = SamplingParams(temperature=0.0, max_tokens=cfg.rl.max_new_tokens)  # greedy
     views = {
         env.name: (env, data.eval),
         parts.sampled_eval: (AtTemperature(env, cfg.rl.temperature), data.sampled_eval),
     }
     metrics: dict[str, float] = {}
-    for name, (env, source) in views.items():
-        n = min(cfg.rl.eval_examples, len(source))
-        rollouts = await asyncio.gather(
-            *(
-                env.run(client, source.example_at(i), group_id=i, episode_id=0, sampling=greedy)
-                for i in range(n)
+    try:
+        for name, (view, source) in views.items():
+            n = min(cfg.rl.eval_examples, len(source))
+            rollouts = await asyncio.gather(
+                *(
+                    view.run(client, source.example_at(i), group_id=i, episode_id=0, sampling=s)
+                    for i in range(n)
+                )
             )
-        )
-        for r in rollouts:
-            r.env = name
-        metrics.update(eval_metrics(name, list(rollouts), pass_threshold=1.0))
+            for r in rollouts:
+                r.env = name
+            metrics.update(eval_metrics(name, list(rollouts), pass_threshold=1.0))
+    finally:
+        await close_env(env)  # each eval runs in a loop of its own
     return metrics
 
 

@@ -41,7 +41,7 @@ from jaxrl_orch.build.run import RunParts, build_trainer
 from jaxrl_orch.build.sides import InProcessSide, LeaderSide
 from jaxrl_orch.build.weights import StepTimes, WeightPath
 from jaxrl_orch.distributed.group import EngineStager
-from jaxrl_orch.envs.base import AtTemperature
+from jaxrl_orch.envs.base import AtTemperature, close_env
 from jaxrl_orch.orchestrator.dispatcher.dispatch import EvalPlan
 from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
@@ -145,6 +145,7 @@ async def _lead(
         secs = time.perf_counter() - t0
     finally:
         drain.cancel()
+        await close_env(parts.env)
         if live is not None:
             live.stop()
         trainer.stop()

@@ -74,6 +74,12 @@ def run_warmup(
             trim_for_sft(parts.workdir, done)
         if not cfg.warmup.steps:
             return trainer.params, info
+        if parts.demonstrator is None:
+            raise ValueError(
+                f"the warm-up in {own} stopped at step {done} of Warmup.steps = "
+                f"{cfg.warmup.steps}, and env {parts.env.name!r} has no demonstrations to "
+                f"continue it; set Warmup.steps = {done} or warm up a run that has them"
+            )
         return _train(parts, trainer, ckpt, writer, stop, done, info)
     finally:
         ckpt.close()

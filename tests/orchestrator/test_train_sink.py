@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxrl_orch.orchestrator import train_sink as ts
-from jaxrl_orch.orchestrator.train_sink import TrainSink, TrainSinkConfig, trace_to_sample
+from jaxrl_orch.orchestrator.samples import trace_to_sample
+from jaxrl_orch.orchestrator.train_sink import TrainSink, TrainSinkConfig
 from jaxrl_orch.types import NO_VERSION, Rollout
 
 _EPISODE = iter(range(10**9))

@@ -1,0 +1,77 @@
+"""An in-process chat harness for verifiers 0.4: the agent program of the bundled examples.
+
+verifiers runs a taskset's agent as a ``Harness`` whose ``launch`` talks OpenAI chat to the
+rollout's interception endpoint. Its bundled ones build a program in a runtime (``uv sync``,
+a sandbox), which needs the network; this one plays the seat in this process, which
+``Harness.launch`` allows: it sends the task's opening messages (with the task's tools, if any),
+then, for as many turns as ``follow_up`` answers, the environment's reply and the model's next
+turn. A subclass sets ``follow_up``; the default is one turn.
+
+Tool calls: ``run_tools`` executes the calls of a turn against ``TOOLS`` (name -> a function of
+keyword arguments returning text) and answers each with a ``tool`` message; an unknown tool or
+bad arguments become that message's text, as a real tool server would answer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import httpx
+import verifiers.v1 as vf
+from openai import NOT_GIVEN, AsyncOpenAI
+
+
+class ChatConfig(vf.HarnessConfig):
+    max_turns: int = 4
+
+
+class ChatHarness(vf.Harness[ChatConfig]):
+    APPENDS_SYSTEM_PROMPT = True
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+    TOOLS: ClassVar[dict[str, Callable[..., str]]] = {}
+    TOOL_SPECS: ClassVar[list[dict[str, Any]]] = []
+
+    def follow_up(self, data: Any, reply: Any, turn: int) -> list[dict[str, Any]]:
+        """The environment's messages after the model's turn ``turn``; [] ends the episode."""
+        return self.run_tools(reply)
+
+    def run_tools(self, reply: Any) -> list[dict[str, Any]]:
+        out = []
+        for call in reply.tool_calls or []:
+            fn = self.TOOLS.get(call.function.name)
+            try:
+                args = json.loads(call.function.arguments or "{}")
+                text = str(fn(**args)) if fn else f"unknown tool {call.function.name!r}"
+            except (TypeError, ValueError) as exc:
+                text = f"bad arguments: {exc}"
+            out.append({"role": "tool", "tool_call_id": call.id, "content": text})
+        return out
+
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **_: Any):
+        system, prompt = self.resolve_prompt(data)
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        if isinstance(prompt, str):
+            messages.append({"role": "user", "content": prompt})
+        else:
+            messages += [m if isinstance(m, dict) else m.model_dump() for m in prompt or []]
+        # Loopback only, whatever the proxy settings; a plain-http endpoint needs no TLS, and
+        # loading a verified TLS context costs tens of ms per episode on the event loop. One
+        # client per episode: a pool shared by hundreds of episodes costs more to scan.
+        http = httpx.AsyncClient(trust_env=False, verify=False, timeout=None)
+        async with AsyncOpenAI(
+            base_url=endpoint, api_key=secret, max_retries=0, http_client=http
+        ) as client:
+            for turn in range(self.config.max_turns):
+                reply = await client.chat.completions.create(
+                    model=ctx.model, messages=messages, tools=self.TOOL_SPECS or NOT_GIVEN
+                )
+                message = reply.choices[0].message
+                messages.append(message.model_dump(exclude_none=True))
+                more = self.follow_up(data, message, turn)
+                if not more:
+                    break
+                messages += more
+        return vf.ProgramResult(exit_code=0, stdout="", stderr="")
