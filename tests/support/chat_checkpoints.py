@@ -124,6 +124,16 @@ LLAMA31_TEMPLATE = (
 )
 
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen3's added tokens that its renderer (``renderers``' ``qwen3``) looks up by name.
+QWEN3_SPECIALS = (
+    *QWEN_SPECIALS,
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
 LLAMA3_SPECIALS = (
     "<|begin_of_text|>",
     "<|end_of_text|>",
@@ -175,6 +185,23 @@ def write_qwen_tokenizer(directory: Path, template: object = QWEN_TEMPLATE) -> P
             "pad_token": "<|endoftext|>",
             "chat_template": template,
             "model_max_length": 32768,
+        },
+    )
+    return directory
+
+
+def write_qwen3_tokenizer(directory: Path) -> Path:
+    """Qwen3's layout: Qwen2.5's with the tool-call, tool-response and think tokens added."""
+    write_tokenizer(directory, QWEN3_SPECIALS)
+    _write_config(
+        directory,
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "chat_template": QWEN_TEMPLATE,
+            "model_max_length": 40960,
         },
     )
     return directory

@@ -38,9 +38,11 @@ from aiohttp import web
 from jaxrl_orch.types import Completion, InferenceClient, SamplingParams
 
 SESSION_HEADER = "X-Session-ID"
-# What the route takes, and the values that change nothing: renderers always sends
+# What the route takes, and the keys that change nothing here: renderers always sends
 # ``logprobs=1`` (one per sampled id, which the engine always reports) and
-# ``skip_special_tokens`` (no text is returned, only ids).
+# ``skip_special_tokens`` (no text is returned, only ids); verifiers sends
+# ``routed_experts_prompt_start`` on a bridged turn (where a mixture-of-experts engine starts
+# recording routing; the models here route nothing).
 SAMPLING_KEYS = (
     "temperature",
     "top_p",
@@ -51,6 +53,7 @@ SAMPLING_KEYS = (
     "n",
     "logprobs",
     "skip_special_tokens",
+    "routed_experts_prompt_start",
 )
 
 

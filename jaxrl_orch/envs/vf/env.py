@@ -162,10 +162,26 @@ class VerifiersEnv:
             await stack.enter_async_context(self.vf_env.serving())
             await self.bridge.start()
             stack.push_async_callback(self.bridge.stop)
+            await self._learn_prompt_cap()
         except BaseException:
             await stack.aclose()
             raise
         self._stack = stack
+
+    async def _learn_prompt_cap(self) -> None:
+        """Have ``renderers`` read the bridge's prompt cap once, before any rollout. It caches
+        the cap per URL under a process-wide asyncio lock; looked up by many rollouts at once,
+        that lock binds to the first event loop and fails in the next one (each eval of the
+        imitation control, each test). One uncontended lookup per opening never binds it."""
+        import httpx
+        from openai import AsyncOpenAI
+        from renderers.client import _resolve_max_prompt_len
+
+        http = httpx.AsyncClient(trust_env=False)
+        async with AsyncOpenAI(
+            base_url=f"{self.bridge.base_url}/v1", api_key="-", http_client=http
+        ) as c:
+            await _resolve_max_prompt_len(c, self.name)
 
     async def aclose(self) -> None:
         """Close verifiers' serving context and the bridge (idempotent)."""
