@@ -127,7 +127,8 @@ def test_tool_call_turns_through_the_qwen3_renderer(tmp_path):
     env = _env(tokenizer, tok_dir, {"taskset": {"id": "jaxrl-tool-call"}}, renderer="qwen3")
     ex = env.examples("train")[0]
     a, b = env.task(ex).data.a, env.task(ex).data.b
-    call = '<tool_call>\n{"name": "add", "arguments": {"a": %d, "b": %d}}\n</tool_call>' % (a, b)
+    args = f'{{"a": {a}, "b": {b}}}'
+    call = f'<tool_call>\n{{"name": "add", "arguments": {args}}}\n</tool_call>'
     client = ScriptedClient(tokenizer, [call + "<|im_end|>", f"It is {a + b}.<|im_end|>"], [4])
     (r,) = _run(env, client, [ex])
     assert r.reward == 1.0 and r.num_turns == 2
@@ -160,7 +161,8 @@ def test_a_forked_trace_is_two_samples_and_a_shared_node_trains_once(tmp_path):
     assert _contains(branch.token_ids, one.token_ids)
     trained = [t for t, m in zip(branch.token_ids, branch.loss_mask, strict=True) if m]
     assert trained == three.token_ids
-    assert all(v == NO_VERSION for v, m in zip(branch.versions, branch.loss_mask) if not m)
+    context = [v for v, m in zip(branch.versions, branch.loss_mask, strict=True) if not m]
+    assert set(context) == {NO_VERSION}
     # The train sink makes a sample of each path, both carrying the rollout's advantage.
     (other,) = _run(env, ScriptedClient(tokenizer, ["x<|eot_id|>"], [7]), env.examples("train")[:1])
     r.reward, other.reward, other.episode_id = 1.0, 0.0, 1
