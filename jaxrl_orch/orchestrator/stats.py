@@ -10,7 +10,8 @@ on their own:
 - ``head_versions(rollouts)``: each rollout's ``head_version`` (the oldest params version
   among its model tokens), read off the samples the train sink built, in one pass.
 - ``behaviour_shares(rollouts)``: the share of rollouts an env labelled with each
-  ``behaviour/<name>`` (used by both sinks, so train and eval count behaviours alike).
+  ``behaviour/<name>``, and the mean of each ``reward/<name>`` and ``metric/<name>`` (used by
+  both sinks, so train and eval count them alike).
 - ``window_stats(rollouts)``: the train sink's window counts (errors, of them ``nonfinite_rewards``,
   untrainable, filtered)
   and the mean / std of its scored rewards, with the behaviour shares.
@@ -95,9 +96,15 @@ def head_versions(rollouts: Sequence[Rollout]) -> list[int]:
     ]
 
 
+# Rollout metrics an env labels for aggregation: behaviour one-hots (the bundled envs) and a
+# verifiers trace's named rewards and metrics (``envs.vf``).
+LABELS = ("behaviour/", "reward/", "metric/")
+
+
 def behaviour_shares(rollouts: Sequence[Rollout]) -> dict[str, float]:
-    """Mean of each ``behaviour/*`` rollout metric over ``rollouts`` (absent keys count 0)."""
-    keys = sorted({k for r in rollouts for k in r.metrics if k.startswith("behaviour/")})
+    """Mean of each labelled rollout metric (``LABELS``) over ``rollouts`` (absent keys count
+    0): for behaviour one-hots, each behaviour's share."""
+    keys = sorted({k for r in rollouts for k in r.metrics if k.startswith(LABELS)})
     n = len(rollouts)
     return {k: sum(r.metrics.get(k, 0.0) for r in rollouts) / n for k in keys} if n else {}
 

@@ -27,15 +27,26 @@ def eval_curve(evals: Mapping[int, Mapping[str, float]], env: str) -> dict[int, 
 
 
 def behaviour_shares(
-    evals: Mapping[int, Mapping[str, float]], env: str
+    evals: Mapping[int, Mapping[str, float]], env: str, label: str = "behaviour/"
 ) -> dict[str, dict[str, float]]:
-    """``{str(step): {behaviour: share}}`` from the ``eval/<env>/behaviour/*`` keys."""
-    p = f"eval/{env}/behaviour/"
+    """``{str(step): {behaviour: share}}`` from the ``eval/<env>/behaviour/*`` keys (or another
+    ``label``'s)."""
+    p = f"eval/{env}/{label}"
     out = {}
     for step, m in sorted(evals.items()):
         shares = {k[len(p) :]: v for k, v in m.items() if k.startswith(p)}
         if shares:
             out[str(step)] = shares
+    return out
+
+
+def env_scores(evals: Mapping[int, Mapping[str, float]], env: str) -> dict[str, dict[str, float]]:
+    """``{str(step): {"reward/x" | "metric/y": mean}}``: a verifiers environment's named rewards
+    and metrics at each greedy eval."""
+    out: dict[str, dict[str, float]] = {}
+    for label in ("reward/", "metric/"):
+        for step, means in behaviour_shares(evals, env, label).items():
+            out.setdefault(step, {}).update({label + k: v for k, v in means.items()})
     return out
 
 
@@ -84,6 +95,7 @@ def eval_summary(
         "eval_sampled_reward_before_rl": before.get("sampled", sampled.get(0)),
         "eval_sampled_reward_final": sampled[max(sampled)] if sampled else None,
         "behaviour": behaviour,
+        "env_scores": env_scores(evals, env),
     }
 
 

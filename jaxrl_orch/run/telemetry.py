@@ -28,6 +28,8 @@ CONSOLE_KEYS = (
     "train/reward_mean",
     "eval/*/reward_mean",
     "eval/*/behaviour/*",
+    "eval/*/reward/*",
+    "eval/*/metric/*",
     "trainer/loss",
     "trainer/entropy",
     "orch/age_max",

@@ -117,6 +117,23 @@ def _behaviour_lines(summary: dict) -> list[str]:
     return out
 
 
+def _env_score_lines(summary: dict) -> list[str]:
+    """The environment's own named rewards and metrics (a verifiers taskset's), per greedy
+    eval: before RL and final."""
+    scores = summary.get("env_scores")
+    if not isinstance(scores, dict) or not scores:
+        return []
+    steps = sorted(scores, key=int)
+    first, last = steps[0], steps[-1]
+    names = sorted({k for by in scores.values() for k in by})
+    out = ["", "## Environment scores", "", f"| name | eval step {first} | eval step {last} |"]
+    out.append("|---|---:|---:|")
+    for name in names:
+        cells = [scores[s].get(name) for s in (first, last)]
+        out.append(f"| {name} | " + " | ".join(_fmt(c) for c in cells) + " |")
+    return out
+
+
 def _markdown(
     workdir: Path,
     summary: dict,
@@ -135,7 +152,8 @@ def _markdown(
         f"- RL steps: {_fmt(steps)}{steps_note}",
         f"- wall time: {_fmt(summary.get('wall_seconds'), ' s')}",
     ]
-    out += _age_lines(summary, train) + _behaviour_lines(summary) + ["", "## Plots", ""]
+    out += _age_lines(summary, train) + _behaviour_lines(summary) + _env_score_lines(summary)
+    out += ["", "## Plots", ""]
     for name, path in written.items():
         if path.suffix == ".png":
             out += [f"![{name}]({path.name})", ""]

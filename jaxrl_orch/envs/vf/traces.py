@@ -13,7 +13,8 @@ message nodes; each root-to-leaf ``Branch`` is one training sequence (``token_id
   ``types.Branch``. A node already placed on an earlier branch is context on the later ones
   (``loss_mask`` False), so a shared node trains once.
 - the reward is the trace's (its weighted sum); each named reward is a ``reward/<name>`` metric
-  and each named metric is kept under its own name, next to the turn metrics every env reports.
+  and each named metric a ``metric/<name>`` one, next to the turn metrics every env reports; the
+  sinks average both into the train and eval rows (``orchestrator.stats.LABELS``).
 
 An episode that did not conclude (an error on the episode or the trace, a stage timeout, no
 trace, or a multi-agent episode with more than one trainable trace) raises ``EpisodeFailed``; the
@@ -145,5 +146,5 @@ def _same_floats(a: Sequence[float], b: Sequence[float]) -> bool:
 
 def _trace_metrics(trace: Any) -> dict[str, float]:
     out = {f"reward/{k}": float(r.score) for k, r in trace.rewards.items() if r is not None}
-    out.update({k: float(v) for k, v in trace.metrics.items() if v is not None})
+    out.update({f"metric/{k}": float(v) for k, v in trace.metrics.items() if v is not None})
     return {k: v for k, v in out.items() if math.isfinite(v)}
