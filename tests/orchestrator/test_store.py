@@ -95,3 +95,28 @@ def test_a_log_prob_the_engine_did_not_report_is_written_as_null(tmp_path):
     store.write(3, [r])
     rec = store.read(3)[0]
     assert [lp is None for lp in rec["logprobs"]] == r.loss_mask
+
+
+def test_a_branching_rollout_is_stored_with_every_path(tmp_path):
+    from jaxrl_orch.orchestrator.store import rollout_record
+    from jaxrl_orch.types import Branch
+
+    r = Rollout(
+        env="vf",
+        group_id=0,
+        episode_id=0,
+        example={},
+        token_ids=[1, 2, 3],
+        loss_mask=[False, True, True],
+        logprobs=[0.0, -0.1, -0.2],
+        versions=[NO_VERSION, 4, 4],
+    )
+    r.branches = [Branch([1, 2, 3, 5, 6], [False] * 4 + [True], [0.0] * 4 + [-0.3], [-1] * 4 + [5])]
+    record = json.loads(json.dumps(rollout_record(r)))
+    assert record["token_ids"] == [1, 2, 3]
+    (b,) = record["branches"]
+    assert b["token_ids"] == [1, 2, 3, 5, 6] and b["versions"][-1] == 5 and b["loss_mask"][-1]
+    assert record["head_version"] == 4 and r.tail_version == 5 and r.num_model_tokens == 3
+    r.branches[0].versions.pop()
+    with pytest.raises(ValueError, match="rollout branch 1 misaligned"):
+        rollout_record(r)

@@ -54,7 +54,7 @@ def test_sigterm_drains_a_verifiers_run_and_closes_its_serving_context(tmp_path)
     assert checkpoints(wd)[-1] == summary["rl_steps"] >= 1
     rows = all_rows(wd)
     train = [r for r in rows if "train/reward_mean" in r]
-    assert all("train/reward/answer_length" in r and "train/metric/turns_played" in r for r in train)
+    assert all("train/reward/answer_length" in r for r in train)
     assert {r["train/metric/turns_played"] for r in train} == {2.0}  # both turns, every rollout
     evals = [r for r in rows if "eval/jaxrl-vf-testkit/reward_mean" in r]
     assert evals and "eval/jaxrl-vf-testkit/reward/answer_length" in evals[0]
