@@ -120,3 +120,36 @@ def test_a_cancelled_episode_cancels_its_engine_request_and_closes_serving(tmp_p
     assert client.cancelled == 4 and not client.replies  # the engine requests were cancelled
     assert not env.bridge._sessions
     assert marker.read_text() == "closed"  # aclose() closed verifiers' serving context
+
+
+def test_a_harness_past_verifiers_own_deadline_is_an_error_rollout(tmp_path):
+    from jaxrl_orch.envs.vf.env import VerifiersEnv
+    from jaxrl_orch.envs.vf.traces import EpisodeFailed
+    from jaxrl_orch.types import SamplingParams
+
+    tok_dir = write_qwen_tokenizer(tmp_path / "qwen")
+    tokenizer = load_tokenizer(str(tok_dir))
+    spec = {
+        "taskset": {"id": "jaxrl-vf-testkit", "modes": ["hang"], "repeat": 2},
+        "agent": {"timeout": {"rollout": 1.0}},  # the agent's solve attempt, verifiers' setting
+    }
+    env = VerifiersEnv(tokenizer, env=spec, tokenizer_dir=str(tok_dir))
+
+    async def main():
+        try:
+            await env.run(
+                ScriptedClient(tokenizer, ["x"], [0]),
+                env.examples("train")[0],
+                group_id=0,
+                episode_id=0,
+                sampling=SamplingParams(max_tokens=8),
+            )
+        finally:
+            await env.aclose()
+
+    try:
+        asyncio.run(main())
+    except EpisodeFailed as exc:
+        assert "timed out" in str(exc) and "timeout" in str(exc).rsplit("(", 1)[1]
+    else:
+        raise AssertionError("a timed-out episode was trained")

@@ -65,10 +65,10 @@ def _the_trace(episode: Any) -> Any:
             "one (multi-agent episodes are not trained yet)"
         )
     (trace,) = trainable
+    if trace.is_timeout:  # the cause, when scoring a cut-off trace failed too
+        raise EpisodeFailed(f"verifiers trace {trace.id} timed out ({trace.stop_condition})")
     if trace.errors:
         raise EpisodeFailed(f"verifiers trace {trace.id} failed: {_errors(trace.errors)}")
-    if trace.is_timeout:
-        raise EpisodeFailed(f"verifiers trace {trace.id} timed out ({trace.stop_condition})")
     return trace
 
 
