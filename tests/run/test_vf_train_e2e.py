@@ -2,8 +2,8 @@
 
 ``jaxrl_vf_testkit`` (two model turns a rollout) on the tiny untrained model: the run trains
 through verifiers, the taskset's named reward and metric reach ``metrics.jsonl`` and the report,
-and a SIGTERM drains the run and closes verifiers' serving context (its ``Env.stop`` writes the
-marker file) before the process exits.
+and verifiers' serving context (its ``Env.stop`` writes the marker file) is closed before the
+process exits, whether a SIGTERM drained the run or the run failed.
 """
 
 from __future__ import annotations
@@ -61,3 +61,19 @@ def test_sigterm_drains_a_verifiers_run_and_closes_its_serving_context(tmp_path)
     assert "eval/jaxrl-vf-testkit/metric/turns_played" in err + out  # the console shows it
     report = (wd / "report.md").read_text()
     assert "## Environment scores" in report and "| metric/turns_played | 2 |" in report
+
+
+def test_a_crashing_verifiers_run_still_closes_its_serving_context(tmp_path):
+    wd, marker = tmp_path / "run", tmp_path / "serving_closed"
+    # Every harness exits 1: no group is trainable, and the loop's empty-batch guard ends the
+    # RL stage with an error, the way any failure of the stage does.
+    kit = "{'taskset': {'id': 'jaxrl-vf-testkit', 'modes': ['exit_1'], 'repeat': 20}}"
+    res = subprocess.run(
+        train_cmd(wd, *VERIFIERS, f"Verifiers.env = {kit}"),
+        env={**train_env(1), "JAXRL_VF_STOP_MARKER": str(marker)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode != 0 and "EmptyBatchError" in res.stderr, res.stderr[-3000:]
+    assert marker.read_text() == "closed"
