@@ -135,10 +135,11 @@ def env_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         from jaxrl_orch.envs.vf.env import tokenizer_dir_for
 
         vf = cfg.verifiers
-        cache = Path(tempfile.gettempdir()) / "jaxrl_orch"
+        # This process's own directory: runs on one machine never write each other's files.
+        scratch = Path(tempfile.mkdtemp(prefix="jaxrl_orch_tokenizer_"))
         return {
             "env": vf.env,
-            "tokenizer_dir": tokenizer_dir_for(cfg.model.tokenizer, cache),
+            "tokenizer_dir": tokenizer_dir_for(cfg.model.tokenizer, scratch),
             "renderer": vf.renderer,
             "max_prompt_len": engine_limits(cfg).max_prefill_length,
             "holdout_every": vf.holdout_every,

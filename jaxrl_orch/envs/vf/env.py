@@ -4,7 +4,7 @@ What it owns
 - Loading: the dict a verifiers user writes for ``SingleAgentEnvConfig`` (``Verifiers.env``, the
   gin macro ``VERIFIERS_ENV``) through verifiers' own ``load_environment``. An agent without a
   runtime runs in the ``subprocess`` runtime (verifiers' default is its hosted one). The bundled
-  example ids (``EXAMPLES``) resolve to modules of ``envs.vf.examples``.
+  example ids (``EXAMPLES``) resolve to modules of ``jaxrl_orch.examples``.
 - Data: the taskset's tasks are the examples, ``{"split", "task"}`` by position. A taskset whose
   config has a ``split`` field is loaded once per split (``"train"`` / ``"eval"``); any other
   holds out every ``holdout_every``-th task.
