@@ -158,7 +158,7 @@ class EngineBridge:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # port 0: the one the OS picked
+        port = self._runner.addresses[0][1]  # port 0: the one the OS picked
         self.base_url = f"http://127.0.0.1:{port}"
         return self.base_url
 
