@@ -90,6 +90,15 @@ def check_sampling_keys(keys: Any, where: str) -> None:
 def to_sampling(params: Mapping[str, Any], rollout: SamplingParams) -> SamplingParams:
     """A request's ``sampling_params`` as the engine's, within the rollout's own sampling."""
     check_sampling_keys(params, "generate")
+    try:
+        return _within(params, rollout)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, BridgeError):
+            raise
+        raise BridgeError(400, f"sampling_params: {exc}") from None
+
+
+def _within(params: Mapping[str, Any], rollout: SamplingParams) -> SamplingParams:
     if int(params.get("n", 1)) != 1:
         raise BridgeError(400, f"n={params['n']!r}: one sample per request (n=1)")
     temperature = float(params.get("temperature", rollout.temperature))
@@ -101,19 +110,15 @@ def to_sampling(params: Mapping[str, Any], rollout: SamplingParams) -> SamplingP
         )
     max_tokens = params.get("max_tokens")
     budget = rollout.max_tokens if max_tokens is None else min(int(max_tokens), rollout.max_tokens)
-    try:
-        return dataclasses.replace(
-            rollout,
-            top_p=float(params.get("top_p", rollout.top_p)),
-            top_k=max(0, int(params.get("top_k", rollout.top_k))),  # vLLM's -1: off
-            max_tokens=budget,
-            seed=params.get("seed", rollout.seed),
-            stop_token_ids=tuple(
-                dict.fromkeys((*rollout.stop_token_ids, *params.get("stop_token_ids", ())))
-            ),
-        )
-    except (TypeError, ValueError) as exc:
-        raise BridgeError(400, f"sampling_params: {exc}") from None
+    stops = (*rollout.stop_token_ids, *(int(t) for t in params.get("stop_token_ids", ())))
+    return dataclasses.replace(
+        rollout,
+        top_p=float(params.get("top_p", rollout.top_p)),
+        top_k=max(0, int(params.get("top_k", rollout.top_k))),  # vLLM's -1: off
+        max_tokens=budget,
+        seed=params.get("seed", rollout.seed),
+        stop_token_ids=tuple(dict.fromkeys(stops)),
+    )
 
 
 def reply_json(request_id: str, prompt_len: int, c: Completion) -> dict[str, Any]:
@@ -148,7 +153,6 @@ class EngineBridge:
         self._sessions: dict[str, Session] = {}
         self._runner: web.AppRunner | None = None
         self.base_url: str | None = None
-        self.requests = 0
 
     async def start(self) -> str:
         app = web.Application(client_max_size=64 * 2**20)
@@ -184,7 +188,6 @@ class EngineBridge:
             task.cancel()
 
     async def _generate(self, request: web.Request) -> web.Response:
-        self.requests += 1
         try:
             session, ids, sampling = self._parse(request, await request.read())
         except BridgeError as exc:
