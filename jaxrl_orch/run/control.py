@@ -43,7 +43,7 @@ from jaxrl_orch.types import SamplingParams
 async def evaluate(parts: RunParts, client: EngineClient) -> dict[str, float]:
     """Greedy and sampled eval of the held-out examples, keyed as the RL run's eval rows."""
     cfg, env, data = parts.cfg, parts.env, parts.data
-    s = SamplingParams(temperature=0.0, max_tokens=cfg.rl.max_new_tokens)  # greedy
+    greedy = SamplingParams(temperature=0.0, max_tokens=cfg.rl.max_new_tokens)
     views = {
         env.name: (env, data.eval),
         parts.sampled_eval: (AtTemperature(env, cfg.rl.temperature), data.sampled_eval),
@@ -54,7 +54,9 @@ async def evaluate(parts: RunParts, client: EngineClient) -> dict[str, float]:
             n = min(cfg.rl.eval_examples, len(source))
             rollouts = await asyncio.gather(
                 *(
-                    view.run(client, source.example_at(i), group_id=i, episode_id=0, sampling=s)
+                    view.run(
+                        client, source.example_at(i), group_id=i, episode_id=0, sampling=greedy
+                    )
                     for i in range(n)
                 )
             )

@@ -173,9 +173,11 @@ def _write_config(directory: Path, config: dict) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def write_qwen_tokenizer(directory: Path, template: object = QWEN_TEMPLATE) -> Path:
+def write_qwen_tokenizer(
+    directory: Path, template: object = QWEN_TEMPLATE, specials: tuple[str, ...] = QWEN_SPECIALS
+) -> Path:
     """Qwen2.5-Instruct's layout: no bos, eos ``<|im_end|>``, pad ``<|endoftext|>``."""
-    write_tokenizer(directory, QWEN_SPECIALS)
+    write_tokenizer(directory, specials)
     _write_config(
         directory,
         {
@@ -192,19 +194,7 @@ def write_qwen_tokenizer(directory: Path, template: object = QWEN_TEMPLATE) -> P
 
 def write_qwen3_tokenizer(directory: Path) -> Path:
     """Qwen3's layout: Qwen2.5's with the tool-call, tool-response and think tokens added."""
-    write_tokenizer(directory, QWEN3_SPECIALS)
-    _write_config(
-        directory,
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": None,
-            "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>",
-            "chat_template": QWEN_TEMPLATE,
-            "model_max_length": 40960,
-        },
-    )
-    return directory
+    return write_qwen_tokenizer(directory, specials=QWEN3_SPECIALS)
 
 
 def write_llama3_tokenizer(directory: Path, template: object = LLAMA31_TEMPLATE) -> Path:

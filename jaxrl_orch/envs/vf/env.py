@@ -97,23 +97,31 @@ class VerifiersEnv:
         self.renderer_config = _renderer_config(renderer)
         self.holdout_every = int(holdout_every)
         self.bridge = EngineBridge(model=self.name, max_model_len=max_prompt_len)
-        self._tasks = {split: self._load(split) for split in ("train", "eval")}
+        self._tasks = self._load()
         self._renderer: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._opening: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ data
 
-    def _load(self, split: str) -> list[Any]:
+    def _load(self) -> dict[str, list[Any]]:
+        """The tasks of each split (see the module docstring), the taskset read once per split
+        it has, or once in all."""
         from verifiers.v1.utils.loaders import load_taskset
 
         taskset = self.vf_env.taskset
         if not taskset.bounded:
             raise ValueError(f"taskset {self.name!r} is infinite; bound it (take / include idx)")
         if "split" in type(taskset.config).model_fields:
-            return list(load_taskset(taskset.config.model_copy(update={"split": split})))
-        k = self.holdout_every
-        return [t for i, t in enumerate(taskset) if (i % k == k - 1) == (split == "eval")]
+            return {
+                split: list(load_taskset(taskset.config.model_copy(update={"split": split})))
+                for split in ("train", "eval")
+            }
+        k, tasks = self.holdout_every, list(taskset)
+        return {
+            "train": [t for i, t in enumerate(tasks) if i % k != k - 1],
+            "eval": [t for i, t in enumerate(tasks) if i % k == k - 1],
+        }
 
     def examples(self, split: str) -> list[dict[str, Any]]:
         """The examples of ``split`` (``"train"`` or ``"eval"``): one per task."""
