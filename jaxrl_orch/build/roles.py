@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxrl_orch.build.adapters import GroupStaging, final_policy
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas, bind_of
 from jaxrl_orch.distributed.group import (
@@ -34,7 +35,6 @@ from jaxrl_orch.distributed.group import (
     STOP,
     TRAIN,
     Channel,
-    EngineStager,
     GroupAborted,
     Role,
 )
@@ -69,8 +69,11 @@ def check_bind(replicas: Replicas, role: Role) -> None:
     HttpServer.check_bind(host, replicas.api_key)
 
 
-def serve_replica(cfg: TrainConfig, engine: Any, role: Role, replicas: Replicas) -> dict[str, Any]:
-    """Serve ``engine`` at this replica's URL until SIGTERM / SIGINT (the launcher's stop)."""
+def serve_replica(
+    cfg: TrainConfig, engine: Any, role: Role, replicas: Replicas, adapters: Any = None
+) -> dict[str, Any]:
+    """Serve ``engine`` at this replica's URL until SIGTERM / SIGINT (the launcher's stop).
+    ``adapters``: a LoRA run's adapter tree (``build.run.rl_adapters``), else None."""
     url = replicas.urls[role.replica]
     host, server = replica_server(
         engine,
@@ -80,6 +83,7 @@ def serve_replica(cfg: TrainConfig, engine: Any, role: Role, replicas: Replicas)
         weight_source=replicas.weight_source,
         api_key=replicas.api_key,
         warm_up=cfg.engine.warmup,
+        lora=None if adapters is None else (adapters, cfg.lora.alpha / cfg.lora.rank),
     )
     where = f"{role.describe()} at {url}, weights from {replicas.weight_source}"
     stage("engine replica", f"{where}, {len(jax.local_devices())} devices")
@@ -87,23 +91,23 @@ def serve_replica(cfg: TrainConfig, engine: Any, role: Role, replicas: Replicas)
     return {"role": role.describe()}
 
 
-def follow(trainer: Any, ckpt: Checkpointer, stager: EngineStager) -> dict[str, Any]:
+def follow(trainer: Any, ckpt: Checkpointer, staging: GroupStaging) -> dict[str, Any]:
     """A peer's RL stage: take every step, stage and checkpoint the leader takes, until STOP
     (or ABORT: the leader failed, and this process fails with its reason)."""
     channel = Channel(leader=False)
-    stager.stage(trainer.params)  # the first version the replicas load
+    staging.first(trainer)  # what the replicas load first
     steps = 0
     while True:
         cmd, body, arrays = channel.receive()
         if cmd == TRAIN:
             trainer.follow(arrays)
             steps += 1
-            stager.stage(trainer.params)
+            staging.version(trainer.params)
         elif cmd == CHECKPOINT:
             save_trainer(ckpt, trainer, int(body["step"]), body["state"])
             ckpt.wait()
         elif cmd == STOP:
-            multihost_utils.process_allgather(trainer.params, tiled=True)
+            multihost_utils.process_allgather(final_policy(trainer), tiled=True)
             return {"role": f"trainer process {jax.process_index()}", "steps": steps}
         elif cmd == ABORT:
             raise GroupAborted(f"trainer process 0 stopped the run: {body['reason']}")

@@ -28,6 +28,7 @@ from etils import epath
 
 from jaxrl_orch.build import roles
 from jaxrl_orch.build.accel import step_config
+from jaxrl_orch.build.adapters import abstract_adapters
 from jaxrl_orch.build.checks import check_examples
 from jaxrl_orch.build.engines import engine_factory, engine_limits
 from jaxrl_orch.build.parts import (
@@ -214,3 +215,10 @@ def rl_model(cfg: TrainConfig, model_cfg: ModelConfig) -> ModelConfig:
     if not lora.rank:
         return model_cfg
     return dataclasses.replace(model_cfg, lora=LoraConfig(lora.rank, lora.alpha, lora.targets))
+
+
+def rl_adapters(cfg: TrainConfig, model_cfg: ModelConfig) -> Any:
+    """A LoRA run's adapter tree as abstract arrays (what the RL trainer trains and every
+    engine replica pulls each version), else None."""
+    model = rl_model(cfg, model_cfg)
+    return None if model.lora is None else abstract_adapters(model)

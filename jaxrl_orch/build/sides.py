@@ -3,9 +3,9 @@
 What it owns: the two engine sides the RL stage drives through one interface (the
 ``weights.EngineSide`` hops plus their lifecycle): ``pool`` (what the orchestrator dispatches
 to), ``move`` / ``swap`` / ``engine_seconds`` (the weight path's hops), ``start`` / ``stop``,
-``before_save`` (what a checkpoint must tell the others first), ``final_params`` (the params the
-export writes), ``abort`` (the stage failed: what the others must be told), ``gauge_source`` and
-``summary`` (the summary's keys of this side).
+``before_save`` (what a checkpoint must tell the others first), ``final_params`` (what the
+export writes: ``build.adapters.final_policy``), ``abort`` (the stage failed: what the others
+must be told), ``gauge_source`` and ``summary`` (the summary's keys of this side).
 
 ``InProcessSide``: the engine on this process's decode mesh, run by an ``InferenceDriver``;
 weights move by a device-to-device reshard (cast to the engine's dtype on the trainer's devices
@@ -13,7 +13,8 @@ first) and swap in between two decode steps. The overlap schedule (``overlap``) 
 the engine pauses while the trainer steps; it is given to the trainer as its step hook.
 
 ``LeaderSide``: trainer process 0 with engine replicas (DESIGN.md section 8): the
-``EngineStager`` lays every version out in a replica's layout, the ``WeightOffer`` offers it on
+``GroupStaging`` lays every version out in a replica's layout (a LoRA run: the frozen base once,
+then only the adapters, which each replica merges into it), the ``WeightOffer`` offers it on
 the run's ``--weight_source`` (the one address every replica pulls from), the ``RemotePool``
 dispatches over the replicas' HTTP API and has every replica pull it; with a trainer group of
 P > 1 the ``Channel`` hands each batch (the trainer's ``on_batch`` hook) and checkpoint to the
@@ -32,12 +33,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import multihost_utils
 
-from jaxrl_orch.build.adapters import AdapterMerge, tree_nbytes
+from jaxrl_orch.build.adapters import AdapterMerge, GroupStaging, final_policy, tree_nbytes
 from jaxrl_orch.build.engines import to_engine
 from jaxrl_orch.build.overlap import OverlapSchedule
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas, host_port
-from jaxrl_orch.distributed.group import CHECKPOINT, STOP, TRAIN, Channel, EngineStager
+from jaxrl_orch.distributed.group import CHECKPOINT, STOP, TRAIN, Channel
 from jaxrl_orch.distributed.pool import RemotePool
 from jaxrl_orch.distributed.transfer import WeightOffer
 from jaxrl_orch.inference.client import ClientPool, EngineClient
@@ -113,8 +114,8 @@ class InProcessSide:
     def before_save(self, step: int, orchestrator_state: dict[str, Any]) -> None:
         """One process: nobody else saves."""
 
-    def final_params(self, trainer: Any) -> Any:
-        return trainer.merged_params()
+    def final_params(self, trainer: Any) -> dict[str, Any]:
+        return final_policy(trainer)
 
     def abort(self, reason: str) -> None:
         """One process: nobody else to tell."""
@@ -132,11 +133,16 @@ class LeaderSide:
     are a replica's (``roles.placement`` built its mesh like one)."""
 
     def __init__(
-        self, cfg: TrainConfig, engine: Any, trainer_mesh: Any, replicas: Replicas
+        self,
+        cfg: TrainConfig,
+        engine: Any,
+        trainer_mesh: Any,
+        replicas: Replicas,
+        adapters: Any = None,
     ) -> None:
         if replicas.weight_source is None:
             raise ValueError("engine replicas need --weight_source=HOST:PORT to pull weights from")
-        self.stager = EngineStager(trainer_mesh, engine.param_shardings, engine.param_dtype)
+        self.staging = GroupStaging(trainer_mesh, engine, adapters)
         self.channel = Channel(leader=True) if cfg.processes.trainer_processes > 1 else None
         on_batch = None if self.channel is None else self._send_batch
         self.hooks = StepHooks(on_batch=on_batch)
@@ -150,7 +156,8 @@ class LeaderSide:
             health_timeout_s=cfg.processes.replica_health_timeout_s,
             # Every load names the staged layout: a replica whose decode mesh differs (its host
             # has more devices than a trainer host) pulls in it and reshards on its own devices.
-            layout=self.stager.transfer_layout(),
+            layout=self.staging.layout,
+            base_layout=self.staging.base_layout,
         )
         self._watch: asyncio.Future | None = None
         self.bytes_moved = 0  # what each replica pulls per version
@@ -160,7 +167,7 @@ class LeaderSide:
 
     def move(self, params: Any) -> Any:
         """Trainer thread, after every step: the collective stage, then this process's copy."""
-        local = self.stager.local(self.stager.stage(params))
+        local = self.staging.version(params)
         self.bytes_moved = tree_nbytes(local)
         return local
 
@@ -172,7 +179,17 @@ class LeaderSide:
 
     async def start(self, trainer: Any) -> None:
         """Every replica holds the trainer's current weights before the first rollout."""
-        await self.pool.start(trainer.version, self.move(trainer.params))
+        base, first = self.staging.first(trainer)
+        self.bytes_moved = tree_nbytes(first)
+        if base is not None:
+            lora = trainer.config.lora
+            stage(
+                "weights",
+                f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: each replica pulls the "
+                f"frozen base ({tree_nbytes(base) / 2**20:.1f} MiB) once, then "
+                f"{self.bytes_moved / 2**20:.2f} MiB of adapters per version",
+            )
+        await self.pool.start(trainer.version, first, base=base)
         self._watch = asyncio.ensure_future(self.pool.watch())
 
     async def stop(self) -> None:
@@ -187,13 +204,13 @@ class LeaderSide:
         if self.channel is not None:
             self.channel.send(CHECKPOINT, {"step": step, "state": orchestrator_state})
 
-    def final_params(self, trainer: Any) -> Any:
-        """The peers leave their loop; the final params gathered to every process."""
+    def final_params(self, trainer: Any) -> dict[str, Any]:
+        """The peers leave their loop; the final policy gathered to every process."""
         if self.channel is None:
-            return trainer.params
+            return final_policy(trainer)
         self.channel.send(STOP, {})
         self.channel = None  # the peers have left their loop: nothing more to send them
-        return multihost_utils.process_allgather(trainer.params, tiled=True)
+        return multihost_utils.process_allgather(final_policy(trainer), tiled=True)
 
     def abort(self, reason: str) -> None:
         """The stage failed with the trainer thread idle: the peers leave their loop too."""

@@ -327,12 +327,6 @@ class TrainConfig:
             "RL.after_warmup='sft' (the imitation control) runs in one process; set "
             f"Processes.engine_replicas = 0 (got {self.processes.engine_replicas})",
         )
-        require(
-            not (self.lora.rank and self.processes.engine_replicas),
-            f"Lora.rank = {self.lora.rank} runs with the engine in this process: adapters do "
-            "not yet travel to engine replicas; set Processes.engine_replicas = 0 "
-            f"(got {self.processes.engine_replicas}) or Lora.rank = 0",
-        )
         self._check_verifiers()
         multiple = trainer.chunk_rows * rl.minibatches
         require(

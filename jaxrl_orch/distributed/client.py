@@ -243,13 +243,17 @@ class RemoteEngineClient:
         timeout_s: float,
         layout: dict | None = None,
         extra_s: float = 30.0,
+        part: str = "weights",
     ) -> dict:
         """Have the replica pull offer ``uuid`` from its weight source and serve it as
         ``version``; returns ``{"version", "pull_s", "swap_s"}``. ``layout``: how the sender
-        laid the arrays out (``source.transfer_targets``) when it is not the replica's own."""
+        laid the arrays out (``source.transfer_targets``) when it is not the replica's own;
+        ``part``: what the offer holds (``serving.schemas.UpdateWeights``)."""
         body = {"version": int(version), "uuid": int(uuid), "timeout_s": float(timeout_s)}
         if layout is not None:
             body["layout"] = layout
+        if part != "weights":
+            body["part"] = part
         try:
             # The request outlives the pull's own deadline by the swap (at most a decode step),
             # or the first load's engine warm-up (``extra_s``).

@@ -27,7 +27,10 @@ into each; ``load_weights(version, params)`` offers the params to each live repl
 (``transfer.WeightOffer``, one pull per offer, on the fixed address every replica was started
 with as its only weight source, so an update names just the offer's uuid) and awaits every pull
 and swap (``POST /update_weights``); a replica lost meanwhile is marked lost, a pull the replica
-answers as failed raises ``WeightPullError`` naming the replica and version. ``watch`` (a
+answers as failed raises ``WeightPullError`` naming the replica and version. A LoRA run's
+pool is started with the frozen ``base`` too (in a replica's layout, ``base_layout``), and keeps
+it: every replica fresh to the pool (its first load, or back after a restart) pulls the base
+first, and every version then moves only the adapters. ``watch`` (a
 background task) probes every replica on its own schedule; a lost one that answers again
 (restarted, or resumed with SIGCONT) gets the current weights before it is live again, so it
 never serves an old version, and every token still carries the version that produced it.
@@ -62,6 +65,7 @@ class RemotePool:
         probe_interval_s: float = 1.0,
         health_timeout_s: float = HEALTH_TIMEOUT_S,
         layout: dict | None = None,
+        base_layout: dict | None = None,
         api_key: str | None = None,
     ) -> None:
         if not addresses:
@@ -74,6 +78,8 @@ class RemotePool:
         ]
         self.offer = offer
         self.layout = layout  # how offers are laid out, when not the replicas' own
+        self.base_layout = base_layout  # how a LoRA base is, likewise
+        self._base: Any = None  # a LoRA run's frozen base, for replicas that start or restart
         self.pull_timeout_s = pull_timeout_s
         self.load_extra_s = LOAD_EXTRA_S
         self.probe_interval_s = probe_interval_s
@@ -91,10 +97,13 @@ class RemotePool:
 
     # ------------------------------------------------------------------ weights
 
-    async def start(self, version: int, params: Any, timeout_s: float = 600.0) -> None:
+    async def start(
+        self, version: int, params: Any, timeout_s: float = 600.0, base: Any = None
+    ) -> None:
         """Wait until every replica answers (they may still be compiling), then load ``version``
-        into each; an unreachable replica past ``timeout_s`` is an error naming it."""
-        self._current = (version, params)
+        into each (a LoRA run: ``base`` first, ``params`` are its adapters); an unreachable
+        replica past ``timeout_s`` is an error naming it."""
+        self._current, self._base = (version, params), base
         deadline = time.monotonic() + timeout_s
         waiting = set(range(len(self.clients)))
         while waiting:
@@ -129,11 +138,18 @@ class RemotePool:
         """Replica ``i`` pulls ``version``; ``first``: its first load since it started, which
         also runs its engine warm-up (compiles), so the call may take longer."""
         t0 = time.perf_counter()
-        uuid = self.offer.offer(params, expire_s=self.pull_timeout_s + 30)
+        client, expire_s = self.clients[i], self.pull_timeout_s + 30
+        part = "weights"
+        if self._base is not None:
+            part = "adapters"
+            if first:  # a fresh process holds no base
+                uuid = self.offer.offer(self._base, expire_s=expire_s)
+                await client.load_weights(
+                    version, uuid, self.pull_timeout_s, self.base_layout, self.load_extra_s, "base"
+                )
+        uuid = self.offer.offer(params, expire_s=expire_s)
         extra = FIRST_LOAD_EXTRA_S if first else self.load_extra_s
-        await self.clients[i].load_weights(
-            version, uuid, self.pull_timeout_s, layout=self.layout, extra_s=extra
-        )
+        await client.load_weights(version, uuid, self.pull_timeout_s, self.layout, extra, part)
         self.pull_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ liveness

@@ -10,7 +10,9 @@ until SIGTERM / SIGINT and then stops the driver.
 Lifecycle: the replica answers ``GET /health`` at once (``ready`` False, version -1) and refuses
 generation (503) until the pool's first ``POST /update_weights`` lands, which also builds and
 warms up the driver; each later update swaps between two decode steps. Every update is logged
-as ``replica R: serving version V (pull ..., swap ...)``, the line operators and tests read.
+as ``replica R: serving version V (pull ..., swap ...)``, the line operators and tests read (a
+LoRA run's replica first says ``replica R: holds the LoRA base``: it serves nothing until the
+first adapters arrive).
 
 Never: pulls from an address a request names (the update body has no address field), binds
 beyond loopback without an API key, or listens anywhere but the host of its own URL (the HTTP
@@ -23,6 +25,7 @@ import asyncio
 import signal
 from typing import Any
 
+from jaxrl_orch.distributed.lora_source import LoraSource
 from jaxrl_orch.distributed.source import TransferSource
 from jaxrl_orch.serving.app import make_app
 from jaxrl_orch.serving.host import EngineHost
@@ -37,11 +40,17 @@ class ReplicaHost(EngineHost):
         self.replica = int(replica)
 
     async def update_weights(
-        self, version: int, uuid: int, layout: Any = None, timeout_s: float = 120.0
+        self,
+        version: int,
+        uuid: int,
+        layout: Any = None,
+        timeout_s: float = 120.0,
+        part: str = "weights",
     ) -> dict[str, float]:
-        out = await super().update_weights(version, uuid, layout, timeout_s)
+        out = await super().update_weights(version, uuid, layout, timeout_s, part)
+        what = "holds the LoRA base" if part == "base" else f"serving version {version}"
         print(
-            f"replica {self.replica}: serving version {version} (pull {out['pull_s']:.3f} s, "
+            f"replica {self.replica}: {what} (pull {out['pull_s']:.3f} s, "
             f"swap {out['swap_s']:.3f} s)",
             flush=True,
         )
@@ -58,15 +67,22 @@ def replica_server(
     api_key: str | None = None,
     warm_up: bool = False,
     max_queued: int = 4096,
+    lora: tuple[Any, float] | None = None,
 ) -> tuple[ReplicaHost, HttpServer]:
     """Replica ``replica`` of ``engine``: its host (no weights yet) and its server on ``bind``
-    (``(host, port)``, port 0: a free one), pulling only from ``weight_source`` (HOST:PORT)."""
+    (``(host, port)``, port 0: a free one), pulling only from ``weight_source`` (HOST:PORT).
+    ``lora``: ``(abstract adapters, alpha / rank)`` of a LoRA run, whose replicas hold the
+    frozen base and merge each version's adapters into it (``lora_source``)."""
+    # Its receiver binds the replica's own host too: nothing here listens on every interface.
+    if lora is None:
+        source = TransferSource(engine, weight_source, host=bind[0])
+    else:
+        source = LoraSource(engine, weight_source, *lora, host=bind[0])
     host = ReplicaHost(
         engine,
         replica=replica,
         model=model,
-        # Its receiver binds the replica's own host too: nothing here listens on every interface.
-        source=TransferSource(engine, weight_source, host=bind[0]),
+        source=source,
         warm_up=warm_up,
         max_queued=max_queued,
     )

@@ -46,13 +46,20 @@ class TransferSource:
         self._targets: Any = None
 
     def __call__(self, uuid: int, layout: Any, timeout_s: float) -> Any:
-        self._check_dtype(layout)
-        if layout is not None and layout == self.own_layout():
+        targets, shardings = self.pull_targets(), self.engine.param_shardings
+        return self.fetch(uuid, layout, timeout_s, targets, shardings)
+
+    def fetch(self, uuid: int, layout: Any, timeout_s: float, targets: Any, shardings: Any) -> Any:
+        """Offer ``uuid`` into ``targets`` (``ShapeDtypeStruct`` leaves with ``shardings``):
+        straight in when ``layout`` is theirs (or None), else pulled in ``layout`` on this
+        host's first devices and resharded into ``shardings`` here."""
+        self._check_dtype(layout, targets)
+        if layout is not None and layout == own_layout(targets):
             layout = None  # staged in this engine's own layout: pull straight in
-        targets = self.pull_targets() if layout is None else self._layout_targets(layout)
-        params = transfer.pull(self.address, int(uuid), targets, float(timeout_s), host=self.host)
+        into = targets if layout is None else self._layout_targets(targets, layout)
+        params = transfer.pull(self.address, int(uuid), into, float(timeout_s), host=self.host)
         if layout is not None:  # on this host's devices: into the decode sharding
-            params = jax.block_until_ready(reshard(params, self.engine.param_shardings))
+            params = jax.block_until_ready(reshard(params, shardings))
         bad = nonfinite_leaves(params)
         if bad:  # a sender's bug (or bytes of another dtype) would decode as garbage
             shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
@@ -61,27 +68,22 @@ class TransferSource:
 
     def own_layout(self) -> dict:
         """The engine's decode layout as a sender would name it."""
-        shardings = jax.tree.leaves(self.engine.param_shardings)
-        return {
-            "mesh": dict(self.engine.mesh.shape),
-            "specs": [spec_to_json(x.spec) for x in shardings],
-            "dtype": jax.numpy.dtype(self.engine.param_dtype).name,
-        }
+        return own_layout(self.pull_targets())
 
-    def _check_dtype(self, layout: Any) -> None:
-        """The transfer copies raw bytes into this engine's dtype, so weights staged in another
+    def _check_dtype(self, layout: Any, targets: Any) -> None:
+        """The transfer copies raw bytes into the targets' dtype, so weights staged in another
         (a trainer whose ``Engine.param_dtype`` differs) would decode as garbage: refused."""
         sent = layout.get("dtype") if isinstance(layout, dict) else None
-        mine = jax.numpy.dtype(self.engine.param_dtype).name
+        mine = _floating_dtype(targets)
         if sent is not None and sent != mine:
             raise ValueError(
-                f"the weights are staged in {sent!r}, this replica's engine holds {mine!r}: "
+                f"the weights are staged in {sent!r}, this replica takes {mine!r}: "
                 "Engine.param_dtype must be the same in every process of the run"
             )
 
-    def _layout_targets(self, layout: Any) -> Any:
+    def _layout_targets(self, targets: Any, layout: Any) -> Any:
         try:
-            return transfer_targets(self.pull_targets(), layout)
+            return transfer_targets(targets, layout)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(
                 f"bad layout in the weight update: {exc}; a layout is {{'mesh': {{axis: size}}, "
@@ -101,6 +103,23 @@ class TransferSource:
                 self.engine.abstract_params(),
             )
         return self._targets
+
+
+def _floating_dtype(targets: Any) -> str | None:
+    """The dtype name of ``targets``' floating leaves (one per tree: a weight dtype)."""
+    names = {jnp.dtype(t.dtype).name for t in jax.tree.leaves(targets)}
+    floating = sorted(n for n in names if jnp.issubdtype(n, jnp.floating))
+    return floating[0] if floating else None
+
+
+def own_layout(targets: Any) -> dict:
+    """How a sender names the layout of ``targets`` (pull targets on one mesh)."""
+    shardings = [t.sharding for t in jax.tree.leaves(targets)]
+    return {
+        "mesh": dict(shardings[0].mesh.shape),
+        "specs": [spec_to_json(x.spec) for x in shardings],
+        "dtype": _floating_dtype(targets),
+    }
 
 
 def transfer_targets(targets: Any, layout: dict) -> Any:

@@ -32,15 +32,15 @@ from typing import Any
 
 import jax
 
+from jaxrl_orch.build.adapters import GroupStaging
 from jaxrl_orch.build.engines import BuiltEngine, build_engine, engine_notes
 from jaxrl_orch.build.live import serve_live_policy
 from jaxrl_orch.build.orchestrator import build_orchestrator
 from jaxrl_orch.build.overlap import schedule_for
 from jaxrl_orch.build.roles import follow
-from jaxrl_orch.build.run import RunParts, build_trainer
+from jaxrl_orch.build.run import RunParts, build_trainer, rl_adapters
 from jaxrl_orch.build.sides import InProcessSide, LeaderSide
 from jaxrl_orch.build.weights import StepTimes, WeightPath
-from jaxrl_orch.distributed.group import EngineStager
 from jaxrl_orch.envs.base import AtTemperature, close_env
 from jaxrl_orch.orchestrator.dispatcher.dispatch import EvalPlan
 from jaxrl_orch.orchestrator.metrics.writers import stage
@@ -76,9 +76,9 @@ async def run_rl(parts: RunParts, sft_params: Any, stop: StopFlag) -> dict[str, 
     try:
         orch_state = restore_trainer(ckpt, trainer) if ckpt.latest_step() is not None else {}
         if side is None:  # a peer of the trainer group: the leader's steps, in lockstep
-            engine = built.engine
-            stager = EngineStager(trainer.mesh, engine.param_shardings, engine.param_dtype)
-            return follow(trainer, ckpt, stager)
+            adapters = rl_adapters(cfg, parts.model_cfg)
+            staging = GroupStaging(trainer.mesh, built.engine, adapters)
+            return follow(trainer, ckpt, staging)
         try:
             return await _lead(parts, built, side, trainer, ckpt, orch_state, stop)
         except BaseException as exc:  # the trainer thread is stopped: the peers may be told
@@ -99,7 +99,9 @@ def _side(parts: RunParts, built: BuiltEngine) -> InProcessSide | LeaderSide | N
         return InProcessSide(built.engine, schedule, cfg.engine.warmup)
     if not parts.role.leader:
         return None
-    return LeaderSide(cfg, built.engine, placement.trainer_mesh, parts.engine_addresses)
+    adapters = rl_adapters(cfg, parts.model_cfg)
+    mesh, addresses = placement.trainer_mesh, parts.engine_addresses
+    return LeaderSide(cfg, built.engine, mesh, addresses, adapters)
 
 
 async def _lead(
@@ -141,7 +143,7 @@ async def _lead(
     t0 = time.perf_counter()
     try:
         await orch.run()
-        params = _finish(parts, side, trainer, ckpt, orch)
+        policy = _finish(parts, side, trainer, ckpt, orch)
         secs = time.perf_counter() - t0
     finally:
         drain.cancel()
@@ -154,10 +156,7 @@ async def _lead(
     summary = rl_summary(parts.workdir, cfg, names, orch, (trainer.version, start_step, secs))
     summary.update(side.summary())
     if cfg.outputs.export_hf:
-        lora = (
-            {} if trainer.frozen is None else {"adapters": trainer.params, "base": trainer.frozen}
-        )
-        summary["export_dir"] = str(export_policy(parts, params, **lora))
+        summary["export_dir"] = str(export_policy(parts, **policy))
     else:
         summary["export_dir"] = None
     return summary
@@ -165,7 +164,7 @@ async def _lead(
 
 def _finish(parts: RunParts, side: Any, trainer: Any, ckpt: Checkpointer, orch: Any) -> Any:
     """After the loop: the final checkpoint (the drained orchestrator's state), the final
-    eval's line; returns the params to export."""
+    eval's line; returns what the export writes (``build.adapters.final_policy``)."""
     trainer.wait_idle()
     ckpt.wait()
     if trainer.version not in ckpt.all_steps() and trainer.version > 0:

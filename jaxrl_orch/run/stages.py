@@ -27,7 +27,7 @@ from typing import Any
 
 from jaxrl_orch.build.engines import build_engine
 from jaxrl_orch.build.roles import serve_replica
-from jaxrl_orch.build.run import RunParts, build_run
+from jaxrl_orch.build.run import RunParts, build_run, rl_adapters
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas
 from jaxrl_orch.distributed.group import Role
@@ -70,7 +70,8 @@ def run(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
     if role.kind == "engine":
         mesh = parts.placement.decode_mesh
         engine = build_engine(cfg, parts.model_cfg, mesh, parts.tokenizer).engine
-        return serve_replica(cfg, engine, role, parts.engine_addresses)
+        adapters = rl_adapters(cfg, parts.model_cfg)
+        return serve_replica(cfg, engine, role, parts.engine_addresses, adapters)
     parts.workdir.mkdir(parents=True, exist_ok=True)
     # A group's peers take the same warm-up steps (same data, same seed); process 0 writes.
     writer = JsonlWriter(parts.workdir / "metrics.jsonl" if role.leader else os.devnull)

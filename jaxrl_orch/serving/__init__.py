@@ -17,8 +17,9 @@ Routes (bodies as vLLM writes them; ``policy_versions`` is ours):
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI's shapes, SSE when
   ``"stream": true``.
 - ``POST /pause?mode=keep|wait|abort``, ``POST /resume``, ``GET /is_paused``.
-- ``POST /update_weights`` ``{"version", "uuid", "layout", "timeout_s"}``: pull an offer from
-  the source the server was started with.
+- ``POST /update_weights`` ``{"version", "uuid", "layout", "timeout_s", "part"}``: pull an
+  offer from the source the server was started with (``part``: ``weights``, or a LoRA run's
+  ``base`` once and ``adapters`` per version).
 - ``GET /health`` (the state a pool reads), ``GET /metrics`` (Prometheus text).
 
 This package knows no config, trainer or orchestrator; ``jaxrl_orch.serve`` (the command) and

@@ -15,7 +15,8 @@ Two ways to hold a driver
     ones in between two decode steps. ``source(uuid, layout, timeout_s) -> params`` fetches an
     offered pytree into the engine's decode shardings: it is bound to one sender when the
     server starts (``distributed.transfer``), so a request only ever names an offer, never an
-    address.
+    address. A LoRA run's source also has ``load_base`` (keeps the frozen base, returns
+    nothing) and ``load_adapters`` (returns the base with the adapters merged in).
 
 Threads: ``submit`` / ``pause`` / ``resume`` are thread-safe (the driver's); ``update_weights``
 is a coroutine for the server's event loop and runs the pull in a worker thread; loads are
@@ -137,27 +138,47 @@ class EngineHost:
             self.driver.resume()
 
     async def update_weights(
-        self, version: int, uuid: int, layout: Any = None, timeout_s: float = 120.0
+        self,
+        version: int,
+        uuid: int,
+        layout: Any = None,
+        timeout_s: float = 120.0,
+        part: str = "weights",
     ) -> dict[str, float]:
         """Fetch offer ``uuid`` from this host's source and decode with it as ``version`` from
-        the next decode step on. Returns ``{"version", "pull_s", "swap_s"}``."""
-        if self._source is None:
-            raise NoWeightSource(
-                f"{self.model} takes no weight updates: it was started without a weight source"
-            )
+        the next decode step on. Returns ``{"version", "pull_s", "swap_s"}``. ``part``
+        ``base`` only hands the source a LoRA base to keep (nothing is swapped in);
+        ``adapters`` swaps in what the source merged from them."""
+        fetch = self._fetcher(part)
         async with self._load_lock:
             if version < self.version:
                 raise UpdateRefused(
                     f"version must not go backwards: holds {self.version}, asked for {version}"
                 )
             t0 = time.perf_counter()
-            params = await asyncio.to_thread(self._source, uuid, layout, timeout_s)
+            params = await asyncio.to_thread(fetch, uuid, layout, timeout_s)
             pull_s, t1 = time.perf_counter() - t0, time.perf_counter()
+            if part == "base":
+                return {"version": self.version, "pull_s": pull_s, "swap_s": 0.0}
             if self.driver is None:
                 self.driver = await asyncio.to_thread(self._start_driver, params, version)
             else:
                 await asyncio.wrap_future(self.driver.swap_params(params, version))
             return {"version": version, "pull_s": pull_s, "swap_s": time.perf_counter() - t1}
+
+    def _fetcher(self, part: str) -> WeightSource:
+        """The source's call for ``part``: itself for ``weights``, its ``load_<part>`` else."""
+        if self._source is None:
+            raise NoWeightSource(
+                f"{self.model} takes no weight updates: it was started without a weight source"
+            )
+        fetch = self._source if part == "weights" else getattr(self._source, f"load_{part}", None)
+        if fetch is None:
+            raise UpdateRefused(
+                f"part {part!r}: {self.model} serves whole weights (part 'weights'); 'base' and "
+                "'adapters' need a replica of a LoRA run"
+            )
+        return fetch
 
     def _start_driver(self, params: Any, version: int) -> InferenceDriver:
         driver = InferenceDriver(

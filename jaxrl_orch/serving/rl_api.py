@@ -88,7 +88,9 @@ def rl_routes(host: Any, limits: Limits, metrics: Metrics) -> APIRouter:
     @router.post("/update_weights")
     async def update_weights(body: UpdateWeights) -> dict:
         try:
-            return await host.update_weights(body.version, body.uuid, body.layout, body.timeout_s)
+            return await host.update_weights(
+                body.version, body.uuid, body.layout, body.timeout_s, body.part
+            )
         except UpdateRefused:
             raise
         except TimeoutError as exc:

@@ -179,7 +179,11 @@ class GenerateRequest(BaseModel):
 
 
 class UpdateWeights(BaseModel):
-    """An offer to pull from the source the server was started with; never an address."""
+    """An offer to pull from the source the server was started with; never an address.
+
+    ``part``: what the offer holds. ``weights``: every weight, served as ``version``. A LoRA
+    run's replica takes ``base`` (the frozen base, kept and not served) once, then
+    ``adapters`` per version (merged into the base it holds, then served)."""
 
     model_config = _STRICT
 
@@ -187,6 +191,7 @@ class UpdateWeights(BaseModel):
     uuid: int
     layout: Any = None
     timeout_s: float = 120.0
+    part: typing.Literal["weights", "base", "adapters"] = "weights"
 
     @field_validator("timeout_s")
     @classmethod

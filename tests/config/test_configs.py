@@ -316,11 +316,6 @@ def test_one_over_long_line_anywhere_fails_before_any_work_naming_it(tmp_path):
     )
 
 
-def test_lora_adapters_stay_in_this_process():
-    with pytest.raises(ValueError, match=r"Lora.rank = 8 runs with the engine in this process"):
-        load_config([], ["Lora.rank = 8", "Processes.engine_replicas = 2"])
-
-
 def test_a_verifiers_run_names_its_environment_and_leaves_the_prompts_to_it():
     with pytest.raises(ValueError, match=r"Data.env = 'verifiers' needs the environment"):
         load_config([], ["Data.env = 'verifiers'"])

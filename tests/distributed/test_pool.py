@@ -21,6 +21,7 @@ class FakeReplica:
         self.i, self.in_flight, self.up, self.loads, self.calls = i, 0, True, [], []
         self.address = f"addr{i}"
         self.fail_pull = False
+        self.parts: list[tuple[str, int]] = []  # (part, version) of every load, in order
 
     async def generate(self, prompt_ids, sampling):
         self.calls.append(list(prompt_ids))
@@ -38,11 +39,16 @@ class FakeReplica:
             {"engine_s": 1.5, "version": self.loads[-1] if self.loads else -1} if self.up else None
         )
 
-    async def load_weights(self, version, uuid, timeout_s, layout=None, extra_s=30.0):
+    async def load_weights(
+        self, version, uuid, timeout_s, layout=None, extra_s=30.0, part="weights"
+    ):
         if not self.up:
             raise ReplicaLost(self.i, f"addr{self.i}", "connection refused")
         if self.fail_pull:
             raise WeightPullError(self.i, version, "timed out")
+        self.parts.append((part, version))
+        if part == "base":  # kept, not served: the version stays
+            return {"version": self.loads[-1] if self.loads else -1}
         self.loads.append(version)
         return {"version": version}
 
@@ -140,6 +146,33 @@ def test_weights_reach_live_replicas_and_a_returning_one_loads_before_it_serves(
         assert pool.live == {0, 1} and pool.rejoined_total == 1
         assert fakes[1].loads == [0, 1]  # the current version, before it is live again
         assert pool.engine_seconds() == pytest.approx(3.0)  # both replicas' engine time
+
+    asyncio.run(main())
+
+
+def test_a_lora_pool_moves_the_base_once_per_replica_process_and_adapters_every_version():
+    async def main():
+        pool, fakes = make_pool()
+        await pool.start(0, params="a0", base="base")
+        await pool.load_weights(1, "a1")
+        assert [f.parts for f in fakes] == [[("base", 0), ("adapters", 0), ("adapters", 1)]] * 2
+        offered = list(pool.offer.offered)
+        assert offered.count("base") == 2 and offered[-2:] == ["a1", "a1"]
+        # Replica 1 restarts: a fresh process (version -1) pulls the base again, then the
+        # adapters; replica 0, never lost, pulls only adapters.
+        fakes[1].up = False
+        await pool.load_weights(2, "a2")
+        fakes[1].loads.clear()
+        fakes[1].parts.clear()
+        watch = asyncio.ensure_future(pool.watch())
+        fakes[1].up = True
+        for _ in range(200):
+            if 1 in pool.live:
+                break
+            await asyncio.sleep(0.01)
+        watch.cancel()
+        assert fakes[1].parts == [("base", 2), ("adapters", 2)]
+        assert fakes[0].parts[-1] == ("adapters", 2) and len(fakes[0].parts) == 4
 
     asyncio.run(main())
 

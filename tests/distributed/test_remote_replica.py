@@ -18,10 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import queue
 import signal
-import subprocess
-import threading
 
 import aiohttp
 import jax
@@ -29,13 +26,11 @@ import numpy as np
 import psutil
 import pytest
 from jax.sharding import Mesh, NamedSharding
-from support.checkout import helper_cmd, subprocess_env, xla_flags
-from support.replica_main import make_engine
+from support.replica_procs import REPLICA_HOST, TRAINER_HOST, reference_run
 
 from jaxrl_orch.distributed.client import RemoteEngineClient, ReplicaLost, WeightPullError
 from jaxrl_orch.distributed.source import spec_to_json
 from jaxrl_orch.distributed.transfer import WeightOffer, local_layout
-from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.types import SamplingParams
 from sharding.reshard import reshard
 
@@ -43,7 +38,6 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(90)]
 
 PROMPTS = [list(b"the quick brown"), list(b"jax on two cores")]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
-TRAINER_HOST, REPLICA_HOST = "127.0.0.2", "127.0.0.3"
 
 
 def listening(pid: int) -> set[tuple[str, int]]:
@@ -53,66 +47,6 @@ def listening(pid: int) -> set[tuple[str, int]]:
         for c in psutil.Process(pid).net_connections(kind="tcp")
         if c.status == psutil.CONN_LISTEN
     }
-
-
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """Compiled programs the replicas share: each fresh one compiles only what none before did."""
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("replica_programs")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
-
-
-@pytest.fixture
-def replica(compile_cache, offer):
-    """A fresh replica, holding no weights, pulling from ``offer``: ``(url, process)``."""
-    env = subprocess_env(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2), **compile_cache)
-    flags = ["--host", REPLICA_HOST, "--weight-source", offer.address, "--max-queued", "3"]
-    cmd = helper_cmd("replica_main", *flags)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
-    address = None
-    while address is None and proc.poll() is None:  # it prints READY once bound, or exits
-        try:
-            line = lines.get(timeout=0.5)
-        except queue.Empty:
-            continue
-        if line.startswith("READY "):
-            address = line.split()[1]
-    assert address, f"replica did not come up (exit code {proc.poll()})"
-    yield address, proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@pytest.fixture(scope="module")
-def reference():
-    engine = make_engine()  # the replica's engine, here on this process's first 2 devices
-    return engine, {v: engine.load_params(seed=v) for v in (1, 2)}
-
-
-@pytest.fixture(scope="module")
-def offer():
-    # The trainer's host as another machine would see it: an address of its own, not the
-    # replica's loopback default, which a replica on another host would dial instead.
-    return WeightOffer(host=TRAINER_HOST)
-
-
-def _reference_run(engine, params, version, prompts, sampling):
-    driver = InferenceDriver(engine, params, version)
-    driver.start()
-    try:
-        return [driver.submit(p, sampling)[0].result(timeout=60) for p in prompts]
-    finally:
-        driver.stop()
 
 
 async def _load(client, offer, engine, params, version, timeout_s=30.0, expire_s=None):
@@ -163,7 +97,7 @@ def test_pulled_weights_decode_like_the_in_process_engine_and_stamp_their_versio
     replica, reference, offer
 ):
     engine, params = reference
-    want = {v: _reference_run(engine, params[v], v, PROMPTS, GREEDY) for v in (1, 2)}
+    want = {v: reference_run(engine, params[v], v, PROMPTS, GREEDY) for v in (1, 2)}
 
     async def main():
         client = RemoteEngineClient(replica[0], replica=1)
@@ -233,7 +167,7 @@ def test_a_sender_with_fewer_devices_names_its_layout_and_the_replica_reshards(
     # A trainer host with fewer devices than the replica's decode mesh (tp=2 here) stages on
     # one device; the replica pulls in that layout, then reshards onto its own two.
     engine, params = reference
-    want = _reference_run(engine, params[1], 3, PROMPTS, GREEDY)
+    want = reference_run(engine, params[1], 3, PROMPTS, GREEDY)
     one = Mesh(np.array(jax.local_devices()[:1]), ("tp",))
     shardings = jax.tree.map(lambda s: NamedSharding(one, s.spec), engine.param_shardings)
     staged = reshard(params[1], shardings)

@@ -1,7 +1,7 @@
 """``python -m support.group_abort_worker K PORT OUT``: process K of a 2-process trainer group
 in which the leader fails after one step. The leader sends one TRAIN, then ``Channel.abort``
 with its error; the peer runs the real ``build.roles.follow`` (a stand-in trainer, checkpointer
-and stager: only the command loop is under test) and must leave it with ``GroupAborted``
+and staging: only the command loop is under test) and must leave it with ``GroupAborted``
 naming the leader's error. Each writes ``OUT/K.json``; both then shut jax.distributed down."""
 
 from __future__ import annotations
@@ -38,8 +38,11 @@ class StandinTrainer:
         self.batches.append(arrays["tokens"].tolist())
 
 
-class StandinStager:
-    def stage(self, params: dict) -> None:
+class StandinStaging:
+    def first(self, trainer: StandinTrainer) -> None:
+        pass
+
+    def version(self, params: dict) -> None:
         pass
 
 
@@ -52,7 +55,7 @@ if role.leader:
 else:
     trainer = StandinTrainer()
     try:
-        follow(trainer, None, StandinStager())
+        follow(trainer, None, StandinStaging())
         result["error"] = None
     except GroupAborted as exc:
         result["error"] = str(exc)

@@ -1,5 +1,5 @@
 """A test engine replica: ``python -m support.replica_main --weight-source HOST:PORT
-[--host ADDR] [--max-queued N]`` (``tests/`` on ``PYTHONPATH``).
+[--host ADDR] [--max-queued N] [--lora-rank R]`` (``tests/`` on ``PYTHONPATH``).
 
 Builds a ``DecodeEngine`` of ``tiny-byte`` on a tp=2 decode mesh over this process's 2 local
 CPU devices (the caller sets ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` and
@@ -7,6 +7,8 @@ CPU devices (the caller sets ``XLA_FLAGS=--xla_force_host_platform_device_count=
 (``distributed.replica``: HTTP on a free port of ``--host``, 127.0.0.1 by default, weights
 pulled only from ``--weight-source``) and prints ``READY <url> <pid>`` once it answers. Runs
 until SIGTERM / SIGINT. ``make_engine`` is shared with the tests' in-process reference engine.
+With ``--lora-rank`` it is a LoRA run's replica (``lora_adapters``: rank-R adapters of
+tiny-byte on every projection, alpha 32): it takes the base once, then adapters.
 """
 
 from __future__ import annotations
@@ -32,6 +34,19 @@ def make_engine():
     return DecodeEngine(get_config("tiny-byte"), mesh=mesh, limits=limits)
 
 
+def lora_adapters(rank: int):
+    """``(abstract adapters, alpha / rank)`` of tiny-byte with rank-``rank`` adapters."""
+    import dataclasses
+
+    from jaxrl_orch.build.adapters import abstract_adapters
+    from jaxrl_orch.models.configs import get_config
+    from jaxrl_orch.models.lora import LoraConfig
+
+    lora = LoraConfig(rank=rank, alpha=32.0)
+    model = dataclasses.replace(get_config("tiny-byte"), lora=lora)
+    return abstract_adapters(model), lora.scale
+
+
 def main() -> None:
     from jaxrl_orch.distributed.replica import replica_server, serve_until_signal
 
@@ -39,6 +54,7 @@ def main() -> None:
     parser.add_argument("--weight-source", required=True)
     parser.add_argument("--host", default="127.0.0.1", help="the address this replica binds")
     parser.add_argument("--max-queued", type=int, default=4096)
+    parser.add_argument("--lora-rank", type=int, default=0)
     args = parser.parse_args()
     host, server = replica_server(
         make_engine(),
@@ -47,6 +63,7 @@ def main() -> None:
         bind=(args.host, 0),
         weight_source=args.weight_source,
         max_queued=args.max_queued,
+        lora=lora_adapters(args.lora_rank) if args.lora_rank else None,
     )
     ready = lambda url: print(f"READY {url} {os.getpid()}", flush=True)  # noqa: E731
     asyncio.run(serve_until_signal(host, server, on_up=ready))

@@ -22,9 +22,11 @@ from jaxrl_orch.types import Completion
 class FakeOffer:
     def __init__(self) -> None:
         self.offers = 0
+        self.offered: list = []  # what was offered, in order
 
     def offer(self, arrays, *, expire_s=None):
         self.offers += 1
+        self.offered.append(arrays)
         return self.offers
 
 
