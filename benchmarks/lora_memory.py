@@ -1,10 +1,11 @@
-"""The compiled train step's memory with LoRA vs every weight, small-byte and Llama-3.1-8B shapes.
+"""The compiled train step's memory with LoRA, QLoRA and every weight, small-byte and 8B shapes.
 
     python benchmarks/lora_memory.py --json
 
 One run, deviceless on the v5e-8 topology of ``configs/tpu_v5e_8_lora.gin`` (needs the tpu
 extra): the trainer's RL step on its 4 chips (fsdp 2 x tp 2), compiled from that config with
-``Model.name`` set to each model and ``Lora.rank`` 16 or 0. Per chip, from XLA's
+``Model.name`` set to each model, ``Lora.rank`` 16 over a bf16 base, 16 over an int8 and an
+int4 base (QLoRA, ``Lora.quantize``), or 0 (every weight). Per chip, from XLA's
 ``memory_analysis()``: arguments (params, optimizer state, batch, and a LoRA step's frozen
 base), temporaries, and the total with donated buffers counted once. A step XLA refuses to
 compile for lack of HBM is reported as the temporaries it said it needed (a lower bound on its
@@ -26,14 +27,15 @@ from jaxrl_orch.tools import aot, aot_report
 CONFIG = "configs/tpu_v5e_8_lora.gin"
 
 
-def measure(model: str, rank: int) -> dict[str, float | str]:
-    cfg = load_config([CONFIG], [f"Model.name = '{model}'", f"Lora.rank = {rank}"])
+def measure(model: str, rank: int, quantize: str = "none") -> dict[str, float | str]:
+    params = [f"Model.name = '{model}'", f"Lora.rank = {rank}", f"Lora.quantize = '{quantize}'"]
+    cfg = load_config([CONFIG], params)
     _, devices = aot.topology_devices(cfg.processes.tpu_topology)
     _, _, trainer_mesh = build_placement(cfg, len(devices), devices=devices)
     base = model_config(model, load_tokenizer(cfg.model.tokenizer))
     model_cfg = accel_model_config(base, cfg, "tpu")
     compiled, _, _ = aot.compile_train_step(cfg, rl_model(cfg, model_cfg), trainer_mesh)
-    row: dict[str, float | str] = {"model": model, "lora_rank": rank}
+    row: dict[str, float | str] = {"model": model, "lora_rank": rank, "base": quantize}
     if isinstance(compiled, tuple):
         row["refused_temporaries_gb"] = compiled[0] / 1e9
         return row
@@ -55,8 +57,13 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     for model in args.models:
-        for rank in (args.rank, 0):
-            row = measure(model, rank)
+        for rank, quantize in (
+            (args.rank, "none"),
+            (args.rank, "int8"),
+            (args.rank, "int4"),
+            (0, "none"),
+        ):
+            row = measure(model, rank, quantize)
             print(json.dumps(row) if args.json else row, flush=True)
 
 

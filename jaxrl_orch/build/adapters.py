@@ -58,6 +58,16 @@ class AdapterMerge:
         return jax.block_until_ready(self._merge(self.base, moved))
 
 
+def lora_line(lora: Any, moved: int, base: Any, where: str) -> str:
+    """The console's line on a LoRA run's weights: what moves per version, where the base is."""
+    held = "" if lora.quantize is None else f"; the trainer holds it {lora.quantize}"
+    return (
+        f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: {moved / 2**20:.2f} MiB of "
+        f"adapters move per version; the frozen base ({tree_nbytes(base) / 2**20:.1f} MiB) "
+        f"{where}{held}"
+    )
+
+
 def abstract_adapters(model_cfg: ModelConfig) -> Any:
     """The adapters of ``model_cfg`` (which names its LoRA) as abstract arrays: the trainer's
     tree, leaf for leaf, which is what a replica pulls each version into."""
@@ -70,7 +80,7 @@ def final_policy(trainer: Any) -> dict[str, Any]:
     the frozen base. A trainer group gathers it on every process (a collective)."""
     out = {"params": trainer.merged_params()}
     if trainer.frozen is not None:
-        out.update(adapters=trainer.params, base=trainer.frozen)
+        out.update(adapters=trainer.params, base=trainer.dense_base())
     return out
 
 
@@ -100,7 +110,7 @@ class GroupStaging:
         without LoRA): the base staged once, then the trainer's current version."""
         base = None
         if self.adapters is not None:
-            base = self.whole.local(self.whole.stage(trainer.frozen))
+            base = self.whole.local(self.whole.stage(trainer.dense_base()))
         return base, self.version(trainer.params)
 
     def version(self, params: Any) -> Any:

@@ -214,7 +214,9 @@ def rl_model(cfg: TrainConfig, model_cfg: ModelConfig) -> ModelConfig:
     lora = cfg.lora
     if not lora.rank:
         return model_cfg
-    return dataclasses.replace(model_cfg, lora=LoraConfig(lora.rank, lora.alpha, lora.targets))
+    quantize = None if lora.quantize == "none" else lora.quantize
+    adapters = LoraConfig(lora.rank, lora.alpha, lora.targets, quantize)
+    return dataclasses.replace(model_cfg, lora=adapters)
 
 
 def rl_adapters(cfg: TrainConfig, model_cfg: ModelConfig) -> Any:

@@ -33,7 +33,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import multihost_utils
 
-from jaxrl_orch.build.adapters import AdapterMerge, GroupStaging, final_policy, tree_nbytes
+from jaxrl_orch.build.adapters import (
+    AdapterMerge,
+    GroupStaging,
+    final_policy,
+    lora_line,
+    tree_nbytes,
+)
 from jaxrl_orch.build.engines import to_engine
 from jaxrl_orch.build.overlap import OverlapSchedule
 from jaxrl_orch.config.train import TrainConfig
@@ -64,15 +70,10 @@ class InProcessSide:
         """The driver on the trainer's current weights (after a resume: the restored ones)."""
         if trainer.frozen is not None:
             lora = trainer.config.lora
-            self.adapters = AdapterMerge(self.engine, trainer.frozen, lora.scale)
+            self.adapters = AdapterMerge(self.engine, trainer.dense_base(), lora.scale)
             first = self.adapters.move(trainer.params)
-            stage(
-                "weights",
-                f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: "
-                f"{self.adapters.bytes_moved / 2**20:.2f} MiB of adapters move per version; the "
-                f"frozen base ({tree_nbytes(self.adapters.base) / 2**20:.1f} MiB) stays on "
-                "the engine",
-            )
+            where = "stays on the engine"
+            stage("weights", lora_line(lora, self.adapters.bytes_moved, self.adapters.base, where))
         else:
             first = jax.tree.map(jnp.copy, trainer.params) if colocated else trainer.params
             first = to_engine(first, self.engine)
@@ -183,12 +184,8 @@ class LeaderSide:
         self.bytes_moved = tree_nbytes(first)
         if base is not None:
             lora = trainer.config.lora
-            stage(
-                "weights",
-                f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: each replica pulls the "
-                f"frozen base ({tree_nbytes(base) / 2**20:.1f} MiB) once, then "
-                f"{self.bytes_moved / 2**20:.2f} MiB of adapters per version",
-            )
+            where = "is pulled once by each replica"
+            stage("weights", lora_line(lora, self.bytes_moved, base, where))
         await self.pool.start(trainer.version, first, base=base)
         self._watch = asyncio.ensure_future(self.pool.watch())
 

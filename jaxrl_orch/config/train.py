@@ -121,16 +121,19 @@ class Warmup:
 @dataclasses.dataclass(frozen=True)
 class Lora:
     """The RL stage trains LoRA adapters of ``rank`` on ``targets``, scaled by ``alpha / rank``,
-    over frozen weights (the warm-up's or the imported checkpoint's); rank 0: every weight."""
+    over frozen weights (the warm-up's or the imported checkpoint's), held quantized when
+    ``quantize`` names a type (QLoRA); rank 0: every weight."""
 
     rank: int = 0  # adapter rank; 0: the RL stage trains every weight
     alpha: float = 32.0  # an adapter's output is scaled by alpha / rank
     targets: tuple[str, ...] = LORA_TARGETS  # attention q, k, v, o and MLP gate, up, down
+    quantize: str = "none"  # QLoRA: the frozen base held as int8 or int4 (models/qlora.py)
 
     ALLOWED: ClassVar[dict[str, Allowed]] = {
         "rank": Allowed.at_least(0).because("0 trains every weight"),
         "alpha": Allowed.above(0),
         "targets": Allowed.some_of(*LORA_TARGETS),
+        "quantize": Allowed.one_of("none", "int8", "int4"),
     }
 
     def __post_init__(self) -> None:
@@ -326,6 +329,11 @@ class TrainConfig:
             not (self.processes.engine_replicas and rl.after_warmup == "sft"),
             "RL.after_warmup='sft' (the imitation control) runs in one process; set "
             f"Processes.engine_replicas = 0 (got {self.processes.engine_replicas})",
+        )
+        require(
+            self.lora.quantize == "none" or self.lora.rank > 0,
+            f"Lora.quantize = {self.lora.quantize!r} quantizes a LoRA run's frozen base; set "
+            f"Lora.rank > 0 (got {self.lora.rank}) or Lora.quantize = 'none'",
         )
         self._check_verifiers()
         multiple = trainer.chunk_rows * rl.minibatches

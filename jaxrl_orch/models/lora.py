@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_orch.models.matmul import matmul
+from jaxrl_orch.models.qlora import QTYPES, quantize_module, weight
 
 # Target name -> (module attribute path under a block, contracted leading axes of W, HF name).
 TARGETS: dict[str, tuple[tuple[str, str], int, str]] = {
@@ -54,11 +55,13 @@ RANK_AXIS = "lora_rank"  # no sharding rule names it: replicated
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-    """Adapters of ``rank`` on the ``targets`` projections, scaled by ``alpha / rank``."""
+    """Adapters of ``rank`` on the ``targets`` projections, scaled by ``alpha / rank``, over a
+    frozen base held as it is (``quantize`` None) or quantized (QLoRA: ``models.qlora``)."""
 
     rank: int = 16
     alpha: float = 32.0
     targets: tuple[str, ...] = tuple(TARGETS)
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -72,6 +75,11 @@ class LoraConfig:
                 f"LoRA targets must be distinct names from {tuple(TARGETS)}, got {targets!r}"
             )
         object.__setattr__(self, "targets", targets)
+        if self.quantize is not None and self.quantize not in QTYPES:
+            raise ValueError(
+                f"LoRA base quantization must be None or one of {tuple(QTYPES)}, got "
+                f"{self.quantize!r}"
+            )
 
     @property
     def scale(self) -> float:
@@ -79,9 +87,15 @@ class LoraConfig:
 
 
 def add_adapters(module: nnx.Module, cfg: LoraConfig | None, rngs: nnx.Rngs) -> None:
-    """Give ``module``'s target projections their adapters (a no-op without ``cfg``)."""
+    """Give ``module``'s target projections their adapters, and quantize its base weights for
+    QLoRA (a no-op without ``cfg``)."""
     if cfg is None:
         return
+    _add(module, cfg, rngs)
+    quantize_module(module, cfg.quantize)
+
+
+def _add(module: nnx.Module, cfg: LoraConfig, rngs: nnx.Rngs) -> None:
     for weight_name, (target, contract) in _BY_WEIGHT.items():
         if target not in cfg.targets or not hasattr(module, weight_name):
             continue
@@ -104,7 +118,7 @@ def project(module: nnx.Module, name: str, spec: str, x: jax.Array, cfg: Any) ->
     ``spec`` is the projection's ``"<x axes>,<W axes>-><out axes>"``; the adapter path is
     ``x -> [.., rank] -> out`` (two thin matmuls), never the merged ``[in, out]`` delta."""
     dt, tc = cfg.dtype, cfg.grad_transpose_copy
-    y = matmul(spec, x, getattr(module, name)[...], dt, tc)
+    y = matmul(spec, x, weight(module, name), dt, tc)
     a = getattr(module, f"{name}_lora_a", None) if cfg.lora is not None else None
     if a is None:
         return y

@@ -79,11 +79,13 @@ def export_policy(
 
 
 def _checkpoint_base(parts: RunParts, base: Any) -> Path | None:
-    """The HF checkpoint directory the RL base is exactly, or None (a warm-up changed it, or the
-    model is a preset, initialised at random): then ``base`` is exported and must be given."""
+    """The HF checkpoint directory the RL base is exactly, or None (a warm-up changed it, QLoRA
+    trained over its dequantized weights, or the model is a preset, initialised at random): then
+    ``base`` is exported and must be given."""
     warmup, name = parts.cfg.warmup, parts.cfg.model.name
     path = Path(name)
-    if not (warmup.steps or warmup.from_workdir) and (path / "config.json").is_file():
+    exact = not (warmup.steps or warmup.from_workdir) and parts.cfg.lora.quantize == "none"
+    if exact and (path / "config.json").is_file():
         return path.resolve()
     if base is None:
         raise ValueError(

@@ -4,9 +4,10 @@
 Without LoRA, ``params`` is every weight (``init_params``, e.g. imported HF weights or the
 warm-up's, moved onto the shardings; or fresh ones from ``seed`` by a jitted init whose outputs
 land sharded) and ``frozen`` is None. With LoRA, ``init_params`` (or a fresh model) is the base,
-moved onto the frozen shardings, and ``params`` are fresh adapters from ``seed`` (``B = 0``: the
-run starts exactly at the base); the jitted init returns only them, so no random base is built
-beside a given one.
+moved onto the frozen shardings (QLoRA: quantized there, ``models.qlora``), and ``params`` are
+fresh adapters from ``seed`` (``B = 0``: the run starts exactly at the base); the jitted init
+returns only them, so no random base is built beside a given one. ``BaseWeights`` gives the
+base back dense, alone or merged with adapters.
 
 ``fingerprint(frozen)`` names a base by its content (one float32 sum per array, hashed): a
 checkpoint of adapters records it, and a resume onto another base is refused (adapters are
@@ -24,6 +25,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxrl_orch.models.lora import LoraConfig, merge_adapters
+from jaxrl_orch.models.qlora import dequantize_base, quantize_base
 from jaxrl_orch.models.transformer import ModelConfig, Transformer
 from jaxrl_orch.trainer.programs import TrainPrograms
 
@@ -50,8 +53,25 @@ def initial_params(
         if init_params is None:
             return jax.jit(adapters_and_base, out_shardings=shardings)()
         adapters = jax.jit(lambda: adapters_and_base()[0], out_shardings=shardings[0])()
-    _check_same_shapes(init_params, programs.abstract_frozen)
-    return adapters, jax.device_put(init_params, programs.frozen_shardings)
+    _check_same_shapes(init_params, programs.abstract_base)
+    base = jax.device_put(init_params, programs.base_shardings)
+    qtype = model_config.lora.quantize
+    if qtype is not None:  # QLoRA: held quantized from here on
+        quantized = lambda b: quantize_base(b, programs.abstract_frozen, qtype)
+        base = jax.jit(quantized, out_shardings=programs.frozen_shardings)(base)
+    return adapters, base
+
+
+class BaseWeights:
+    """A LoRA trainer's frozen base as dense weights (``dense``: QLoRA's dequantized; the
+    weights the engine holds and the export writes) and merged with adapters (``merged``)."""
+
+    def __init__(self, programs: TrainPrograms, lora: LoraConfig) -> None:
+        target, shardings = programs.abstract_base, programs.base_shardings
+        dense = lambda f: f if lora.quantize is None else dequantize_base(f, target)
+        self.dense = jax.jit(dense, out_shardings=shardings)
+        merge = lambda f, a: merge_adapters(dense(f), a, lora.scale)
+        self.merged = jax.jit(merge, out_shardings=shardings)
 
 
 def fingerprint(frozen: Any) -> str:

@@ -8,7 +8,9 @@ The trained part: with ``ModelConfig.lora`` the model's state splits in two, the
 (``nnx.LoRAParam``: ``abstract_params``, what the optimizer updates and the step donates) and the
 frozen base (``abstract_frozen``, every other weight: an argument of the step, never
 differentiated, no optimizer state). Without it, ``abstract_params`` is every weight and
-``abstract_frozen`` is None.
+``abstract_frozen`` is None. ``abstract_base`` is the frozen base as the plain model holds it:
+``abstract_frozen`` itself, or for QLoRA (``LoraConfig.quantize``) the dense tree its quantized
+weights stand for.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class TrainPrograms:
     step_fn: Any
     abstract_frozen: Any = None
     frozen_shardings: Any = None
+    abstract_base: Any = None  # LoRA: the frozen base dense (QLoRA dequantizes to it)
+    base_shardings: Any = None
 
 
 def splash_specs(model_config: ModelConfig, mesh: Mesh, rules: Rules, rows: int, row_len: int):
@@ -69,10 +73,15 @@ def build_programs(
     abstract = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(seed)))
     if model_config.lora is None:
         graphdef, abstract_state = nnx.split(abstract)
-        frozen = frozen_shardings = None
+        frozen = frozen_shardings = base = base_shardings = None
     else:
         graphdef, abstract_state, frozen = nnx.split(abstract, nnx.LoRAParam, ...)
         frozen_shardings = resolve_shardings(logical_specs(frozen), mesh, rules, shapes=frozen)
+        base, base_shardings = frozen, frozen_shardings
+        if model_config.lora.quantize is not None:
+            plain = dataclasses.replace(model_config, lora=None)
+            base = nnx.split(nnx.eval_shape(lambda: Transformer(plain, rngs=nnx.Rngs(seed))))[1]
+            base_shardings = resolve_shardings(logical_specs(base), mesh, rules, shapes=base)
     param_shardings = resolve_shardings(
         logical_specs(abstract_state), mesh, rules, shapes=abstract_state
     )
@@ -99,4 +108,6 @@ def build_programs(
         step_fn,
         frozen,
         frozen_shardings,
+        base,
+        base_shardings,
     )

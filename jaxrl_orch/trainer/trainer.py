@@ -64,11 +64,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_orch.algorithms.packing import PackedBatch, pack_samples
-from jaxrl_orch.models.lora import merge_adapters
 from jaxrl_orch.models.transformer import ModelConfig
 from jaxrl_orch.trainer import optim as optim_lib
 from jaxrl_orch.trainer import step as step_lib
-from jaxrl_orch.trainer.params import fingerprint, initial_params
+from jaxrl_orch.trainer.params import BaseWeights, fingerprint, initial_params
 from jaxrl_orch.trainer.programs import build_programs
 from jaxrl_orch.types import TrainBatch
 from sharding.rules import TRAINER_RULES, Rules
@@ -136,6 +135,8 @@ class Trainer:
         self.frozen_shardings = programs.frozen_shardings
         # LoRA: params are the adapters, frozen the base (trainer/params.py); else frozen None.
         self.params, self.frozen = initial_params(programs, model_config, mesh, seed, init_params)
+        lora = model_config.lora
+        self._base = None if lora is None else BaseWeights(programs, lora)
         self._fingerprint: str | None = None
         self.optimizer = programs.optimizer
         self._schedule = optim_lib.make_schedule(self.optim_cfg)
@@ -330,13 +331,11 @@ class Trainer:
     def merged_params(self) -> Any:
         """Every weight of the current policy: the params, or the base with the adapters
         folded in (a new array set on the base's shardings; what an export writes)."""
-        if self.frozen is None:
-            return self.params
-        scale = self.config.lora.scale
-        merge = jax.jit(
-            lambda b, a: merge_adapters(b, a, scale), out_shardings=self.frozen_shardings
-        )
-        return merge(self.frozen, self.params)
+        return self.params if self._base is None else self._base.merged(self.frozen, self.params)
+
+    def dense_base(self) -> Any:
+        """A LoRA run's frozen base as dense weights (QLoRA: dequantized)."""
+        return self._base.dense(self.frozen)
 
     # ------------------------------------------------------------------ checkpoint state
 

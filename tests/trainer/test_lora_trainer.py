@@ -22,6 +22,7 @@ from jaxrl_orch.trainer.trainer import RowLayout, Trainer
 from sharding.mesh import make_meshes
 
 LORA_TINY = dataclasses.replace(TINY, lora=LoraConfig(rank=4, alpha=8.0))
+QLORA_TINY = dataclasses.replace(TINY, lora=LoraConfig(rank=4, alpha=8.0, quantize="int8"))
 OPTIM = optim_lib.OptimConfig(learning_rate=1e-2, eps=1e-4)
 STEP = step_lib.StepConfig(chunk_rows=2)
 
@@ -39,11 +40,9 @@ def _base_params(seed: int = 7):
     return nnx.split(Transformer(TINY, rngs=nnx.Rngs(seed)))[1]
 
 
-def _trainer(seed: int = 1, base=None, step=STEP) -> Trainer:
+def _trainer(seed: int = 1, base=None, step=STEP, model=LORA_TINY) -> Trainer:
     rows = RowLayout(row_len=32)
-    return Trainer(
-        LORA_TINY, _mesh(), rows=rows, step=step, optim=OPTIM, seed=seed, init_params=base
-    )
+    return Trainer(model, _mesh(), rows=rows, step=step, optim=OPTIM, seed=seed, init_params=base)
 
 
 def test_only_the_adapters_train_and_the_base_stays_bit_identical():
@@ -82,15 +81,16 @@ def test_lora_with_the_kl_reference_trains():
     assert second["ref_kl"] > 0
 
 
-def test_resume_restores_the_adapters_and_continues_every_step_once(tmp_path):
+@pytest.mark.parametrize("model", [LORA_TINY, QLORA_TINY], ids=["lora", "qlora-int8"])
+def test_resume_restores_the_adapters_and_continues_every_step_once(tmp_path, model):
     base = _base_params()
-    src = _trainer(base=base)
+    src = _trainer(base=base, model=model)
     src.train_step(make_batch(1))
     ckpt = Checkpointer(tmp_path, max_to_keep=2)
     assert save_trainer(ckpt, src, 1, {"step": 2})
     ckpt.wait()
 
-    dst = _trainer(seed=99, base=base)  # another seed: its fresh adapters differ
+    dst = _trainer(seed=99, base=base, model=model)  # another seed: its fresh adapters differ
     assert restore_trainer(Checkpointer(tmp_path), dst) == {"step": 2}
     assert dst.version == 1 and dst.steps_done == 1
     np.testing.assert_equal(_host(dst.params), _host(src.params))
@@ -119,3 +119,26 @@ def test_a_base_that_does_not_fit_the_model_is_named():
     wrong = nnx.split(Transformer(dataclasses.replace(TINY, d_ff=TINY.d_ff * 2), rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"init_params\S*mlp\S*_proj\S* has shape \(128, 32\)"):
         _trainer(base=wrong[1])
+
+
+def test_a_qlora_trainer_holds_its_base_int8_trains_adapters_and_serves_the_dequantized_base():
+    base = _base_params()
+    trainer = _trainer(base=base, model=QLORA_TINY)
+    projections = [x for x in jax.tree.leaves(trainer.frozen) if x.dtype == jax.numpy.int8]
+    assert len(projections) == 7 * TINY.n_layers
+    dense = _host(trainer.dense_base())
+    # The dense base is the given one up to int8 rounding, and a fresh adapter merges to it.
+    assert all(a.shape == b.shape for a, b in zip(dense, _host(base), strict=True))
+    np.testing.assert_allclose(
+        np.concatenate([d.ravel() for d in dense]),
+        np.concatenate([b.ravel() for b in _host(base)]),
+        atol=0.01,
+    )
+    np.testing.assert_equal(_host(trainer.merged_params()), dense)
+    before, frozen = _host(trainer.params), _host(trainer.frozen)
+    for step in (1, 2):
+        metrics = trainer.train_step(make_batch(step, seed=step))
+        assert np.isfinite(metrics["loss"])
+    np.testing.assert_equal(_host(trainer.frozen), frozen)  # int8 values and scales untouched
+    after = _host(trainer.params)
+    assert all(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
