@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_orch.models.keys import by_names, key_names
 from jaxrl_orch.models.matmul import matmul
 from jaxrl_orch.models.qlora import QTYPES, quantize_module, weight
 
@@ -140,13 +141,6 @@ def delta(a: jax.Array, b: jax.Array, shape: Sequence[int]) -> jax.Array:
     )
 
 
-def _names(path: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A key path's dict keys and indices (an ``nnx.State``'s ``.value`` steps dropped), so a
-    state and a pure dict of the same model name their arrays alike."""
-    keys = [k for k in path if hasattr(k, "key") or hasattr(k, "idx")]
-    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in keys)
-
-
 def _adapter_of(names: tuple[Any, ...], suffix: str) -> tuple[Any, ...]:
     """The names of the adapter ``suffix`` of the weight named ``names`` (its last key)."""
     *head, last = names
@@ -157,12 +151,12 @@ def merge_adapters(base: Any, adapters: Any, scale: float) -> Any:
     """``base`` with every adapted weight replaced by ``W + scale * A @ B`` (in ``W``'s dtype,
     summed in float32). ``base`` is the base model's state (or pure dict), ``adapters`` the
     ``nnx.LoRAParam`` state of the same model: the two are matched by their key names."""
-    found = {_names(p): x for p, x in jax.tree_util.tree_leaves_with_path(adapters)}
+    found = by_names(adapters)
     used = 0
 
     def merge(path: tuple[Any, ...], w: jax.Array) -> jax.Array:
         nonlocal used
-        names = _names(path)
+        names = key_names(path)
         a = found.get(_adapter_of(names, "_lora_a"))
         if a is None:
             return w

@@ -5,13 +5,14 @@ stored as ``qwix.quantize``'s ``QArray`` split over two frozen ``nnx.Param``: ``
 the quantized values (``W``'s shape and logical axes, dtype int8 or int4) and ``<name>_scale``
 one scale per output channel (absmax, size 1 on the contracted axes, so those axes are
 replicated however ``W`` is sharded). The projection uses ``qwix.dequantize`` of the pair, in the
-scale's dtype (the base's ``param_dtype``), right before its matmul: XLA fuses the convert and
-the multiply into the matmul's operand, so no dense copy of the base is ever held.
+scale's dtype (the base's ``param_dtype``), right before its matmul, so a dense weight exists
+only while its layer runs (compiled for the 8B config, the train step's temporaries are smaller
+than over a bf16 base: ``docs/lora.md``).
 
-Why this and not ``qwix.quantize_model``: qwix's providers intercept the dot on a module
-attribute, which this model's custom-VJP matmul and scanned layers hide from them (as for its
-LoRA, ``benchmarks/qwix_lora_probe.py``); the quantization itself (calibration, scales, packed
-int4, dequantize) is qwix's.
+Why this and not ``qwix.quantize_model``: qwix's providers find a weight by intercepting the dot
+on a module attribute, the mechanism its LoRA uses, which failed on this model's custom-VJP
+matmul and scanned layers (``benchmarks/qwix_lora_probe.py``); the quantization itself
+(calibration, scales, int4, dequantize) is qwix's.
 
 What a base is elsewhere: the engine, the merge, the export and the PEFT base take the *dense*
 base, ``dequantize_base`` of the quantized one (the weights the adapters were trained over, so
@@ -27,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import qwix
 from flax import nnx
+
+from jaxrl_orch.models.keys import by_names, key_names
 
 QTYPES = {"int8": jnp.int8, "int4": jnp.int4}
 # Weight name -> how many leading axes its matmul contracts (models/lora.py's TARGETS).
@@ -75,22 +78,13 @@ def weight(module: nnx.Module, name: str) -> jax.Array:
     return w if scale is None else dequantize(w, scale[...])
 
 
-def _names(path: tuple[Any, ...]) -> tuple[Any, ...]:
-    keys = [k for k in path if hasattr(k, "key") or hasattr(k, "idx")]
-    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in keys)
-
-
-def _by_names(tree: Any) -> dict[tuple[Any, ...], Any]:
-    return {_names(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
-
-
 def quantize_base(base: Any, target: Any, qtype: str) -> Any:
     """``base`` (dense, the plain model's state) as ``target``'s tree (the quantized model's
     frozen state: abstract arrays), matched by key names."""
-    dense = _by_names(base)
+    dense = by_names(base)
 
     def fill(path: tuple[Any, ...], _: Any) -> jax.Array:
-        *head, last = _names(path)
+        *head, last = key_names(path)
         if isinstance(last, str) and last.endswith(SCALE):
             name = last[: -len(SCALE)]
             return quantize(dense[(*head, name)], name, qtype)[1]
@@ -103,10 +97,10 @@ def quantize_base(base: Any, target: Any, qtype: str) -> Any:
 
 def dequantize_base(frozen: Any, target: Any) -> Any:
     """``frozen`` (quantized) as ``target``'s tree (the plain model's state), dense."""
-    held = _by_names(frozen)
+    held = by_names(frozen)
 
     def fill(path: tuple[Any, ...], _: Any) -> jax.Array:
-        names = _names(path)
+        names = key_names(path)
         scale = held.get((*names[:-1], f"{names[-1]}{SCALE}"))
         return held[names] if scale is None else dequantize(held[names], scale)
 

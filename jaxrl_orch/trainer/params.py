@@ -69,7 +69,8 @@ class BaseWeights:
     def __init__(self, programs: TrainPrograms, lora: LoraConfig) -> None:
         target, shardings = programs.abstract_base, programs.base_shardings
         dense = lambda f: f if lora.quantize is None else dequantize_base(f, target)
-        self.dense = jax.jit(dense, out_shardings=shardings)
+        # Unquantized, the base is already dense: no copy of it (an 8B base is 16 GB).
+        self.dense = dense if lora.quantize is None else jax.jit(dense, out_shardings=shardings)
         merge = lambda f, a: merge_adapters(dense(f), a, lora.scale)
         self.merged = jax.jit(merge, out_shardings=shardings)
 
