@@ -38,6 +38,7 @@ def pytest_collection_finish(session):
             (
                 "test_aot.py::test_tpu_configs_fit",
                 "test_aot.py::test_the_8b_lora_config_fits_and_every_weight_does_not",
+                "test_aot.py::test_an_int8_base_shrinks_the_8b_train_step_and_leaves_the_engine_as_it_was",
             )
         ):
             item.module.start_background()

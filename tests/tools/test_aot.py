@@ -34,6 +34,7 @@ LORA = "configs/tpu_v5e_8_lora.gin"
 RUNS = {name: f"--gin_file={cfg}" for name, cfg in CONFIGS.items()}
 RUNS["lora"] = f"--gin_file={LORA}"
 RUNS["lora_off"] = f"--gin_file={LORA} --gin_param=Lora.rank=0"
+RUNS["qlora"] = f"--gin_file={LORA} --gin_param=\"Lora.quantize='int8'\""  # through sh -c
 _OUT = Path(tempfile.mkdtemp(prefix="aot_test_"))
 _script = " && ".join(
     f"{sys.executable} -m jaxrl_orch.tools.aot {args} --json > {_OUT / name}.json "
@@ -107,6 +108,25 @@ def test_the_8b_lora_config_fits_and_every_weight_does_not():
     assert int((_OUT / "lora_off.rc").read_text()) == 1
     err = (_OUT / "lora_off.err").read_text()
     assert "does not fit: train_step needs" in err and "GiB over" in err
+
+
+@pytest.mark.slow
+def test_an_int8_base_shrinks_the_8b_train_step_and_leaves_the_engine_as_it_was():
+    """QLoRA on the same config: the trainer's base is int8, so the train step's arguments
+    (the base is most of them) and its total shrink; the engine still serves bf16 weights."""
+    start_background().wait(timeout=3600)
+    runs = {}
+    for name in ("lora", "qlora"):
+        assert int((_OUT / f"{name}.rc").read_text()) == 0, (_OUT / f"{name}.err").read_text()
+        runs[name] = json.loads((_OUT / f"{name}.json").read_text())
+    lora, qlora = (runs[n]["programs"] for n in ("lora", "qlora"))
+    assert runs["qlora"]["lora"]["quantize"] == "int8" and runs["qlora"]["fits"] is True
+    bf16_base = runs["lora"]["num_params"] * 2 / 4  # per trainer chip, 4 chips
+    saved = lora["train_step"]["argument_bytes"] - qlora["train_step"]["argument_bytes"]
+    assert 0.35 * bf16_base < saved < 0.55 * bf16_base  # about half of the bf16 base
+    assert qlora["train_step"]["bytes_per_chip"] < lora["train_step"]["bytes_per_chip"] - 1e9
+    for prog in ("prefill", "decode_step", "lora_merge"):
+        assert qlora[prog]["bytes_per_chip"] == lora[prog]["bytes_per_chip"], prog
 
 
 def test_unknown_topology_names_the_allowed_ones():
