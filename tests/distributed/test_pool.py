@@ -170,9 +170,19 @@ def test_a_lora_pool_moves_the_base_once_per_replica_process_and_adapters_every_
             if 1 in pool.live:
                 break
             await asyncio.sleep(0.01)
-        watch.cancel()
         assert fakes[1].parts == [("base", 2), ("adapters", 2)]
         assert fakes[0].parts[-1] == ("adapters", 2) and len(fakes[0].parts) == 4
+        # Replica 0 stops answering and comes back as the same process (SIGSTOP, SIGCONT): it
+        # still holds the base, so it pulls only the current adapters.
+        fakes[0].up = False
+        await pool.load_weights(3, "a3")
+        fakes[0].up = True
+        for _ in range(200):
+            if 0 in pool.live:
+                break
+            await asyncio.sleep(0.01)
+        watch.cancel()
+        assert fakes[0].parts[4:] == [("adapters", 3)] and pool.rejoined_total == 2
 
     asyncio.run(main())
 
