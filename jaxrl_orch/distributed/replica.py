@@ -39,22 +39,13 @@ class ReplicaHost(EngineHost):
         super().__init__(engine, **kwargs)
         self.replica = int(replica)
 
-    async def update_weights(
-        self,
-        version: int,
-        uuid: int,
-        layout: Any = None,
-        timeout_s: float = 120.0,
-        part: str = "weights",
-    ) -> dict[str, float]:
-        out = await super().update_weights(version, uuid, layout, timeout_s, part)
-        what = "holds the LoRA base" if part == "base" else f"serving version {version}"
+    def loaded(self, part: str, out: dict[str, float]) -> None:
+        what = "holds the LoRA base" if part == "base" else f"serving version {out['version']}"
         print(
             f"replica {self.replica}: {what} (pull {out['pull_s']:.3f} s, "
             f"swap {out['swap_s']:.3f} s)",
             flush=True,
         )
-        return out
 
 
 def replica_server(

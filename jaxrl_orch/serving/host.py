@@ -158,13 +158,20 @@ class EngineHost:
             t0 = time.perf_counter()
             params = await asyncio.to_thread(fetch, uuid, layout, timeout_s)
             pull_s, t1 = time.perf_counter() - t0, time.perf_counter()
-            if part == "base":
-                return {"version": self.version, "pull_s": pull_s, "swap_s": 0.0}
-            if self.driver is None:
-                self.driver = await asyncio.to_thread(self._start_driver, params, version)
+            if part == "base":  # kept by the source: nothing is swapped in
+                out = {"version": self.version, "pull_s": pull_s, "swap_s": 0.0}
             else:
-                await asyncio.wrap_future(self.driver.swap_params(params, version))
-            return {"version": version, "pull_s": pull_s, "swap_s": time.perf_counter() - t1}
+                if self.driver is None:
+                    self.driver = await asyncio.to_thread(self._start_driver, params, version)
+                else:
+                    await asyncio.wrap_future(self.driver.swap_params(params, version))
+                out = {"version": version, "pull_s": pull_s, "swap_s": time.perf_counter() - t1}
+            self.loaded(part, out)
+            return out
+
+    def loaded(self, part: str, out: dict[str, float]) -> None:
+        """After each weight update this host took: ``part`` and what ``update_weights``
+        returns (a replica logs it; this host says nothing)."""
 
     def _fetcher(self, part: str) -> WeightSource:
         """The source's call for ``part``: itself for ``weights``, its ``load_<part>`` else."""

@@ -75,6 +75,14 @@ def make_pool(n: int = 2) -> tuple[RemotePool, list[FakeReplica]]:
 SAMPLING = SamplingParams(max_tokens=4)
 
 
+async def _until(done, polls: int = 300) -> None:
+    """Yield to the pool's watch until ``done()`` holds (the test's next assert says if not)."""
+    for _ in range(polls):
+        if done():
+            return
+        await asyncio.sleep(0.01)
+
+
 def test_a_lost_replicas_group_moves_whole_and_no_request_fails():
     async def main():
         pool, fakes = make_pool()
@@ -138,10 +146,7 @@ def test_weights_reach_live_replicas_and_a_returning_one_loads_before_it_serves(
         assert fakes[0].loads == [0, 1] and pool.live == {0}
         watch = asyncio.ensure_future(pool.watch())
         fakes[1].up = True  # restarted
-        for _ in range(200):
-            if 1 in pool.live:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: 1 in pool.live)
         watch.cancel()
         assert pool.live == {0, 1} and pool.rejoined_total == 1
         assert fakes[1].loads == [0, 1]  # the current version, before it is live again
@@ -166,10 +171,7 @@ def test_a_lora_pool_moves_the_base_once_per_replica_process_and_adapters_every_
         fakes[1].parts.clear()
         watch = asyncio.ensure_future(pool.watch())
         fakes[1].up = True
-        for _ in range(200):
-            if 1 in pool.live:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: 1 in pool.live)
         assert fakes[1].parts == [("base", 2), ("adapters", 2)]
         assert fakes[0].parts[-1] == ("adapters", 2) and len(fakes[0].parts) == 4
         # Replica 0 stops answering and comes back as the same process (SIGSTOP, SIGCONT): it
@@ -177,10 +179,7 @@ def test_a_lora_pool_moves_the_base_once_per_replica_process_and_adapters_every_
         fakes[0].up = False
         await pool.load_weights(3, "a3")
         fakes[0].up = True
-        for _ in range(200):
-            if 0 in pool.live:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: 0 in pool.live)
         watch.cancel()
         assert fakes[0].parts[4:] == [("adapters", 3)] and pool.rejoined_total == 2
 
@@ -196,17 +195,11 @@ def test_a_live_replica_silent_past_the_health_deadline_is_lost_and_rejoins_when
         await pool.start(0, params="w0")
         watch = asyncio.ensure_future(pool.watch())
         fakes[1].up = False  # no health answers (and no request in flight to fail)
-        for _ in range(300):
-            if pool.live == {0}:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: pool.live == {0})
         lost = (set(pool.live), pool.lost_total)
         await pool.load_weights(1, "w1")
         fakes[1].up = True
-        for _ in range(300):
-            if 1 in pool.live:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: 1 in pool.live)
         watch.cancel()
         return pool, fakes, lost
 
