@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_orch.build import accel
+from jaxrl_orch.compose import precision
 from jaxrl_orch.config.load import make_config
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
@@ -208,11 +208,11 @@ def main() -> None:
     for name, value in (("prompts", prompts), ("samples", group), ("slots", slots)):
         if value < 1:
             raise SystemExit(f"--{name} must be >= 1, got {value}")
-    # What a run builds: the attention TrainConfig resolves for this backend (build/accel.py).
+    # What a run builds: the attention TrainConfig resolves for this backend (compose/precision.py).
     run_cfg = make_config(
         {"Model.attention": args.attention, "Model.compute_dtype": args.compute_dtype}
     )
-    cfg = accel.accel_model_config(get_config(model), run_cfg)
+    cfg = precision.accel_model_config(get_config(model), run_cfg)
     limits = EngineLimits(
         max_concurrent_decodes=slots,
         max_target_length=64 + max_new,

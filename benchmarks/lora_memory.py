@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from jaxrl_orch.build.accel import accel_model_config
-from jaxrl_orch.build.parts import build_placement, model_config
-from jaxrl_orch.build.run import rl_model
+from jaxrl_orch.compose.model import model_config
+from jaxrl_orch.compose.placement import build_placement
+from jaxrl_orch.compose.precision import accel_model_config
+from jaxrl_orch.compose.trainers import rl_model
 from jaxrl_orch.config.load import load_config
 from jaxrl_orch.models.tokenizer import load_tokenizer
 from jaxrl_orch.tools import aot, aot_report
@@ -31,7 +32,7 @@ def measure(model: str, rank: int, quantize: str = "none") -> dict[str, float | 
     params = [f"Model.name = '{model}'", f"Lora.rank = {rank}", f"Lora.quantize = '{quantize}'"]
     cfg = load_config([CONFIG], params)
     _, devices = aot.topology_devices(cfg.processes.tpu_topology)
-    _, _, trainer_mesh = build_placement(cfg, len(devices), devices=devices)
+    trainer_mesh = build_placement(cfg, len(devices), devices=devices).trainer_mesh
     base = model_config(model, load_tokenizer(cfg.model.tokenizer))
     model_cfg = accel_model_config(base, cfg, "tpu")
     compiled, _, _ = aot.compile_train_step(cfg, rl_model(cfg, model_cfg), trainer_mesh)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_orch.build.adapters import tree_nbytes
+from jaxrl_orch.compose.staging import tree_nbytes
 from jaxrl_orch.models.lora import LoraConfig, merge_adapters
 from jaxrl_orch.models.transformer import Transformer, get_config, init_cache
 

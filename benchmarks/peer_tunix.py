@@ -33,7 +33,7 @@ function records how many completions each call scores, and a run where that is 
 (Tunix repeats each prompt G times with ``np.repeat`` over the batch tree, so the prompts go in
 as an array; a list's strings would be leaves, and it would run 8 samples a step). XLA
 compilations after the warm-up are counted on both sides as ``rl_step.py`` counts them. Our
-asynchronous run is timed after its overlap probe (``jaxrl_orch/build/overlap.py``).
+asynchronous run is timed after its overlap probe (``jaxrl_orch/compose/overlap.py``).
 
 Equal workload: one model shape, ``small-byte`` (``jaxrl_orch/models/configs.py``: vocab 512 =
 ``BYTE_VOCAB_SIZE``, d_model 256, 4 layers, 8 heads, 4 kv heads, head_dim 32, d_ff 768, rope
@@ -105,7 +105,7 @@ def run_ours(a: argparse.Namespace) -> dict:
     import peer_env
     from rl_step import run_once
 
-    from jaxrl_orch.build.overlap import probe_steps
+    from jaxrl_orch.compose.overlap import probe_steps
     from jaxrl_orch.models.configs import get_config
 
     overrides = {
@@ -131,7 +131,7 @@ def run_ours(a: argparse.Namespace) -> dict:
             workdir = Path(tmp) / name
             t0 = time.perf_counter()
             # run_once's warm-up counts steps from 1 and times those after it: the same steps
-            # Async: also past the overlap probe (jaxrl_orch/build/overlap.py), which sets
+            # Async: also past the overlap probe (jaxrl_orch/compose/overlap.py), which sets
             # its schedule.
             warm = max(a.warmup, probe_steps()) if staleness else a.warmup
             res = run_once(staleness, warm + a.steps, warm, workdir, overrides=overrides)

@@ -5,7 +5,7 @@ A server process (FastAPI + uvicorn, as a replica serves) fronts a trivial handl
 ``--tokens`` tokens, in that route's answer shape); this process is the client, with a fixed
 number of requests in flight (each worker sends its next request as soon as its last came
 back). Sides (``--sides``), each one client object for all requests:
-- ``aiohttp``: ``aiohttp.ClientSession``, the pool's client (``distributed.client``);
+- ``aiohttp``: ``aiohttp.ClientSession``, the pool's client (``distributed.replica_client``);
 - ``httpx``: ``httpx.AsyncClient``, the client the pool does not use, for the comparison.
 Both carry the same JSON bodies (a ``--prompt_len``-token request, the completion back).
 

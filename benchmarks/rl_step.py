@@ -12,7 +12,7 @@ the warm-up steps (JAX's ``/jax/core/compile/backend_compile_duration`` events).
 with fixed shapes compiles nothing: a non-zero count is a step paying for a recompile.
 
 The asynchronous run's schedule is ``Engine.overlap = "auto"``: on shared cores it probes
-overlapped vs time-sliced steps first (``jaxrl_orch/build/overlap.py``) and keeps the faster; its
+overlapped vs time-sliced steps first (``jaxrl_orch/compose/overlap.py``) and keeps the faster; its
 steps are timed after that probe (``overlap`` in the result: the choice and both medians).
 ``--devices 1,2`` runs the whole measurement once per device count, each in its own process
 (``XLA_FLAGS`` fake CPU devices; with 2, the trainer and the engine get one each).
@@ -42,7 +42,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
 from jax import monitoring  # noqa: E402
 
-from jaxrl_orch.build.overlap import probe_steps  # noqa: E402
+from jaxrl_orch.compose.overlap import probe_steps  # noqa: E402
 from jaxrl_orch.config.load import make_config  # noqa: E402
 from jaxrl_orch.distributed.group import resolve_role  # noqa: E402
 from jaxrl_orch.run import stages  # noqa: E402

@@ -71,7 +71,7 @@ def main() -> None:
 
     from jaxrl_orch.algorithms import losses
     from jaxrl_orch.algorithms.packing import pack_samples
-    from jaxrl_orch.build import accel
+    from jaxrl_orch.compose import precision
     from jaxrl_orch.config.load import make_config
     from jaxrl_orch.models.transformer import get_config
     from jaxrl_orch.trainer import optim as optim_lib
@@ -80,11 +80,11 @@ def main() -> None:
     from jaxrl_orch.types import Sample
 
     cfg = get_config(args.model)
-    # The model a run builds on this backend (build/accel.py), unless told otherwise.
+    # The model a run builds on this backend (compose/precision.py), unless told otherwise.
     run_cfg = make_config(
         {"Model.attention": args.attention, "Model.compute_dtype": args.compute_dtype}
     )
-    cfg = accel.accel_model_config(cfg, run_cfg)
+    cfg = precision.accel_model_config(cfg, run_cfg)
     if args.attention_block:
         cfg = dataclasses.replace(cfg, attention_block=args.attention_block)
     dtype = cfg.dtype

@@ -1,6 +1,6 @@
 """``load_factory``: the one import of a user's ``"package.module:factory"`` setting.
 
-Who uses it: ``Engine.kind`` (``build/engines.engine_factory``) and ``Data.env``
+Who uses it: ``Engine.kind`` (``compose/engines.engine_factory``) and ``Data.env``
 (``envs/base.make_env``) name user code this way, so that every process of a multi-process run
 imports it itself (no registering script). Bad specs, missing modules or attributes and
 non-callables raise ``ValueError`` naming the setting, the spec and what failed. Standard

@@ -31,9 +31,11 @@ from typing import Any
 
 import jax
 
-from jaxrl_orch.build.engines import build_engine, to_engine
-from jaxrl_orch.build.parts import build_model, build_placement, pretrained_params
-from jaxrl_orch.build.run import build_run, build_trainer
+from jaxrl_orch.compose.engines import build_engine, to_engine
+from jaxrl_orch.compose.model import build_model, pretrained_params
+from jaxrl_orch.compose.parts import build_run
+from jaxrl_orch.compose.placement import build_placement
+from jaxrl_orch.compose.trainers import build_trainer
 from jaxrl_orch.config.load import load_config
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import read_api_key
@@ -101,7 +103,7 @@ def workdir_params(cfg: TrainConfig, workdir: str) -> Any:
 def build_host(args: argparse.Namespace) -> EngineHost:
     cfg = load_config(args.gin_file, args.gin_param + checkpoint_bindings(args.checkpoint))
     tokenizer, model_cfg = build_model(cfg)
-    _, decode_mesh, _ = build_placement(cfg, len(jax.devices()))
+    decode_mesh = build_placement(cfg, len(jax.devices())).decode_mesh
     engine = build_engine(cfg, model_cfg, decode_mesh, tokenizer).engine
     if args.checkpoint and not checkpoint_bindings(args.checkpoint):
         params = to_engine(workdir_params(cfg, args.checkpoint), engine)

@@ -379,7 +379,7 @@ class MetricsWriter(Protocol):
 
 
 @runtime_checkable
-class Trainer(Protocol):
+class BatchTrainer(Protocol):
     """What the orchestrator ships batches to. ``submit`` must not block the event loop: the
     trainer works in the background and publishes ``(version, params, metrics)`` when a step is
     done."""

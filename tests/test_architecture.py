@@ -59,7 +59,7 @@ PLANTS = {
     "algorithms are pure": ("algorithms/losses.py", "import optax"),
     # a replica's client reaching for the trainer
     "distributed knows no trainer": (
-        "distributed/client.py",
+        "distributed/replica_client.py",
         "from jaxrl_orch.trainer import step",
     ),
 }

@@ -24,8 +24,8 @@ from support.checkout import ROOT, subprocess_env
 from support.runs import prepare, run
 from support.toy_rl import toy_config
 
-from jaxrl_orch.build.engines import to_engine
-from jaxrl_orch.build.parts import build_model, pretrained_params
+from jaxrl_orch.compose.engines import to_engine
+from jaxrl_orch.compose.model import build_model, pretrained_params
 from jaxrl_orch.config.load import make_config
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine

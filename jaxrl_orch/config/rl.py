@@ -1,5 +1,5 @@
 """The ``RL`` section of TrainConfig (``config.train``): the RL stage's algorithm, its loss and
-off-policy corrections, optimizer, sampling and evals, read by ``run.rl`` and ``build.accel``.
+off-policy corrections, optimizer, sampling and evals, read by ``run.rl`` and ``compose.precision``.
 Its own module because it is the section that grows with the algorithms: each correction is a
 setting here, checked with the same code as the loss's own config
 (``algorithms.correction_settings``). Pure: no JAX.

@@ -1,14 +1,14 @@
 """TrainConfig: every setting of ``python -m jaxrl_orch.train``, in sections, bound by gin.
 
 Each section is a frozen dataclass that gin configures by its own name, read by the code it
-names: ``Model`` (the network, its precision and kernels: ``build.accel``), ``Data`` (the task
-and its examples: ``build.parts``), ``Verifiers`` (a verifiers environment: ``build.run``),
+names: ``Model`` (the network, its precision and kernels: ``compose.precision``), ``Data`` (the task
+and its examples: ``compose.data``), ``Verifiers`` (a verifiers environment: ``compose.parts``),
 ``Warmup`` (the SFT stage: ``run.warmup``), ``RL`` (the
 algorithm, its loss and corrections, optimizer, sampling and evals, in ``config.rl``: ``run.rl``,
-``build.accel``), ``Lora`` (the RL stage's adapters: ``build.run``), ``Trainer`` (rows and
-the trainer mesh), ``Engine`` (the decoding engine: ``build.engines``, ``build.sides``),
+``compose.precision``), ``Lora`` (the RL stage's adapters: ``compose.parts``), ``Trainer`` (rows and
+the trainer mesh), ``Engine`` (the decoding engine: ``compose.engines``, ``compose.sides``),
 ``Orchestrator`` (staleness, concurrency and timeouts of the loop: ``TrainConfig.loop``),
-``Processes`` (a multi-process layout: ``distributed``, ``build.roles``) and ``Outputs``
+``Processes`` (a multi-process layout: ``distributed``, ``compose.replica``) and ``Outputs``
 (checkpoints, logging, export). A gin file binds ``RL.steps = 40``; ``TrainConfig`` itself
 holds the seed and builds each section from its bindings. An unknown binding fails at parse
 time naming it; every value

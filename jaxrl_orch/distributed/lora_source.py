@@ -5,14 +5,14 @@ pulled once: ``load_base``) and the merge of each version's adapters into it (``
 float32 adapters, pulled replicated over the decode mesh, folded in as ``W + scale * A @ B``
 in float32 and cast to the weight dtype, landing in the decode shardings). The decode step is
 then the full-weight engine's, unchanged: the same choice as the in-process engine's
-(``build.adapters``, measured in ``benchmarks/lora_serving.py``).
+(``compose.staging``, measured in ``benchmarks/lora_serving.py``).
 
 Why the replica merges: an 8B model's bf16 weights are 16 GB, its rank-16 adapters 168 MB; the
 base crosses the network once per replica (at its first load, or when it comes back after a
 restart) and only the adapters every version.
 
 The adapters' tree (``adapters``: abstract arrays) is the trainer's, built from the same config
-on both sides (``build.adapters.abstract_adapters``); ``merge_adapters`` matches them to the
+on both sides (``compose.staging.abstract_adapters``); ``merge_adapters`` matches them to the
 base's weights by name and refuses a tree that does not fit it.
 
 Errors: ``load_adapters`` before any ``load_base`` is an ``UpdateRefused`` (HTTP 400) naming the

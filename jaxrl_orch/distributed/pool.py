@@ -45,7 +45,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxrl_orch.distributed.client import RemoteEngineClient, ReplicaLost, WeightPullError
+from jaxrl_orch.distributed.replica_client import RemoteEngineClient, ReplicaLost, WeightPullError
 from jaxrl_orch.distributed.transfer import WeightOffer
 from jaxrl_orch.types import Completion, SamplingParams
 

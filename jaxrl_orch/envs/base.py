@@ -52,7 +52,7 @@ from jaxrl_orch.types import (
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
-class Tokenizer(Protocol):
+class EnvTokenizer(Protocol):
     """The slice of a tokenizer an environment needs (structural; see models/tokenizer.py)."""
 
     bos_id: int | None
@@ -67,7 +67,7 @@ class Tokenizer(Protocol):
     ) -> str: ...
 
 
-def check_tokenizer(tokenizer: Any) -> Tokenizer:
+def check_tokenizer(tokenizer: Any) -> EnvTokenizer:
     for attr in ("encode", "decode", "apply_chat_template", "eos_id", "bos_id"):
         if not hasattr(tokenizer, attr):
             raise TypeError(
@@ -96,13 +96,13 @@ def check_reward(reward: Any, *, env: str) -> float:
     return value
 
 
-def stop_ids_of(tokenizer: Tokenizer) -> tuple[int, ...]:
+def stop_ids_of(tokenizer: EnvTokenizer) -> tuple[int, ...]:
     """Every id that ends a model turn: ``eos_id`` plus the tokenizer's ``stop_ids`` if any
     (e.g. ByteTokenizer's ``<|endoftext|>`` next to its ``<|im_end|>`` eos)."""
     return tuple(dict.fromkeys((tokenizer.eos_id, *getattr(tokenizer, "stop_ids", ()))))
 
 
-def model_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+def model_text(tokenizer: EnvTokenizer, ids: Sequence[int]) -> str:
     """Decode a model turn for scoring only (stop tokens dropped); never fed back as ids."""
     stops = set(stop_ids_of(tokenizer))
     return tokenizer.decode([t for t in ids if t not in stops])
@@ -161,7 +161,7 @@ class Trace:
 
 
 def render_prompt_ids(
-    tokenizer: Tokenizer, messages: list[dict[str, str]], response_prefix: str, add_bos: bool
+    tokenizer: EnvTokenizer, messages: list[dict[str, str]], response_prefix: str, add_bos: bool
 ) -> list[int]:
     """Chat-template the messages, append the response prefix, encode once."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True) + response_prefix
@@ -189,7 +189,7 @@ class SingleTurnEnv:
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: EnvTokenizer,
         *,
         instruction: str | None = None,
         response_prefix: str = "",

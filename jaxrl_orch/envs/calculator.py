@@ -32,7 +32,7 @@ from typing import Any
 
 from jaxrl_orch.envs.arithmetic import parse_int_answer, truth_int
 from jaxrl_orch.envs.base import (
-    Tokenizer,
+    EnvTokenizer,
     Trace,
     check_reward,
     check_tokenizer,
@@ -78,7 +78,7 @@ class CalculatorEnv:
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: EnvTokenizer,
         *,
         instruction: str = DEFAULT_INSTRUCTION,
         max_turns: int = 4,

@@ -29,7 +29,7 @@ class ReverseData(vf.TaskData):
     text: str
 
 
-class ReverseTextConfig(vf.TasksetConfig):
+class ReverseTextTasksetConfig(vf.TasksetConfig):
     split: Literal["train", "eval"] = "train"
     instruction: str = DEFAULT_INSTRUCTION
     data_dir: str | None = None  # where the bundled dataset is prepared (None: tfds' default)
@@ -50,7 +50,7 @@ class ReverseTask(vf.Task[ReverseData, vf.State, vf.TaskConfig]):
         return float(classify_answer(answer_of(trace), self.data.text) == "full")
 
 
-class ReverseTextTaskset(vf.Taskset[ReverseTask, ReverseTextConfig]):
+class ReverseTextTaskset(vf.Taskset[ReverseTask, ReverseTextTasksetConfig]):
     def load(self) -> Iterator[ReverseTask]:
         cfg = self.config
         source = load_split(DATASET, cfg.split, cfg.data_dir)

@@ -63,7 +63,7 @@ from jaxrl_orch.inference.requests import (
     ABORTED,
     NO_LP,
     STOPPED,
-    Group,
+    PrefillGroup,
     RequestLimits,
     Seq,
     accepts,
@@ -104,7 +104,7 @@ class InferenceDriver:
         self._widths = decode_widths(engine, self._n_slots)
         self._width = self._n_slots
         self._cv = threading.Condition()
-        self._pending: collections.deque[Group] = collections.deque()
+        self._pending: collections.deque[PrefillGroup] = collections.deque()
         self._slots: list[Seq | None] = [None] * self._n_slots
         self._decode_state: Any = None
         self._thread: threading.Thread | None = None
@@ -148,7 +148,7 @@ class InferenceDriver:
                     group.members.extend(members)
                     break
             else:
-                self._pending.append(Group(prompt, members))
+                self._pending.append(PrefillGroup(prompt, members))
             self._cv.notify_all()
         return futures
 
@@ -315,7 +315,11 @@ class InferenceDriver:
                     self._pending.popleft()
 
     def _insert(
-        self, group: Group, slot: int, future: concurrent.futures.Future, sampling: SamplingParams
+        self,
+        group: PrefillGroup,
+        slot: int,
+        future: concurrent.futures.Future,
+        sampling: SamplingParams,
     ) -> bool:
         """Put one sample of ``group`` into free ``slot``; False when the engine refused it (that
         sample fails alone, unless the refused call consumed the decode state)."""
@@ -335,7 +339,7 @@ class InferenceDriver:
             self._append(slot, seq, *group.first, self._version)
         return True
 
-    def _ensure_prefix(self, group: Group) -> None:
+    def _ensure_prefix(self, group: PrefillGroup) -> None:
         if group.prefix is not None and group.prefix_version == self._version:
             return
         group.prefix, group.first = self._prefixes.get(group.prompt, self._params, self._version)

@@ -75,7 +75,7 @@ class ResultTokens:
 
 
 @runtime_checkable
-class Engine(Protocol):
+class JetStreamEngine(Protocol):
     """What ``InferenceDriver`` needs. Extra keyword arguments the driver passes when the
     engine's signature accepts them: ``insert(..., sampling=SamplingParams)`` and
     ``generate(..., version=int)``. A JetStream-style engine whose prefill already samples

@@ -12,7 +12,7 @@ Invariants: every limit is a positive int and a prompt fits the cache
 Once built, ``max_prefill_length`` is an int.
 
 Who reads it: ``DecodeEngine`` is built with one; a plug-in engine factory is called with one
-(``build/engines``); ``jaxrl-aot``'s cost model sizes the prefill from it. Pure data: no JAX.
+(``compose/engines``); ``jaxrl-aot``'s cost model sizes the prefill from it. Pure data: no JAX.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The driver's request records and the small helpers around them.
 
-What it owns: ``Group`` (one submitted prompt with its samples' futures and sampling params,
+What it owns: ``PrefillGroup`` (one submitted prompt with its samples' futures and sampling params,
 and the prefilled prefix they share) and ``Seq`` (one running sample: its future and the ids,
 log-probs and versions generated so far); ``resolve`` (settle a future exactly once, whatever
 the caller did with it); ``accepts`` (whether an engine method takes an optional keyword, so a
@@ -36,7 +36,7 @@ NO_LP = float("nan")
 
 
 @dataclasses.dataclass(eq=False)
-class Group:
+class PrefillGroup:
     prompt: np.ndarray
     members: list[tuple[concurrent.futures.Future, SamplingParams]]
     prefix: Any = None

@@ -20,7 +20,7 @@ Backends (``IMPLS``)
       backward, visiting only the tiles some query can see (causally and by segment). A
       non-causal call of ``T % block == 0`` runs query blocks of ``block`` rows, each
       rematerialised in the backward pass (``jax.checkpoint``); a self-attention of at most one
-      block is the einsum. The CPU default (``build/accel.py``). Cache
+      block is the einsum. The CPU default (``compose/precision.py``). Cache
       calls (``self_attention=False``, ``T < block``) become length-aware instead: a
       ``while_loop`` over key blocks stops after the last block any query of the batch can see,
       so a decode step reads ``max(position)`` of the cache, not all of it (online softmax);

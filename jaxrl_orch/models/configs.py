@@ -98,7 +98,7 @@ class ModelConfig:
     # depth (28 unrolled layers take minutes to compile for TPU on 2 cores); same maths.
     scan_layers: bool = False
     # Low-precision weight gradients copy one operand contracted-axes-last (models/matmul.py):
-    # XLA:CPU's fast bf16 dot needs that layout; build/accel.py sets it on CPU only.
+    # XLA:CPU's fast bf16 dot needs that layout; compose/precision.py sets it on CPU only.
     grad_transpose_copy: bool = False
     # LoRA adapters on the projections (models/lora.py): the trainer's model trains only them,
     # over a frozen base in param_dtype; None: every weight is the model's own.

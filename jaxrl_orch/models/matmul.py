@@ -23,7 +23,7 @@ Why it is more than ``jnp.einsum``:
 ``dw`` contracts over the token axes, which lead in both of its operands; XLA:CPU's bf16 dot
 is fast only when the left operand's contracted axes are innermost (the same dot measured
 11.8 ms with them leading, 2.0 ms with them innermost). ``transpose_copy`` (set by
-``build/accel.py`` for low-precision compute on CPU) lays the smaller operand out
+``compose/precision.py`` for low-precision compute on CPU) lays the smaller operand out
 contracted-axes-last with a real copy (an ``optimization_barrier`` keeps XLA from folding the
 transpose back into the dot): 1.7 ms of copy + 2.0 ms of dot. Float32 dots need no copy (the
 same step measured equal with and without it); TPU and GPU compilers choose their own operand

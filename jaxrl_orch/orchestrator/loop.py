@@ -3,8 +3,8 @@
 What it owns: running the components, the main loop that routes finished episodes and ships
 training batches, the drain, a bounded shutdown, and ``state()`` / ``restore()``; the step rows
 are the ``StepLedger``'s (one per step, once trained). It builds nothing: ``build_orchestrator``
-(``build/orchestrator.py``) builds and wires the components and hands them over as
-``parts.LoopParts``, with the caller's ``parts.StepHooks``; the caller creates the shared
+(``compose/orchestrator.py``) builds and wires the components and hands them over as
+``parts.LoopComponents``, with the caller's ``parts.LoopHooks``; the caller creates the shared
 ``PolicyHandle``, whose version (the trainer's) fixes the first step.
 
 Shipping batch ``step`` (1-based; after it trains, the trainer publishes version ``step``):
@@ -38,9 +38,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxrl_orch.config.orchestrator import OrchestratorConfig
+from jaxrl_orch.orchestrator.components import LoopComponents, LoopHooks
 from jaxrl_orch.orchestrator.faults import warn
 from jaxrl_orch.orchestrator.ledger import StepLedger, StepRecord, drop_stale, pace_wait, stamp_ages
-from jaxrl_orch.orchestrator.parts import LoopParts, StepHooks
 from jaxrl_orch.orchestrator.progress import (
     Progress,
     check_resume_state,
@@ -48,7 +48,14 @@ from jaxrl_orch.orchestrator.progress import (
     next_episode,
     waiting_on,
 )
-from jaxrl_orch.types import EvalBatch, MetricsWriter, PolicyHandle, Rollout, TrainBatch, Trainer
+from jaxrl_orch.types import (
+    BatchTrainer,
+    EvalBatch,
+    MetricsWriter,
+    PolicyHandle,
+    Rollout,
+    TrainBatch,
+)
 
 # How long the main loop waits for an episode before it rechecks the drain, the ledger and the
 # background tasks; an episode landing or a new policy version wakes it sooner.
@@ -62,18 +69,18 @@ class EmptyBatchError(RuntimeError):
 
 
 class Orchestrator:
-    """Drives the components ``build.orchestrator.build_orchestrator`` built and wired."""
+    """Drives the components ``compose.orchestrator.build_orchestrator`` built and wired."""
 
     def __init__(
         self,
         config: OrchestratorConfig,
         policy: PolicyHandle,
-        parts: LoopParts,
+        parts: LoopComponents,
         *,
-        trainer: Trainer,
+        trainer: BatchTrainer,
         writers: Sequence[MetricsWriter] = (),
         clock: Callable[[], float] = time.monotonic,
-        hooks: StepHooks = StepHooks(),
+        hooks: LoopHooks = LoopHooks(),
     ) -> None:
         self.config, self.clock, self.trainer = config, clock, trainer
         self.on_step = hooks.on_step

@@ -26,8 +26,9 @@ from typing import Any
 
 import jax
 
-from jaxrl_orch.build.engines import build_engine, to_engine
-from jaxrl_orch.build.run import RunParts, build_trainer
+from jaxrl_orch.compose.engines import build_engine, to_engine
+from jaxrl_orch.compose.parts import RunParts
+from jaxrl_orch.compose.trainers import build_trainer
 from jaxrl_orch.envs.base import AtTemperature, close_env
 from jaxrl_orch.inference.client import EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver

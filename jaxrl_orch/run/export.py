@@ -36,7 +36,8 @@ from typing import Any
 
 from etils import epath
 
-from jaxrl_orch.build.run import RunParts, rl_model
+from jaxrl_orch.compose.parts import RunParts
+from jaxrl_orch.compose.trainers import rl_model
 from jaxrl_orch.models.byte_hf import save_byte_tokenizer
 from jaxrl_orch.models.hf_import import export_hf_dir, save_hf_checkpoint
 from jaxrl_orch.models.peft_export import save_peft_adapter

@@ -3,16 +3,16 @@
 What it owns: ``run_rl(parts, params, stop)``, which builds the stage's parts in dependency order
 and drives them:
 
-1. the engine (``build.engines.build_engine``: whether it reports log-probs decides the
-   trainer's step) and its side (``build.sides``: in this process, or replicas behind trainer
+1. the engine (``compose.engines.build_engine``: whether it reports log-probs decides the
+   trainer's step) and its side (``compose.sides``: in this process, or replicas behind trainer
    process 0), whose step hooks go to the trainer's constructor;
 2. the trainer on the warm-up's params, then the newest RL checkpoint restored onto it (a peer
-   of a trainer group then follows the leader's steps, ``build.roles.follow``);
-3. the history trimmed to the restored step, the orchestrator (``build.orchestrator``) with
+   of a trainer group then follows the leader's steps, ``compose.peer.follow``);
+3. the history trimmed to the restored step, the orchestrator (``compose.orchestrator``) with
    the weight path's publisher, the side's swap and the step times, restored too;
-4. the weight path (``build.weights.WeightPath``: move, checkpoint, publish on the trainer's
+4. the weight path (``compose.weights.WeightPath``: move, checkpoint, publish on the trainer's
    thread), handed to the trainer when it starts;
-5. with ``Engine.serve_port``, the in-process engine served over HTTP (``build.live``).
+5. with ``Engine.serve_port``, the in-process engine served over HTTP (``compose.live``).
 
 Then the loop runs to its last step or a drain (SIGTERM: ``StopFlag`` polled on the loop), the
 final checkpoint is written with the orchestrator's final state, the final eval is announced,
@@ -32,15 +32,16 @@ from typing import Any
 
 import jax
 
-from jaxrl_orch.build.adapters import GroupStaging
-from jaxrl_orch.build.engines import BuiltEngine, build_engine, engine_notes
-from jaxrl_orch.build.live import serve_live_policy
-from jaxrl_orch.build.orchestrator import build_orchestrator
-from jaxrl_orch.build.overlap import schedule_for
-from jaxrl_orch.build.roles import follow
-from jaxrl_orch.build.run import RunParts, build_trainer, rl_adapters
-from jaxrl_orch.build.sides import InProcessSide, LeaderSide
-from jaxrl_orch.build.weights import StepTimes, WeightPath
+from jaxrl_orch.compose.engines import BuiltEngine, build_engine, engine_notes
+from jaxrl_orch.compose.live import serve_live_policy
+from jaxrl_orch.compose.orchestrator import build_orchestrator
+from jaxrl_orch.compose.overlap import schedule_for
+from jaxrl_orch.compose.parts import RunParts
+from jaxrl_orch.compose.peer import follow
+from jaxrl_orch.compose.sides import InProcessSide, LeaderSide
+from jaxrl_orch.compose.staging import GroupStaging
+from jaxrl_orch.compose.trainers import build_trainer, rl_adapters
+from jaxrl_orch.compose.weights import StepTimes, WeightPath
 from jaxrl_orch.envs.base import AtTemperature, close_env
 from jaxrl_orch.orchestrator.dispatcher.dispatch import EvalPlan
 from jaxrl_orch.orchestrator.metrics.writers import stage
@@ -164,7 +165,7 @@ async def _lead(
 
 def _finish(parts: RunParts, side: Any, trainer: Any, ckpt: Checkpointer, orch: Any) -> Any:
     """After the loop: the final checkpoint (the drained orchestrator's state), the final
-    eval's line; returns what the export writes (``build.adapters.final_policy``)."""
+    eval's line; returns what the export writes (``compose.staging.final_policy``)."""
     trainer.wait_idle()
     ckpt.wait()
     if trainer.version not in ckpt.all_steps() and trainer.version > 0:

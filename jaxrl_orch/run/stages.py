@@ -10,12 +10,12 @@ Owns the workdir layout::
     export/             final policy as an HF checkpoint (config.json, safetensors, tokenizer)
 
 The workdir is local or a ``gs://`` URL (``paths``). ``prepare`` builds and checks the run's
-parts before any work (``build.run``); ``run`` takes the stages in order: the warm-up
+parts before any work (``compose.parts``); ``run`` takes the stages in order: the warm-up
 (``warmup``), then RL (``rl``) or its imitation control (``control``); ``finish`` writes the
 summary and the report. Each stage takes the parts and the ``StopFlag`` and returns values.
 
 Several processes (``Role``; DESIGN.md section 8): an engine replica only serves, over HTTP
-(``build.roles.serve_replica``); a trainer peer runs the same warm-up and then follows process
+(``compose.replica.serve_replica``); a trainer peer runs the same warm-up and then follows process
 0's RL steps; process 0 runs every stage and writes the workdir, with the replicas as its engine.
 """
 
@@ -25,9 +25,10 @@ import json
 import os
 from typing import Any
 
-from jaxrl_orch.build.engines import build_engine
-from jaxrl_orch.build.roles import serve_replica
-from jaxrl_orch.build.run import RunParts, build_run, rl_adapters
+from jaxrl_orch.compose.engines import build_engine
+from jaxrl_orch.compose.parts import RunParts, build_run
+from jaxrl_orch.compose.replica import serve_replica
+from jaxrl_orch.compose.trainers import rl_adapters
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas
 from jaxrl_orch.distributed.group import Role

@@ -13,8 +13,8 @@ import dataclasses
 import os
 from typing import Any
 
-from jaxrl_orch.build.orchestrator import Telemetry
-from jaxrl_orch.build.run import RunParts
+from jaxrl_orch.compose.orchestrator import Telemetry
+from jaxrl_orch.compose.parts import RunParts
 from jaxrl_orch.orchestrator.metrics.writers import (
     ConsoleWriter,
     JsonlWriter,

@@ -22,8 +22,9 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
-from jaxrl_orch.build.parts import pretrained_params
-from jaxrl_orch.build.run import RunParts, build_trainer
+from jaxrl_orch.compose.model import pretrained_params
+from jaxrl_orch.compose.parts import RunParts
+from jaxrl_orch.compose.trainers import build_trainer
 from jaxrl_orch.orchestrator.metrics.writers import (
     ConsoleWriter,
     JsonlWriter,

@@ -14,7 +14,7 @@ Invariants:
 - uvicorn logs warnings only and no access log (request bodies and keys stay out of logs).
 
 Driven by ``jaxrl_orch.serve`` (``serve()`` in its loop until a signal calls ``stop()``) and by
-``build.live`` / tests (``start_in_thread()``).
+``compose.live`` / tests (``start_in_thread()``).
 """
 
 from __future__ import annotations

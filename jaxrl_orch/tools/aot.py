@@ -44,13 +44,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxrl_orch.build.accel import (  # noqa: E402
-    accel_model_config,
-    step_config,
-)
-from jaxrl_orch.build.engines import build_engine  # noqa: E402
-from jaxrl_orch.build.parts import build_placement, model_config, optim_config  # noqa: E402
-from jaxrl_orch.build.run import rl_model  # noqa: E402
+from jaxrl_orch.compose.engines import build_engine  # noqa: E402
+from jaxrl_orch.compose.model import model_config  # noqa: E402
+from jaxrl_orch.compose.placement import build_placement  # noqa: E402
+from jaxrl_orch.compose.precision import accel_model_config  # noqa: E402
+from jaxrl_orch.compose.trainers import optim_config, rl_model, step_config  # noqa: E402
 from jaxrl_orch.config.load import load_config  # noqa: E402
 from jaxrl_orch.config.train import TrainConfig  # noqa: E402
 from jaxrl_orch.models.lora import merge_adapters  # noqa: E402
@@ -178,7 +176,8 @@ def compile_lora_merge(model_cfg: Any, eparams: Any, mesh: Any) -> Any:
 def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], dict[str, Any]]:
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     model_cfg = accel_model_config(model_config(cfg.model.name, tokenizer), cfg, "tpu")
-    colocated, decode_mesh, trainer_mesh = build_placement(cfg, len(devices), devices=devices)
+    placement = build_placement(cfg, len(devices), devices=devices)
+    decode_mesh, trainer_mesh = placement.decode_mesh, placement.trainer_mesh
     n_tr, n_dec = trainer_mesh.devices.size, decode_mesh.devices.size
     out: list[Compiled] = []
 
@@ -236,7 +235,7 @@ def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], d
         "trainer_mesh": dict(trainer_mesh.shape),
         "decode_mesh": dict(decode_mesh.shape),
         "decode_mesh_size": n_dec,
-        "colocated": colocated,
+        "colocated": placement.colocated,
         "train_rows": rows,
         "row_len": cfg.trainer.row_len,
         "decode_slots": cfg.engine.slots,

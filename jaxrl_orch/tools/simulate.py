@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_orch.build.orchestrator import Telemetry, build_orchestrator
+from jaxrl_orch.compose.orchestrator import Telemetry, build_orchestrator
 from jaxrl_orch.config.orchestrator import AGE_POLICIES, OrchestratorConfig
 from jaxrl_orch.orchestrator.vclock import run_virtual
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher

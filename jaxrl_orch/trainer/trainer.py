@@ -284,7 +284,7 @@ class Trainer:
             raise RuntimeError("trainer worker failed") from self._error
 
     def submit(self, batch: TrainBatch) -> None:
-        """Queue ``batch`` for the worker; returns immediately (``types.Trainer``)."""
+        """Queue ``batch`` for the worker; returns immediately (``types.BatchTrainer``)."""
         self.check()
         if self._worker is None:
             raise RuntimeError("Trainer.submit() needs start() first")

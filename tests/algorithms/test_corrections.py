@@ -428,7 +428,7 @@ def test_bad_settings_name_the_value_and_the_allowed():
 
 
 def test_rl_settings_reach_the_step_config():
-    from jaxrl_orch.build.accel import step_config
+    from jaxrl_orch.compose.trainers import step_config
 
     rl = dict(
         policy_loss="cispo",
@@ -447,7 +447,7 @@ def test_rl_settings_reach_the_step_config():
 def test_gin_bindings_spell_the_bands_and_an_uncapped_weight():
     import gin
 
-    from jaxrl_orch.build.accel import step_config
+    from jaxrl_orch.compose.trainers import step_config
     from jaxrl_orch.config.load import load_config
 
     bindings = [

@@ -84,7 +84,7 @@ def test_bad_values_are_named_with_what_is_allowed(binding, message):
 def test_stage_schedules_sft_anneals_rl_warms_up_then_holds():
     import gin
 
-    from jaxrl_orch.build.parts import optim_config
+    from jaxrl_orch.compose.trainers import optim_config
     from jaxrl_orch.config.load import make_config
     from jaxrl_orch.trainer.optim import make_schedule
 
@@ -105,7 +105,7 @@ def test_stage_schedules_sft_anneals_rl_warms_up_then_holds():
 def test_model_config_limits_logits_to_the_tokenizers_ids():
     from types import SimpleNamespace
 
-    from jaxrl_orch.build.parts import model_config
+    from jaxrl_orch.compose.model import model_config
     from jaxrl_orch.models.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
@@ -228,8 +228,8 @@ def test_loss_settings_reach_the_rl_step(tmp_path):
     import gin
     from support.runs import prepare
 
-    from jaxrl_orch.build.accel import step_config
-    from jaxrl_orch.build.engines import recompute_old_logprobs
+    from jaxrl_orch.compose.engines import recompute_old_logprobs
+    from jaxrl_orch.compose.trainers import step_config
     from jaxrl_orch.config.load import make_config
 
     gin.clear_config()

@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from jaxrl_orch import train
-from jaxrl_orch.build.roles import check_bind
+from jaxrl_orch.compose.replica import check_bind
 from jaxrl_orch.distributed import launch_local
 from jaxrl_orch.distributed.addresses import (
     Replicas,

@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from support.replica_main import lora_adapters
 from support.replica_procs import reference_run
 
-from jaxrl_orch.build.adapters import tree_nbytes
-from jaxrl_orch.distributed.client import RemoteEngineClient, WeightPullError
+from jaxrl_orch.compose.staging import tree_nbytes
+from jaxrl_orch.distributed.replica_client import RemoteEngineClient, WeightPullError
 from jaxrl_orch.distributed.transfer import local_layout
 from jaxrl_orch.models.lora import merge_adapters
 from jaxrl_orch.types import SamplingParams

@@ -10,8 +10,8 @@ import asyncio
 import pytest
 from support.standin_replica import FakeOffer, HeldDriver, StandInEngine, serve
 
-from jaxrl_orch.distributed.client import ReplicaLost, WeightPullError
 from jaxrl_orch.distributed.pool import RemotePool
+from jaxrl_orch.distributed.replica_client import ReplicaLost, WeightPullError
 from jaxrl_orch.serving.host import EngineHost
 from jaxrl_orch.types import Completion, SamplingParams
 

@@ -28,7 +28,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from support.replica_procs import REPLICA_HOST, TRAINER_HOST, reference_run
 
-from jaxrl_orch.distributed.client import RemoteEngineClient, ReplicaLost, WeightPullError
+from jaxrl_orch.distributed.replica_client import RemoteEngineClient, ReplicaLost, WeightPullError
 from jaxrl_orch.distributed.source import spec_to_json
 from jaxrl_orch.distributed.transfer import WeightOffer, local_layout
 from jaxrl_orch.types import SamplingParams

@@ -16,7 +16,7 @@ from support.standin_replica import HeldDriver as _Driver
 from support.standin_replica import StandInEngine as _Engine
 from support.standin_replica import serve as _serve
 
-from jaxrl_orch.distributed.client import (
+from jaxrl_orch.distributed.replica_client import (
     KEEPALIVE_S,
     RemoteEngineClient,
     ReplicaLost,

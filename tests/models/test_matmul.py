@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_orch.build.accel import accel_model_config, engine_model_config
+from jaxrl_orch.compose.precision import accel_model_config, engine_model_config
 from jaxrl_orch.config.load import make_config
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.models.attention import einsum_attention

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_orch.build.accel import accel_model_config, engine_param_dtype
+from jaxrl_orch.compose.precision import accel_model_config, engine_param_dtype
 from jaxrl_orch.config.load import make_config
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.models.configs import get_config

@@ -18,7 +18,7 @@ from etils import epath
 from flax import nnx
 from safetensors.numpy import load_file
 
-from jaxrl_orch.build.run import RunParts
+from jaxrl_orch.compose.parts import RunParts
 from jaxrl_orch.config.train import Lora, Model, TrainConfig, Warmup
 from jaxrl_orch.models.hf_import import read_safetensors, save_hf_checkpoint
 from jaxrl_orch.models.lora import TARGETS, LoraConfig, merge_adapters

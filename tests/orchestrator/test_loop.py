@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl_orch.build.orchestrator import Telemetry, build_orchestrator
+from jaxrl_orch.compose.orchestrator import Telemetry, build_orchestrator
 from jaxrl_orch.config.orchestrator import OrchestratorConfig
 from jaxrl_orch.orchestrator.gate import ResumeBurstError
 from jaxrl_orch.orchestrator.loop import EmptyBatchError

@@ -19,7 +19,7 @@ from support.runs import prepare, run
 from support.toy_rl import LowercaseEnv, toy_config
 from support.train_cmd import all_rows, checkpoints
 
-from jaxrl_orch.build.overlap import probe_steps
+from jaxrl_orch.compose.overlap import probe_steps
 from jaxrl_orch.run import rl
 
 STALENESS = 1

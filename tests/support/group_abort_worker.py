@@ -1,6 +1,6 @@
 """``python -m support.group_abort_worker K PORT OUT``: process K of a 2-process trainer group
 in which the leader fails after one step. The leader sends one TRAIN, then ``Channel.abort``
-with its error; the peer runs the real ``build.roles.follow`` (a stand-in trainer, checkpointer
+with its error; the peer runs the real ``compose.peer.follow`` (a stand-in trainer, checkpointer
 and staging: only the command loop is under test) and must leave it with ``GroupAborted``
 naming the leader's error. Each writes ``OUT/K.json``; both then shut jax.distributed down."""
 
@@ -16,7 +16,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrl_orch.build.roles import follow  # noqa: E402
+from jaxrl_orch.compose.peer import follow  # noqa: E402
 from jaxrl_orch.distributed.group import (  # noqa: E402
     TRAIN,
     Channel,

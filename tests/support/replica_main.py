@@ -38,7 +38,7 @@ def lora_adapters(rank: int):
     """``(abstract adapters, alpha / rank)`` of tiny-byte with rank-``rank`` adapters."""
     import dataclasses
 
-    from jaxrl_orch.build.adapters import abstract_adapters
+    from jaxrl_orch.compose.staging import abstract_adapters
     from jaxrl_orch.models.configs import get_config
     from jaxrl_orch.models.lora import LoraConfig
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxrl_orch.build.run import RunParts
+from jaxrl_orch.compose.parts import RunParts
 from jaxrl_orch.distributed.group import resolve_role
 from jaxrl_orch.orchestrator.metrics.writers import JsonlWriter
 from jaxrl_orch.run import stages

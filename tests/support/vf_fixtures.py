@@ -22,7 +22,7 @@ from jaxrl_orch.types import Completion, SamplingParams
 
 def tiny_byte_engine(version: int = 3) -> tuple[Any, Any, Any]:
     """``(tokenizer, client, driver)``; the caller stops the driver."""
-    from jaxrl_orch.build.parts import model_config
+    from jaxrl_orch.compose.model import model_config
     from jaxrl_orch.inference.client import EngineClient
     from jaxrl_orch.inference.driver import InferenceDriver
     from jaxrl_orch.inference.engine import DecodeEngine

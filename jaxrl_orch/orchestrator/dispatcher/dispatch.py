@@ -63,7 +63,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxrl_orch.orchestrator.dispatcher.groups import Flights, Group
+from jaxrl_orch.orchestrator.dispatcher.groups import Flights, GroupInFlight
 from jaxrl_orch.orchestrator.dispatcher.settings import (
     DispatchConfig,
     EvalPlan,
@@ -105,8 +105,8 @@ class RolloutDispatcher:
             clock, gate.on_finish, self._release, self._wake.set, config.env_timeout_s
         )
         self.out_q = self._flights.out_q
-        self._groups: dict[int, Group] = {}  # open train groups, insertion order = age
-        self._eval_groups: dict[int, Group] = {}  # running eval rollouts (groups of one)
+        self._groups: dict[int, GroupInFlight] = {}  # open train groups, insertion order = age
+        self._eval_groups: dict[int, GroupInFlight] = {}  # running eval rollouts (groups of one)
         self._eval_pending: collections.deque[tuple[str, dict[str, Any], int, int]] = (
             collections.deque()
         )
@@ -323,13 +323,15 @@ class RolloutDispatcher:
 
     def _open(
         self, env: str, example: dict, size: int, *, is_eval: bool, eval_step: int | None = None
-    ) -> Group:
+    ) -> GroupInFlight:
         sampling = (self.eval_sampling or self.sampling[env]) if is_eval else self.sampling[env]
         gid, version = self._next_group_id, self.policy.version
         self._next_group_id += 1
-        return Group(gid, env, example, size, sampling, version, is_eval, eval_step, None, size)
+        return GroupInFlight(
+            gid, env, example, size, sampling, version, is_eval, eval_step, None, size
+        )
 
-    def _launch(self, g: Group, limit: int) -> int:
+    def _launch(self, g: GroupInFlight, limit: int) -> int:
         """Admit and start up to ``limit`` rollouts of ``g``; returns how many started. One
         admission covers them all: admitting k at once leaves the gate exactly where k single
         admissions would. Rollouts that finish during their eager first step are settled
@@ -363,14 +365,14 @@ class RolloutDispatcher:
             self._flights.emit(g, done_ids, done, now, self.clock(), each=True)
         return n
 
-    def _sampling(self, g: Group, index: int) -> Any:
+    def _sampling(self, g: GroupInFlight, index: int) -> Any:
         """Rollout ``index`` of ``g``'s sampling: with its own seed (``request_seed``)."""
         if self.config.request_seed is None:
             return g.sampling
         seed = rollout_seed(self.config.request_seed, *g.position, index)
         return dataclasses.replace(g.sampling, seed=seed)
 
-    def _release(self, g: Group, n: int) -> None:
+    def _release(self, g: GroupInFlight, n: int) -> None:
         """``n`` started rollouts of ``g`` ended: their permits come back; a group with nothing
         left to start or running closes."""
         self.permits += n

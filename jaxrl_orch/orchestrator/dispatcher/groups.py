@@ -1,7 +1,7 @@
 """The dispatcher's groups after admission: running their rollouts and settling them on out_q.
 
 What it owns
-    ``Group``: the rollouts of one prompt (env, example, sampling, the version the group
+    ``GroupInFlight``: the rollouts of one prompt (env, example, sampling, the version the group
     opened at, the client it is pinned to, how many are unscheduled and how many run).
     ``Flights``: every started rollout until it is on ``out_q`` (an unbounded
     ``asyncio.Queue`` of episodes, ``list[Rollout]``), the Tasks of those that suspended
@@ -59,7 +59,7 @@ from jaxrl_orch.types import (
 
 
 @dataclasses.dataclass(eq=False)
-class Group:
+class GroupInFlight:
     group_id: int
     env: str
     example: dict[str, Any]
@@ -76,7 +76,7 @@ class Group:
 
 @dataclasses.dataclass(eq=False)
 class Flight:
-    group: Group
+    group: GroupInFlight
     episode_id: int
     admitted_at: float
     cancel_reason: str | None = None
@@ -85,7 +85,7 @@ class Flight:
 
 
 def settle(
-    g: Group,
+    g: GroupInFlight,
     ids: list[int],
     rollouts: list[Rollout],
     admitted_at: float,
@@ -129,7 +129,7 @@ class Flights:
         self,
         clock: Callable[[], float],
         on_finish: Callable[[int, bool], None],
-        release: Callable[[Group, int], None],
+        release: Callable[[GroupInFlight, int], None],
         wake: Callable[[], None],
         timeout_s: float | None = None,
     ) -> None:
@@ -151,7 +151,7 @@ class Flights:
 
     def start(
         self,
-        g: Group,
+        g: GroupInFlight,
         eid: int,
         now: float,
         env: Environment,
@@ -270,7 +270,7 @@ class Flights:
 
     def finish(
         self,
-        g: Group,
+        g: GroupInFlight,
         eid: int,
         admitted_at: float,
         result: Any,
@@ -291,7 +291,7 @@ class Flights:
 
     def emit(
         self,
-        g: Group,
+        g: GroupInFlight,
         ids: list[int],
         rollouts: list[Rollout],
         admitted_at: float,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxrl_orch.build.checks import check_fits
+from jaxrl_orch.compose.checks import check_fits
 from jaxrl_orch.data.sources import DatasetSource
 
 

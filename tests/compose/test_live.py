@@ -12,7 +12,7 @@ import httpx
 import pytest
 from support.toy_engine import ToyEngine
 
-from jaxrl_orch.build.live import serve_live_policy
+from jaxrl_orch.compose.live import serve_live_policy
 from jaxrl_orch.config.load import make_config
 from jaxrl_orch.inference.driver import InferenceDriver
 

@@ -4,7 +4,7 @@ What it owns: the two engine sides the RL stage drives through one interface (th
 ``weights.EngineSide`` hops plus their lifecycle): ``pool`` (what the orchestrator dispatches
 to), ``move`` / ``swap`` / ``engine_seconds`` (the weight path's hops), ``start`` / ``stop``,
 ``before_save`` (what a checkpoint must tell the others first), ``final_params`` (what the
-export writes: ``build.adapters.final_policy``), ``abort`` (the stage failed: what the others
+export writes: ``compose.staging.final_policy``), ``abort`` (the stage failed: what the others
 must be told), ``gauge_source`` and ``summary`` (the summary's keys of this side).
 
 ``InProcessSide``: the engine on this process's decode mesh, run by an ``InferenceDriver``;
@@ -33,15 +33,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import multihost_utils
 
-from jaxrl_orch.build.adapters import (
+from jaxrl_orch.compose.engines import to_engine
+from jaxrl_orch.compose.overlap import OverlapSchedule
+from jaxrl_orch.compose.staging import (
     AdapterMerge,
     GroupStaging,
     final_policy,
     lora_line,
     tree_nbytes,
 )
-from jaxrl_orch.build.engines import to_engine
-from jaxrl_orch.build.overlap import OverlapSchedule
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas, host_port
 from jaxrl_orch.distributed.group import CHECKPOINT, STOP, TRAIN, Channel

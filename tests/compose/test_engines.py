@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from jaxrl_orch.build.engines import (
+from jaxrl_orch.compose.engines import (
     check_engine,
     engine_factory,
     recompute_old_logprobs,

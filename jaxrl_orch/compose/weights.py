@@ -8,7 +8,7 @@ One line of named hops per trained version ``v``::
         pulls) -> PolicyHandle.version = v
 
 What it owns
-    ``EngineSide``: the two hops that depend on where the engine lives (``build.sides``):
+    ``EngineSide``: the two hops that depend on where the engine lives (``compose.sides``):
     ``move`` (trainer thread: the params laid out for the engine, a device-to-device reshard or
     a trainer group's stage) and ``swap`` (event loop: the engine takes them), plus the engine
     time so far (``engine_seconds``).

@@ -4,7 +4,7 @@ What it owns: constructing the gate, dispatcher, train and eval sinks, weight wa
 store and periodic logger from the loop's settings (``config.orchestrator.OrchestratorConfig``)
 and the parts the caller built (the inference pool, environments, sources, trainer, version
 source, reload function, writers), wiring them together by constructor arguments and
-callbacks, and handing them to the loop as one ``LoopParts`` with the caller's ``StepHooks``:
+callbacks, and handing them to the loop as one ``LoopComponents`` with the caller's ``LoopHooks``:
 
 - gate <- dispatcher: ``GateHooks(capacity, on_admit, on_finish)`` (train rollouts only); a
   resumed run's gate is recovered by its rule (``gate.resume``) and checks the first step;
@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxrl_orch.config.orchestrator import OrchestratorConfig
+from jaxrl_orch.orchestrator.components import LoopComponents, LoopHooks
 from jaxrl_orch.orchestrator.dispatcher.dispatch import (
     DispatchConfig,
     EvalPlan,
@@ -41,18 +42,17 @@ from jaxrl_orch.orchestrator.faults import FaultLog, LoopWatchdog
 from jaxrl_orch.orchestrator.gate import StalenessGate
 from jaxrl_orch.orchestrator.logger import PeriodicLogger
 from jaxrl_orch.orchestrator.loop import Orchestrator
-from jaxrl_orch.orchestrator.parts import LoopParts, StepHooks
 from jaxrl_orch.orchestrator.store import RolloutStore
 from jaxrl_orch.orchestrator.train_sink import TrainSink, TrainSinkConfig
 from jaxrl_orch.orchestrator.watcher import WeightWatcher
 from jaxrl_orch.types import (
+    BatchTrainer,
     Environment,
     InferencePool,
     MetricsWriter,
     PolicyHandle,
     SamplingParams,
     Source,
-    Trainer,
 )
 
 
@@ -77,7 +77,7 @@ def build_orchestrator(
     envs: Mapping[str, Environment],
     source: Source | Mapping[str, Source],
     sampling: SamplingParams,
-    trainer: Trainer,
+    trainer: BatchTrainer,
     version_source: Any,
     reload_fn: Callable[..., Any],
     algorithm: Any = "grpo",
@@ -110,7 +110,7 @@ def build_orchestrator(
     faults = FaultLog(os.path.join(t.store_dir, "errors.jsonl") if t.store_dir else None)
     watchdog = LoopWatchdog(config.loop_block_warn_s) if config.loop_block_warn_s else None
     gauged = [dispatcher, gate, train_sink, eval_sink, watcher, faults, *t.gauge_sources]
-    parts = LoopParts(
+    parts = LoopComponents(
         gate=gate,
         dispatcher=dispatcher,
         train_sink=train_sink,
@@ -128,7 +128,7 @@ def build_orchestrator(
         trainer=trainer,
         writers=t.writers,
         clock=clock,
-        hooks=StepHooks(on_step=on_step, step_metrics=step_metrics),
+        hooks=LoopHooks(on_step=on_step, step_metrics=step_metrics),
     )
 
 

@@ -1,8 +1,8 @@
 """What the loop is handed: the components it drives and the caller's per-step callbacks.
 
-What it owns: two frozen dataclasses, ``LoopParts`` (the built, wired components) and
-``StepHooks`` (the callbacks of whoever runs the loop). ``build_orchestrator``
-(``build/orchestrator.py``) fills both; ``Orchestrator`` (``loop.py``) only reads them.
+What it owns: two frozen dataclasses, ``LoopComponents`` (the built, wired components) and
+``LoopHooks`` (the callbacks of whoever runs the loop). ``build_orchestrator``
+(``compose/orchestrator.py``) fills both; ``Orchestrator`` (``loop.py``) only reads them.
 
 Invariants: data only (no behaviour, no state of its own); every part is built and wired before
 it lands here, so nothing is attached to a component after it is built.
@@ -25,7 +25,7 @@ from jaxrl_orch.orchestrator.watcher import WeightWatcher
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopParts:
+class LoopComponents:
     """The components the loop drives, built and wired by ``build_orchestrator``: the gate, the
     dispatcher, both sinks, the weight watcher and the periodic logger, the rollout store (None:
     trained rollouts are not persisted), the fault log and the loop watchdog (None: off)."""
@@ -42,7 +42,7 @@ class LoopParts:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepHooks:
+class LoopHooks:
     """The caller's per-step callbacks. ``on_step(step, state)`` runs (awaited if async) right
     after batch ``step`` is shipped, with ``state()`` for a checkpoint; ``step_metrics(step,
     row)`` makes each step row wait until that step is trained and adds the trainer's numbers

@@ -16,7 +16,7 @@ have the trainer recompute the behaviour log-probs instead (``recompute_old_logp
 ``to_engine(params, engine)`` moves the trainer's weights onto the engine's shardings, cast to
 its weight dtype on the way (``engine.param_dtype``: bf16 on TPU/GPU for the built-in one).
 
-A bad spec fails in ``build.run.build_run``, naming the value and the allowed forms.
+A bad spec fails in ``compose.parts.build_run``, naming the value and the allowed forms.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from jaxrl_orch.build.accel import engine_model_config
+from jaxrl_orch.compose.precision import engine_model_config
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.inference.limits import EngineLimits

@@ -1,6 +1,6 @@
 """Every example checked before the first step: each RL prompt and each warm-up sample fits.
 
-What it owns: ``check_examples(parts, max_prefill)``, called by ``build.run.build_run``. It
+What it owns: ``check_examples(parts, max_prefill)``, called by ``compose.parts.build_run``. It
 reads every example of the warm-up source (prompt + demonstration + EOS within ``row_len``), the
 RL train source and both held-out sources (prompt within the engine's prefill limit and, with
 ``max_new_tokens``, within ``row_len``): reading one decodes it, so a record that does not
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jaxrl_orch.build.run import RunParts
+    from jaxrl_orch.compose.parts import RunParts
 
 
 def where(source: Any, i: int) -> str:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_orch.build.engines import to_engine
+from jaxrl_orch.compose.engines import to_engine
 from jaxrl_orch.distributed.group import EngineStager
 from jaxrl_orch.models.lora import merge_adapters
 from jaxrl_orch.models.transformer import ModelConfig, Transformer

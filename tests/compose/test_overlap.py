@@ -8,7 +8,7 @@ import threading
 import pytest
 from support.toy_engine import ToyEngine
 
-from jaxrl_orch.build.overlap import OverlapSchedule
+from jaxrl_orch.compose.overlap import OverlapSchedule
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.types import SamplingParams
 

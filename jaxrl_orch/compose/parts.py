@@ -8,8 +8,8 @@ attention and remat), the meshes, the environment and its demonstrator, and the 
 Stages read it; nothing writes to it. ``build_run`` validates before any work: the mesh shapes
 against the devices, the environment, the data (every example checked to fit, ``checks``), the
 engine setting, ``warmup_from`` and, for an engine replica, that it may bind its URL
-(``roles.check_bind``). What a stage builds later (the engine, a trainer) comes from the
-builders here and in ``engines``, fed from the parts.
+(``replica.check_bind``). What a stage builds later (the engine, a trainer) comes from the
+builders in ``engines`` and ``trainers``, fed from the parts.
 
 Never: holds a built engine or trainer (those belong to the stage that runs them), or reads a
 setting a stage could be handed.
@@ -26,39 +26,22 @@ from typing import Any
 import jax
 from etils import epath
 
-from jaxrl_orch.build import roles
-from jaxrl_orch.build.accel import step_config
-from jaxrl_orch.build.adapters import abstract_adapters
-from jaxrl_orch.build.checks import check_examples
-from jaxrl_orch.build.engines import engine_factory, engine_limits
-from jaxrl_orch.build.parts import (
-    DataSources,
-    build_data,
-    build_model,
-    build_placement,
-    optim_config,
-)
+from jaxrl_orch.compose.checks import check_examples
+from jaxrl_orch.compose.data import DataSources, build_data
+from jaxrl_orch.compose.engines import engine_factory, engine_limits
+from jaxrl_orch.compose.model import build_model
+from jaxrl_orch.compose.placement import Placement, build_placement, group_placement
+from jaxrl_orch.compose.replica import check_bind
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas
 from jaxrl_orch.distributed.group import Role
 from jaxrl_orch.envs.base import make_env
 from jaxrl_orch.envs.demonstrator import MixedDemonstrator
 from jaxrl_orch.models.configs import ModelConfig
-from jaxrl_orch.models.lora import LoraConfig
 from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.paths import as_path
 from jaxrl_orch.trainer.sft import sft_sample
-from jaxrl_orch.trainer.trainer import RowLayout, StepHooks, Trainer
 from jaxrl_orch.types import Sample
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where the engine and the trainer run: their meshes, and whether they share devices."""
-
-    colocated: bool
-    decode_mesh: Any
-    trainer_mesh: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +82,12 @@ def build_run(
 ) -> RunParts:
     """The run's parts, every check done (see the module docstring)."""
     if role.kind == "engine":
-        roles.check_bind(engine_addresses, role)  # before minutes of building, not after
+        check_bind(engine_addresses, role)  # before minutes of building, not after
     tokenizer, model_cfg = build_model(cfg)
     if role.kind == "single":
-        placement = Placement(*build_placement(cfg, len(jax.devices())))
+        placement = build_placement(cfg, len(jax.devices()))
     else:
-        placement = Placement(*roles.placement(cfg, role))
+        placement = group_placement(cfg, role)
     env = make_env(cfg.data.env, tokenizer=tokenizer, **env_kwargs(cfg))
     wants_demos = cfg.warmup.steps or cfg.warmup.demonstrations or cfg.rl.after_warmup == "sft"
     # A warm-up copied from another run needs no demonstrations (an env may have none).
@@ -173,54 +156,3 @@ def _dataset_name(parts: RunParts) -> str:
     """What the examples come from: the env's own tasks, or ``Data.dataset``."""
     has_own = hasattr(parts.env, "examples")
     return f"{parts.env.name}'s tasks" if has_own else parts.cfg.data.dataset
-
-
-def build_trainer(
-    parts: RunParts,
-    kind: str,
-    lr: float,
-    *,
-    recompute: bool = False,
-    optim_kind: str | None = None,
-    init_params: Any = None,
-    hooks: StepHooks = StepHooks(),
-) -> Trainer:
-    """A trainer for a stage: ``kind`` picks the loss; ``optim_kind`` (default ``kind``) the
-    optimizer schedule (the imitation control trains SFT on the RL schedule); ``recompute``
-    whether the trainer recomputes the behaviour log-probs (an engine that reports none)."""
-    cfg = parts.cfg
-    # The warm-up takes one plain step per batch (minibatches and epochs are RL settings).
-    rows = RowLayout(
-        row_len=cfg.trainer.row_len,
-        num_rows=cfg.trainer.rows_per_batch,
-        # A row per sample at most: one shape all run long (no recompiles mid-run).
-        min_rows=cfg.rl.batch_size if kind == "rl" else cfg.warmup.batch_size,
-        pad_id=parts.tokenizer.pad_id,
-    )
-    return Trainer(
-        rl_model(cfg, parts.model_cfg) if kind == "rl" else parts.model_cfg,
-        parts.placement.trainer_mesh,
-        rows=rows,
-        step=step_config(cfg, kind, recompute=recompute),
-        optim=optim_config(cfg, optim_kind or kind, lr),
-        seed=cfg.seed,
-        init_params=init_params,
-        hooks=hooks,
-    )
-
-
-def rl_model(cfg: TrainConfig, model_cfg: ModelConfig) -> ModelConfig:
-    """The RL trainer's model: with ``Lora.rank`` its adapters over the frozen ``model_cfg``."""
-    lora = cfg.lora
-    if not lora.rank:
-        return model_cfg
-    quantize = None if lora.quantize == "none" else lora.quantize
-    adapters = LoraConfig(lora.rank, lora.alpha, lora.targets, quantize)
-    return dataclasses.replace(model_cfg, lora=adapters)
-
-
-def rl_adapters(cfg: TrainConfig, model_cfg: ModelConfig) -> Any:
-    """A LoRA run's adapter tree as abstract arrays (what the RL trainer trains and every
-    engine replica pulls each version), else None."""
-    model = rl_model(cfg, model_cfg)
-    return None if model.lora is None else abstract_adapters(model)

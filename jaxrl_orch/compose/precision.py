@@ -1,10 +1,9 @@
-"""The accelerator settings of a ``TrainConfig``, resolved for a backend.
+"""The run's precision and kernels, resolved for a backend.
 
 What it owns: turning the ``Model`` section (``compute_dtype``, ``param_dtype``, ``attention``,
-``remat``, ``scan_layers``, with their ``"auto"`` values), the ``Engine`` section's dtypes and the
-RL and ``Trainer`` settings of the step into what the parts are built with: the ``ModelConfig``
-the trainer and the engine share (``accel_model_config``), the engine's dtypes
-(``engine_model_config``) and the train step's settings (``step_config``).
+``remat``, ``scan_layers``, with their ``"auto"`` values) and the ``Engine`` section's dtypes
+into what the parts are built with: the ``ModelConfig`` the trainer and the engine share
+(``accel_model_config``) and the engine's dtypes (``engine_model_config``).
 
 ``"auto"`` (the defaults) resolve by backend: on TPU and GPU bfloat16 compute (and engine
 params), splash attention on TPU and XLA's on GPU; on CPU float32 and ``"chunked"`` attention in
@@ -26,10 +25,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxrl_orch.algorithms.losses import PolicyLossConfig
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.models.configs import ModelConfig
-from jaxrl_orch.trainer.step import StepConfig
 
 BACKENDS = ("cpu", "gpu", "tpu")
 
@@ -108,36 +105,4 @@ def engine_model_config(
         model_cfg,
         dtype=engine_compute_dtype(cfg, backend),
         param_dtype=engine_param_dtype(cfg, backend),
-    )
-
-
-def step_config(cfg: TrainConfig, kind: str, recompute: bool | None = None) -> StepConfig:
-    """The train step of a stage, from the same fields the experiment's trainer reads.
-    ``recompute``: whether old log-probs are recomputed; default the setting, where unset
-    (None) means no (the built-in engine reports behaviour log-probs)."""
-    norm = cfg.rl.resolved_loss_norm
-    if recompute is None:
-        recompute = bool(cfg.rl.recompute_old_logprobs)
-    return StepConfig(
-        kind=kind,
-        chunk_rows=cfg.trainer.chunk_rows,
-        minibatches=cfg.rl.minibatches if kind == "rl" else 1,
-        ppo_epochs=cfg.rl.ppo_epochs if kind == "rl" else 1,
-        recompute_old_logprobs=recompute,
-        logprob_chunk=cfg.trainer.logprob_chunk,
-        loss=PolicyLossConfig(
-            eps_low=cfg.rl.eps_low,
-            eps_high=cfg.rl.eps_high,
-            norm=norm,
-            norm_constant=float(cfg.rl.max_new_tokens) if norm == "constant" else None,
-            tis_cap=cfg.rl.tis_cap,
-            kl_beta=cfg.rl.kl_beta,
-            policy_loss=cfg.rl.policy_loss,
-            eps_low_is=cfg.rl.eps_low_is,
-            eps_high_is=cfg.rl.eps_high_is,
-            icepop=cfg.rl.icepop,
-            mis=cfg.rl.mis,
-            mis_bounds=cfg.rl.mis_bounds,
-            geo_mask=cfg.rl.geo_mask,
-        ),
     )

@@ -1,4 +1,4 @@
-"""A LoRA run's engine weights (build/adapters.py): the base placed once, adapters merged there."""
+"""A LoRA run's engine weights (compose/staging.py): the base placed once, adapters merged there."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 from support.trainer_batches import TINY, make_batch
 
-from jaxrl_orch.build.adapters import AdapterMerge, tree_nbytes
+from jaxrl_orch.compose.staging import AdapterMerge, tree_nbytes
 from jaxrl_orch.models.lora import LoraConfig
 from jaxrl_orch.models.transformer import Transformer, logical_specs
 from jaxrl_orch.trainer.trainer import RowLayout, Trainer
