@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_orch.compose.staging import tree_nbytes
-from jaxrl_orch.models.lora import LoraConfig, merge_adapters
+from jaxrl_orch.models.lora import merge_adapters
+from jaxrl_orch.models.lora_config import LoraConfig
 from jaxrl_orch.models.transformer import Transformer, get_config, init_cache
 
 

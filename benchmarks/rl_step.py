@@ -95,7 +95,7 @@ def run_once(
         "RL.prompts_per_step": 8,
         "RL.group_size": 4,
         "RL.max_new_tokens": 128,
-        "RL.kl_beta": 0.0,
+        "Loss.kl_beta": 0.0,
         "RL.dynamic_sampling": False,
         "RL.eval_every": 10**6,
         "RL.eval_examples": 1,

@@ -46,7 +46,8 @@ import gin
 
 from jaxrl_orch.config import listing
 from jaxrl_orch.config.load import load_config
-from jaxrl_orch.config.train import RL, TrainConfig, Warmup
+from jaxrl_orch.config.rl import RLSettings
+from jaxrl_orch.config.train import TrainConfig, WarmupSettings
 from jaxrl_orch.paths import as_path
 
 DEFAULT_COMMAND = (
@@ -126,7 +127,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def no_gin_file_message() -> str:
     """What the command says when run bare: what it would have run, and what to run instead."""
     # The classes' own defaults: bindings left by an earlier parse must not show here.
-    sft, rl = (c.__dataclass_fields__["steps"].default for c in (Warmup, RL))
+    sft, rl = (c.__dataclass_fields__["steps"].default for c in (WarmupSettings, RLSettings))
     default_gin = listing.CONFIGS_DIR / "reverse_text.gin"
     # The exact documented command from the repository root; a path that works from elsewhere.
     command = DEFAULT_COMMAND

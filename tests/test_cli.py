@@ -24,7 +24,10 @@ import pytest
 
 from jaxrl_orch import train
 from jaxrl_orch.config import listing
-from jaxrl_orch.config.train import RL, TrainConfig, Warmup
+from jaxrl_orch.config.rl import RLSettings as RL
+from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.config.train import WarmupSettings as Warmup
+from jaxrl_orch.settings import Allowed, setting
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTED = (
@@ -75,30 +78,6 @@ def _entries(listing: str) -> dict[str, list[str]]:
     return out
 
 
-def _source_comments() -> tuple[dict[str, str], dict[str, str]]:
-    """An independent reading of the sections' sources, config/train.py and config/rl.py (plain
-    regexes on their lines): trailing comments, and the comment block directly above each field,
-    keyed as the listing names the field."""
-    config = ROOT / "jaxrl_orch" / "config"
-    lines = [x for name in ("train.py", "rl.py") for x in (config / name).read_text().splitlines()]
-    trailing, above = {}, {}
-    prefix = ""
-    for i, line in enumerate(lines):
-        if m := re.match(r"^class (\w+)", line):
-            prefix = "" if m.group(1) == "TrainConfig" else m.group(1) + "."
-        m = re.match(r"^    (\w+): [^=]+ = .*?  # (.*)$", line)
-        if m:
-            trailing[prefix + m.group(1)] = m.group(2)
-        m = re.match(r"^    (\w+): ", line)
-        if m and lines[i - 1].lstrip().startswith("#"):
-            block, j = [], i - 1
-            while lines[j].lstrip().startswith("#"):
-                block.insert(0, lines[j].strip().lstrip("#").strip())
-                j -= 1
-            above[prefix + m.group(1)] = " ".join(block)
-    return trailing, above
-
-
 # --- --help ----------------------------------------------------------------------------------
 
 
@@ -123,69 +102,51 @@ def test_help_shows_the_command_options_and_the_listing_flag():
 # --- --list_config ---------------------------------------------------------------------------
 
 
+def _declared() -> dict[str, dataclasses.Field]:
+    """Every setting as the listing must name it: ``Section.name``, nested sections too."""
+    fields, todo = {}, [TrainConfig]
+    while todo:
+        cls = todo.pop(0)
+        for f in dataclasses.fields(cls):
+            if hasattr(f.default_factory, "SECTION"):
+                todo.append(f.default_factory)
+            else:
+                fields[f"{cls.SECTION}.{f.name}"] = f
+    return fields
+
+
 def test_list_config_prints_every_field_with_type_default_and_meaning(no_run, capsys):
     assert train.main(["--list_config"]) == 0
     out = capsys.readouterr().out
     entries = _entries(out)
-    fields = {}  # what the listing must show: every field, a section's as Section.name
-    for f in dataclasses.fields(TrainConfig):
-        if dataclasses.is_dataclass(f.default_factory):
-            section = f.default_factory
-            for g in dataclasses.fields(section):
-                fields[f"{section.__name__}.{g.name}"] = g
-        else:
-            fields[f.name] = f
-    listed = [line for line in out.splitlines() if ENTRY.match(line)]
-    assert len(listed) == len(fields)  # a hard-coded list would fall behind a new field
-    assert [ENTRY.match(line).group(1) for line in listed] == list(fields)
+    fields = _declared()
+    listed = [ENTRY.match(line).group(1) for line in out.splitlines() if ENTRY.match(line)]
+    assert sorted(listed) == sorted(fields)  # a hard-coded list would fall behind a new field
+    assert f"TrainConfig: {len(fields)} settings" in out
     for name, f in fields.items():
         assert entries[name][0] == f"  {name}: {f.type} = {f.default!r}"
-    assert "[RL]" in out.splitlines() and "[Engine]" in out.splitlines()  # grouped by section
-
-    trailing, above = _source_comments()
-    assert "Data.rl_prompt_pool" in trailing and "Model.name" in trailing
+        assert " ".join(entries[name][1:]) == f.metadata["meaning"], name
+    for heading in ("[RL]", "[Loss]", "[Lora]", "[Engine]"):
+        assert heading in out.splitlines()  # grouped by section, the loss under RL
+    assert out.index("[Loss]") == out.index("[RL]") + len(
+        out[out.index("[RL]") :].split("[Loss]")[0]
+    )
+    assert all(f.metadata["meaning"] for f in fields.values())  # every setting says what it is
     assert entries["Data.rl_prompt_pool"][0] == "  Data.rl_prompt_pool: int | None = None"
-    for name, comment in trailing.items():
-        assert " ".join(entries[name][1:]) == comment, name
-    assert above  # config.py documents some fields (or sections) by a block above them
-    for name, block in above.items():
-        assert " ".join(entries["<above>" + name]) == block, name
-    no_comment = [name for name in fields if name not in trailing]
-    assert no_comment and all(len(entries[n]) == 1 for n in no_comment)  # the default only
-
-
-@dataclasses.dataclass(frozen=True)
-class _Toy:
-    # a heading
-    alpha: int = 1  # the alpha
-    beta: str | None = None
-    # gamma, documented
-    # over two lines
-    gamma: tuple[int, ...] = dataclasses.field(default_factory=lambda: (1, 2))
-
-
-@dataclasses.dataclass(frozen=True)
-class _ToyPlus(_Toy):
-    delta: float = 0.5  # added later
 
 
 def test_listing_follows_the_dataclass_so_a_new_field_is_listed():
-    entries = _entries(listing.format_config_listing(_ToyPlus))
-    assert entries["alpha"] == ["  alpha: int = 1", "the alpha"]
-    assert entries["<above>alpha"] == ["a heading"]
-    assert entries["beta"] == ["  beta: str | None = None"] and entries["<above>beta"] == []
-    assert entries["gamma"] == ["  gamma: tuple[int, ...] = (1, 2)"]
-    assert entries["<above>gamma"] == ["gamma, documented", "over two lines"]
-    assert entries["delta"] == ["  delta: float = 0.5", "added later"]  # the subclass's field
-    assert "_ToyPlus: 4 settings" in listing.format_config_listing(_ToyPlus)
+    @dataclasses.dataclass(frozen=True)
+    class Toy:
+        SECTION = "Toy"
+        alpha: int = setting(1, "the alpha", Allowed.at_least(0))
+        beta: str | None = setting(None, "")
 
-
-def test_listing_without_source_still_has_every_field():
-    made = dataclasses.make_dataclass("NoSource", [("x", int, dataclasses.field(default=3))])
-    assert _entries(listing.format_config_listing(made)) == {
-        "x": ["  x: int = 3"],
-        "<above>x": [],
-    }
+    entries = _entries(listing.format_config_listing(Toy))
+    assert entries["Toy.alpha"] == ["  Toy.alpha: int = 1", "the alpha"]
+    assert "    allowed: >= 0" in listing.format_config_listing(Toy).splitlines()
+    assert entries["Toy.beta"] == ["  Toy.beta: str | None = None"]
+    assert "Toy: 2 settings" in listing.format_config_listing(Toy)
 
 
 # --- the bare command ------------------------------------------------------------------------

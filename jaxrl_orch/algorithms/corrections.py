@@ -5,7 +5,7 @@ computes, which paper it comes from and when to use it.
 
 What it owns: the per-token maths ``losses.policy_loss`` switches to when
 ``PolicyLossConfig.policy_loss`` is not ``"ppo"`` or a mask is set, and the per-sequence
-reductions they need (their settings' checks: ``correction_settings``). Every function is a pure
+reductions they need (their settings: ``loss_config``). Every function is a pure
 function of ``jnp`` arrays ``[R, L]`` (rows of a packed batch, or one row-chunk of them),
 usable under ``jax.jit``.
 
@@ -36,13 +36,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxrl_orch.algorithms.correction_settings import (  # noqa: F401 - one spelling
-    BOUNDED,
-    MIS_LEVELS,
-    POLICY_LOSSES,
-    check_bounds,
-    check_settings,
-)
+from jaxrl_orch.algorithms.loss_config import POLICY_LOSSES
 
 sg = jax.lax.stop_gradient
 

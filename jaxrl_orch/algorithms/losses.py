@@ -46,72 +46,14 @@ loss and to every diagnostic; nothing here reads the host or allocates device st
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 from jaxrl_orch.algorithms import corrections
-
-NORMS = ("token", "sequence", "constant")
+from jaxrl_orch.algorithms.loss_config import NORMS, PolicyLossConfig
 
 # Metric-sum keys combined by ``max`` across chunks; all others are added.
 _MAX_KEYS = ("ratio_max",)
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyLossConfig:
-    """Settings of the clipped-surrogate loss (gin binds these keyword arguments).
-
-    ``eps_low``/``eps_high``: ratio band ``[1 - eps_low, 1 + eps_high]`` (DAPO clip-higher).
-    ``norm``: ``"token"``, ``"sequence"`` or ``"constant"`` (see module docstring);
-    ``norm_constant``: the constant of ``"constant"`` (e.g. the max new tokens per answer).
-    ``tis_cap``: cap C on ``pi_old / pi_behavior``; ``None`` disables TIS.
-    ``kl_beta``: coefficient of the k3 KL to the reference policy (0 disables it).
-    ``entropy_coef``: coefficient of an entropy bonus (0 disables it).
-    ``policy_loss``: ``"ppo"``, ``"gspo"``, ``"gspo_token"`` or ``"cispo"`` (GSPO clips its
-    sequence ratio to ``[1 - eps_low, 1 + eps_high]``); ``eps_low_is``/``eps_high_is``: CISPO's
-    weight band ``[1 - eps_low_is, 1 + eps_high_is]`` (``eps_low_is = 1``: no lower bound).
-    ``icepop``, ``mis_bounds``, ``geo_mask``: ``(low, high)`` bands of the trainer/engine ratio
-    or None; ``mis``: None, ``"token"`` or ``"sequence"`` (set exactly with ``mis_bounds``).
-    """
-
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    norm: str = "token"
-    norm_constant: float | None = None
-    tis_cap: float | None = 2.0
-    kl_beta: float = 0.0
-    entropy_coef: float = 0.0
-    policy_loss: str = "ppo"
-    eps_low_is: float = 1.0
-    eps_high_is: float = 0.28
-    icepop: tuple[float, float] | None = None
-    mis: str | None = None
-    mis_bounds: tuple[float, float] | None = None
-    geo_mask: tuple[float, float] | None = None
-
-    def __post_init__(self) -> None:
-        for name in corrections.BOUNDED:  # gin and JSON give lists: store hashable float pairs
-            object.__setattr__(self, name, corrections.check_bounds(name, getattr(self, name)))
-        corrections.check_settings(self)
-        if self.norm not in NORMS:
-            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
-        if (self.norm == "constant") != (self.norm_constant is not None):
-            raise ValueError(
-                f"norm_constant ({self.norm_constant!r}) is set exactly when norm is 'constant' "
-                f"(got norm {self.norm!r})"
-            )
-        if self.norm_constant is not None and not self.norm_constant > 0:
-            raise ValueError(f"norm_constant must be > 0, got {self.norm_constant!r}")
-        if not (0.0 <= self.eps_low < 1.0):
-            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low!r}")
-        if not self.eps_high >= 0.0:
-            raise ValueError(f"eps_high must be >= 0, got {self.eps_high!r}")
-        if self.tis_cap is not None and not self.tis_cap > 0.0:
-            raise ValueError(f"tis_cap must be > 0 or None (disabled), got {self.tis_cap!r}")
-        if not self.kl_beta >= 0.0:
-            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta!r}")
 
 
 def _safe_temperature(temperatures: jax.Array) -> jax.Array:

@@ -13,11 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from jaxrl_orch.algorithms.losses import PolicyLossConfig
 from jaxrl_orch.compose.staging import abstract_adapters
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.models.configs import ModelConfig
-from jaxrl_orch.models.lora import LoraConfig
 from jaxrl_orch.trainer.optim import OptimConfig
 from jaxrl_orch.trainer.step import StepConfig
 from jaxrl_orch.trainer.trainer import RowLayout, StepHooks, Trainer
@@ -62,12 +60,9 @@ def build_trainer(
 
 def rl_model(cfg: TrainConfig, model_cfg: ModelConfig) -> ModelConfig:
     """The RL trainer's model: with ``Lora.rank`` its adapters over the frozen ``model_cfg``."""
-    lora = cfg.lora
-    if not lora.rank:
+    if not cfg.lora.rank:
         return model_cfg
-    quantize = None if lora.quantize == "none" else lora.quantize
-    adapters = LoraConfig(lora.rank, lora.alpha, lora.targets, quantize)
-    return dataclasses.replace(model_cfg, lora=adapters)
+    return dataclasses.replace(model_cfg, lora=cfg.lora)
 
 
 def rl_adapters(cfg: TrainConfig, model_cfg: ModelConfig) -> Any:
@@ -78,10 +73,9 @@ def rl_adapters(cfg: TrainConfig, model_cfg: ModelConfig) -> Any:
 
 
 def step_config(cfg: TrainConfig, kind: str, recompute: bool | None = None) -> StepConfig:
-    """The train step of a stage, from the same fields the experiment's trainer reads.
+    """The train step of a stage: its loss is ``RL.loss`` as the config holds it.
     ``recompute``: whether old log-probs are recomputed; default the setting, where unset
     (None) means no (the built-in engine reports behaviour log-probs)."""
-    norm = cfg.rl.resolved_loss_norm
     if recompute is None:
         recompute = bool(cfg.rl.recompute_old_logprobs)
     return StepConfig(
@@ -91,21 +85,7 @@ def step_config(cfg: TrainConfig, kind: str, recompute: bool | None = None) -> S
         ppo_epochs=cfg.rl.ppo_epochs if kind == "rl" else 1,
         recompute_old_logprobs=recompute,
         logprob_chunk=cfg.trainer.logprob_chunk,
-        loss=PolicyLossConfig(
-            eps_low=cfg.rl.eps_low,
-            eps_high=cfg.rl.eps_high,
-            norm=norm,
-            norm_constant=float(cfg.rl.max_new_tokens) if norm == "constant" else None,
-            tis_cap=cfg.rl.tis_cap,
-            kl_beta=cfg.rl.kl_beta,
-            policy_loss=cfg.rl.policy_loss,
-            eps_low_is=cfg.rl.eps_low_is,
-            eps_high_is=cfg.rl.eps_high_is,
-            icepop=cfg.rl.icepop,
-            mis=cfg.rl.mis,
-            mis_bounds=cfg.rl.mis_bounds,
-            geo_mask=cfg.rl.geo_mask,
-        ),
+        loss=cfg.rl.loss,
     )
 
 

@@ -1,19 +1,11 @@
 """What ``python -m jaxrl_orch.train`` tells a newcomer: every setting, and the shipped configs.
 
-``--list_config`` prints every setting, grouped by section (``RL``, ``Engine``, ...), each as
-``Section.name: type = default`` with what it may hold (``allowed: >= 1``, read from the
-section's ``ALLOWED`` table, the one its own check uses: ``config.checks``) and its meaning:
-exactly the name a gin binding uses. The
-field set comes from ``dataclasses.fields`` (a field whose default is a dataclass is a section,
-listed field by field under its heading), so a new field is listed without touching this file;
-the meanings are read from the comments in the class's own source (``inspect`` + ``tokenize``),
-so ``config/train.py`` stays the one place a setting is documented:
-
-- a trailing ``# ...`` on the field's line is that field's meaning;
-- a block of comment lines directly above a field is printed above it as written.
-
-Without the source (a build that ships only ``.pyc``) the listing still has every field, its
-type and default; only the meanings are missing.
+``--list_config`` prints every setting, grouped by section (``RL``, ``Loss``, ``Engine``, ...),
+each as ``Section.name: type = default`` with what it may hold (``allowed: >= 1``) and its
+meaning: exactly the name a gin binding uses. All three come from the field's own declaration
+(``jaxrl_orch.settings.setting``), the one the section's check reads, so the listing and the
+check cannot disagree and a new field is listed without touching this file. A field that holds
+a section (``RL.loss``) is listed as that section, after its parent.
 
 ``configs_help`` lists ``configs/*.gin`` (next to the package in a checkout, absent from an
 installed wheel) with the first sentence of each file's leading comment, for the message the
@@ -22,16 +14,13 @@ command prints when it is run without a gin file.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
-import io
 import re
 import textwrap
-import tokenize
 from pathlib import Path
 
-from jaxrl_orch.config.checks import allowed_of
+from jaxrl_orch.config.section import sections_of
+from jaxrl_orch.settings import allowed_of, meaning_of, section_name
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 WIDTH = 100
@@ -42,43 +31,8 @@ class FieldDoc:
     name: str
     type: str
     default: str  # repr of the default, as a gin binding would spell it
-    comment: str | None  # the trailing comment on the field's line(s)
-    above: tuple[str, ...]  # comment lines directly above the field, without the "# "
-    allowed: str | None = None  # what the section's check lets it hold (None: unchecked here)
-
-
-def _comments(cls: type) -> dict[str, tuple[str | None, tuple[str, ...]]]:
-    """``{field: (trailing comment, comment lines above)}`` from ``cls``'s source; {} without it."""
-    try:
-        src = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    lines = src.splitlines()
-    trailing: dict[int, str] = {}  # 1-based line -> comment after code on that line
-    standalone: dict[int, str] = {}  # 1-based line -> a line that is only a comment
-    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type != tokenize.COMMENT:
-            continue
-        row, col = tok.start
-        text = tok.string.lstrip("#").strip()
-        if lines[row - 1][:col].strip():
-            trailing[row] = text
-        else:
-            standalone[row] = text
-    [classdef] = [n for n in ast.parse(src).body if isinstance(n, ast.ClassDef)]
-    out: dict[str, tuple[str | None, tuple[str, ...]]] = {}
-    for node in classdef.body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        end = node.end_lineno or node.lineno
-        after = [trailing[r] for r in range(node.lineno, end + 1) if r in trailing]
-        above: list[str] = []
-        row = node.lineno - 1
-        while row in standalone:  # stops at a blank line or code
-            above.insert(0, standalone[row])
-            row -= 1
-        out[node.target.id] = (" ".join(after) or None, tuple(above))
-    return out
+    meaning: str
+    allowed: str | None = None  # what the section's check lets it hold (None: any of its type)
 
 
 def _default(field: dataclasses.Field) -> str:
@@ -90,52 +44,54 @@ def _default(field: dataclasses.Field) -> str:
 
 
 def field_docs(cls: type, prefix: str = "") -> list[FieldDoc]:
-    """One entry per field of ``cls``, in declaration order, named ``prefix + name``."""
-    comments: dict[str, tuple[str | None, tuple[str, ...]]] = {}
-    for klass in reversed(cls.__mro__):  # a subclass's comment on a field wins over its base's
-        if dataclasses.is_dataclass(klass):
-            comments.update(_comments(klass))
-    allowed = allowed_of(cls)
+    """One entry per setting of ``cls`` (not its nested sections), in declaration order."""
+    nested = {name for name, _ in sections_of(cls)}
     docs = []
     for f in dataclasses.fields(cls):
-        comment, above = comments.get(f.name, (None, ()))
+        if f.name in nested:
+            continue
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        rule = str(allowed[f.name]) if f.name in allowed else None
-        docs.append(FieldDoc(prefix + f.name, kind, _default(f), comment, above, rule))
+        rule = allowed_of(f)
+        docs.append(
+            FieldDoc(
+                prefix + f.name,
+                kind,
+                _default(f),
+                meaning_of(f),
+                None if rule is None else str(rule),
+            )
+        )
     return docs
 
 
-def _section(f: dataclasses.Field) -> type | None:
-    """The section class a field holds (its default is built by a dataclass), else None."""
-    factory = f.default_factory
-    if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
-        return factory
-    return None
+def _groups(cls: type) -> list[tuple[str, list[FieldDoc]]]:
+    """``[(section name, its settings)]`` of each section under ``cls``, depth first."""
+    out = []
+    for _, section in sections_of(cls):
+        name = section_name(section)
+        out.append((name, field_docs(section, prefix=f"{name}.")))
+        out.extend(_groups(section))
+    return out
 
 
 def format_config_listing(cls: type | None = None) -> str:
-    """The ``--list_config`` text: a header, then each field as ``name: type = default`` with
-    its meaning indented below it and any comment block above it kept in place; a section's
-    fields come under its heading as ``Section.name``."""
+    """The ``--list_config`` text: a header, then each section's settings under its heading,
+    each as ``Section.name: type = default`` with what it may hold and its meaning below."""
     if cls is None:
         from jaxrl_orch.config.train import TrainConfig
 
         cls = TrainConfig
-    name = cls.__name__
-    plain = [f for f in dataclasses.fields(cls) if _section(f) is None]
-    sections = [s for f in dataclasses.fields(cls) if (s := _section(f)) is not None]
-    groups = [(name, [d for d in field_docs(cls) if d.name in {f.name for f in plain}])]
-    groups += [(s.__name__, field_docs(s, prefix=f"{s.__name__}.")) for s in sections]
+    name = section_name(cls)
+    groups = [(name, field_docs(cls, prefix=f"{name}."))] + _groups(cls)
     count = sum(len(docs) for _, docs in groups)
-    example = f"{sections[0].__name__}.NAME" if sections else f"{name}.NAME"
     out = [
         f"{name}: {count} settings, shown with their built-in defaults (configs/*.gin "
         "override some).",
-        f"Set one with --gin_param='{example} = VALUE', or with that line in a gin file.",
+        f"Set one with --gin_param='{groups[min(1, len(groups) - 1)][0]}.NAME = VALUE', or with "
+        "that line in a gin file.",
     ]
     for heading, docs in groups:
-        if sections:
-            out.extend(["", f"[{heading}]"])
+        out.extend(["", f"[{heading}]"])
         out.extend(_entry_lines(docs))
     return "\n".join(out)
 
@@ -143,14 +99,11 @@ def format_config_listing(cls: type | None = None) -> str:
 def _entry_lines(docs: list[FieldDoc]) -> list[str]:
     out: list[str] = []
     for d in docs:
-        if d.above:
-            out.append("")
-            out.extend(f"  # {line}" for line in d.above)
         out.append(f"  {d.name}: {d.type} = {d.default}")
         if d.allowed:
             out.append(f"    allowed: {d.allowed}")
-        if d.comment:
-            out.extend(_wrap(d.comment))
+        if d.meaning:
+            out.extend(_wrap(d.meaning))
     return out
 
 

@@ -3,76 +3,115 @@ climbing.
 
 What it owns: ``OrchestratorConfig`` (the loop's own settings: step target, batch and group
 sizes, the staleness bound S, concurrency, the observed-age policy, eval cadence, timeouts) and
-``AGE_POLICIES``, with their validation and defaults. ``TrainConfig.loop`` (``config/train.py``)
-composes it from the ``RL`` and ``Orchestrator`` sections users bind (``Orchestrator.max_staleness
-= 2``); the orchestrator gets only this, never the root config.
+``AGE_POLICIES``, each field's default, range and meaning declared on it
+(``jaxrl_orch.settings``). ``TrainConfig.loop`` (``config/train.py``) composes it from the ``RL``
+and ``Orchestrator`` sections users bind (``Orchestrator.max_staleness = 2``); the
+``Orchestrator`` section's fields are these fields (``loop_setting``), so their meaning and
+range are stated here only. The orchestrator gets only this, never the root config.
 
 Invariants: a built ``OrchestratorConfig`` is valid and fully resolved (``max_concurrent`` is
 an int: its default is derived here and nowhere else). S bounds both the admission gate and the
 version hold (batch ``step`` ships once the trainer has published ``step - 1 - S``).
 
-Pure dataclasses: no JAX, no asyncio, no imports of the package beyond the standard library.
+Pure dataclasses: no JAX, no asyncio.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from jaxrl_orch.settings import Allowed, check_settings, require, setting
+
 AGE_POLICIES = ("admit", "drop", "pace")
+_SECONDS_OR_OFF = Allowed.above(0).or_none()
 
 
 @dataclasses.dataclass(frozen=True)
 class OrchestratorConfig:
     """The loop's settings (``orchestrator/loop.py`` documents what each bound does)."""
 
-    max_steps: int
-    batch_size: int  # rollouts per training batch (B)
-    group_size: int
-    max_staleness: int = 1  # S: the admission gate's bound and the version hold's, in versions
-    # In-flight train rollouts (dispatcher permits and gate). None: (S + 1) * B, the most the
-    # gate can ever admit ahead of the trainer, so concurrency never binds before staleness.
-    max_concurrent: int | None = None
-    age_policy: str = "admit"
-    empty_batch_limit: int = 10
-    eval_every: int | None = None
-    eval_at_start: bool = True
-    # No progress (no rollout landed, no step shipped or trained) for this long raises
-    # PipelineStallError naming what the pipeline waits on; None disables (the simulator).
-    stall_timeout_s: float | None = 600.0
-    env_timeout_s: float | None = 600.0  # a rollout running longer is cancelled (an error)
-    drain_timeout_s: float = 60.0  # after SIGTERM: in-flight work past it is cancelled
-    loop_block_warn_s: float | None = 2.0  # event-loop stalls longer are reported by name
-    # every rollout samples with a seed of its own derived from this (None: the engine's RNG)
-    request_seed: int | None = None
-    recover_gate_on_resume: bool = True  # False only to demonstrate the resume-burst alarm
+    max_steps: int = setting(meaning="RL steps to train", allowed=Allowed.at_least(1))
+    batch_size: int = setting(
+        meaning="rollouts per training batch (B)", allowed=Allowed.at_least(1)
+    )
+    group_size: int = setting(meaning="rollouts per prompt", allowed=Allowed.at_least(1))
+    max_staleness: int = setting(
+        1,
+        "S: trained rollouts are at most S versions old (the admission gate's bound and the "
+        "version hold's); 0: a synchronous run, the baseline for telling an algorithm bug from "
+        "an asynchrony bug",
+        Allowed.at_least(0),
+    )
+    max_concurrent: int | None = setting(
+        None,
+        "train rollouts in flight (dispatcher permits and gate); None: (S + 1) * batch, the most "
+        "the gate can ever admit ahead of the trainer, so concurrency never binds before "
+        "staleness",
+        Allowed.at_least(1).or_none(),
+    )
+    age_policy: str = setting(
+        "admit",
+        "what a rollout older than S at ship time gets: 'admit' (trained, the overshoot "
+        "reported), 'drop' (discarded and counted) or 'pace' (the trainer waits until it lands "
+        "in time)",
+        Allowed.one_of(*AGE_POLICIES),
+    )
+    empty_batch_limit: int = setting(
+        10, "consecutive batches with nothing trainable before the run fails", Allowed.at_least(1)
+    )
+    eval_every: int | None = setting(
+        None,
+        "steps between two evals (None or 0: first and last only)",
+        Allowed.at_least(0).or_none(),
+    )
+    eval_at_start: bool = setting(True, "evaluate the starting policy before the first step")
+    stall_timeout_s: float | None = setting(
+        600.0,
+        "nothing landed, shipped or trained for this long: the run fails naming what the "
+        "pipeline waits on; None: never",
+        _SECONDS_OR_OFF,
+    )
+    env_timeout_s: float | None = setting(
+        600.0,
+        "one rollout (generation + environment) longer is cancelled (an error rollout); None: "
+        "never",
+        _SECONDS_OR_OFF,
+    )
+    drain_timeout_s: float = setting(
+        60.0, "after SIGTERM: in-flight work still running past it is cancelled", Allowed.above(0)
+    )
+    loop_block_warn_s: float | None = setting(
+        2.0,
+        "the event loop blocked longer is reported, naming the frame; None: off",
+        _SECONDS_OR_OFF,
+    )
+    request_seed: int | None = setting(
+        None,
+        "every rollout samples with a seed of its own derived from this; None: the engine's RNG",
+    )
+    recover_gate_on_resume: bool = setting(
+        True, "recover the gate's counters on resume (False only shows the resume-burst alarm)"
+    )
 
     def __post_init__(self) -> None:
-        if self.age_policy not in AGE_POLICIES:
-            raise ValueError(f"age_policy must be one of {AGE_POLICIES}, got {self.age_policy!r}")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness!r}")
-        for name in ("max_steps", "batch_size", "group_size"):
-            _check_positive_int(name, getattr(self, name))
+        check_settings(self)
         if self.max_concurrent is None:
             # Frozen: the one place the default is resolved writes it through object.
             object.__setattr__(self, "max_concurrent", (self.max_staleness + 1) * self.batch_size)
-        _check_positive_int("max_concurrent", self.max_concurrent)
-        if self.batch_size % self.group_size:
-            raise ValueError(
-                f"batch_size ({self.batch_size}) must be a multiple of group_size "
-                f"({self.group_size}): a batch holds whole groups"
-            )
-        if self.max_concurrent < self.group_size:
-            raise ValueError(
-                f"max_concurrent ({self.max_concurrent}) must be >= group_size "
-                f"({self.group_size}) so a whole group can be in flight"
-            )
-        for name in ("stall_timeout_s", "env_timeout_s", "loop_block_warn_s", "drain_timeout_s"):
-            v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise ValueError(f"{name} must be > 0 seconds (or None to disable), got {v!r}")
+        require(
+            self.batch_size % self.group_size == 0,
+            f"batch_size ({self.batch_size}) must be a multiple of group_size "
+            f"({self.group_size}): a batch holds whole groups",
+        )
+        require(
+            self.max_concurrent >= self.group_size,
+            f"max_concurrent ({self.max_concurrent}) must be >= group_size "
+            f"({self.group_size}) so a whole group can be in flight",
+        )
 
 
-def _check_positive_int(name: str, v: object) -> None:
-    if not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+def loop_setting(name: str) -> dataclasses.Field:
+    """A field of a config section that is ``OrchestratorConfig.<name>``: the same default,
+    meaning and range (declared once, above)."""
+    (field,) = [f for f in dataclasses.fields(OrchestratorConfig) if f.name == name]
+    return dataclasses.field(default=field.default, metadata=field.metadata)

@@ -25,7 +25,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxrl_orch.models.lora import LoraConfig
+from jaxrl_orch.models.lora_config import LoraConfig
 
 # Must equal ByteTokenizer().vocab_size: 256 bytes + specials, padded to 512 so that new special
 # tokens (e.g. tool-call tags) can be added without changing checkpoint shapes.
@@ -105,6 +105,11 @@ class ModelConfig:
     lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.lora is not None and self.lora.rank < 1:
+            raise ValueError(
+                f"ModelConfig.lora has rank {self.lora.rank}: a model with adapters needs rank "
+                ">= 1 (rank 0 is a run without them: lora None)"
+            )
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(
                 f"ModelConfig.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}"

@@ -26,7 +26,6 @@ writes.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -37,54 +36,12 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_orch.models.keys import by_names, key_names
+from jaxrl_orch.models.lora_config import TARGETS, LoraConfig
 from jaxrl_orch.models.matmul import matmul
-from jaxrl_orch.models.qlora import QTYPES, quantize_module, weight
+from jaxrl_orch.models.qlora import quantize_module, weight
 
-# Target name -> (module attribute path under a block, contracted leading axes of W, HF name).
-TARGETS: dict[str, tuple[tuple[str, str], int, str]] = {
-    "q": (("attn", "q_proj"), 1, "self_attn.q_proj"),
-    "k": (("attn", "k_proj"), 1, "self_attn.k_proj"),
-    "v": (("attn", "v_proj"), 1, "self_attn.v_proj"),
-    "o": (("attn", "o_proj"), 2, "self_attn.o_proj"),
-    "gate": (("mlp", "gate_proj"), 1, "mlp.gate_proj"),
-    "up": (("mlp", "up_proj"), 1, "mlp.up_proj"),
-    "down": (("mlp", "down_proj"), 1, "mlp.down_proj"),
-}
 _BY_WEIGHT = {path[1]: (name, contract) for name, (path, contract, _) in TARGETS.items()}
 RANK_AXIS = "lora_rank"  # no sharding rule names it: replicated
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-    """Adapters of ``rank`` on the ``targets`` projections, scaled by ``alpha / rank``, over a
-    frozen base held as it is (``quantize`` None) or quantized (QLoRA: ``models.qlora``)."""
-
-    rank: int = 16
-    alpha: float = 32.0
-    targets: tuple[str, ...] = tuple(TARGETS)
-    quantize: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"LoRA rank must be an int >= 1, got {self.rank!r}")
-        if not self.alpha > 0:
-            raise ValueError(f"LoRA alpha must be > 0, got {self.alpha!r}")
-        targets = tuple(self.targets)
-        bad = [t for t in targets if t not in TARGETS]
-        if bad or not targets or len(set(targets)) != len(targets):
-            raise ValueError(
-                f"LoRA targets must be distinct names from {tuple(TARGETS)}, got {targets!r}"
-            )
-        object.__setattr__(self, "targets", targets)
-        if self.quantize is not None and self.quantize not in QTYPES:
-            raise ValueError(
-                f"LoRA base quantization must be None or one of {tuple(QTYPES)}, got "
-                f"{self.quantize!r}"
-            )
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
 
 
 def add_adapters(module: nnx.Module, cfg: LoraConfig | None, rngs: nnx.Rngs) -> None:

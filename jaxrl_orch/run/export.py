@@ -85,7 +85,7 @@ def _checkpoint_base(parts: RunParts, base: Any) -> Path | None:
     ``base`` is exported and must be given."""
     warmup, name = parts.cfg.warmup, parts.cfg.model.name
     path = Path(name)
-    exact = not (warmup.steps or warmup.from_workdir) and parts.cfg.lora.quantize == "none"
+    exact = not (warmup.steps or warmup.from_workdir) and parts.cfg.lora.quantize is None
     if exact and (path / "config.json").is_file():
         return path.resolve()
     if base is None:

@@ -70,7 +70,7 @@ def model_costs(
     tokens = rows * t
     fwd = 2 * n_mat * tokens + 2 * hd * t * t * rows * nl
     passes = cfg.rl.ppo_epochs * (3 + (c.remat != "none"))
-    passes += int(bool(cfg.rl.recompute_old_logprobs)) + int(cfg.rl.kl_beta > 0)
+    passes += int(bool(cfg.rl.recompute_old_logprobs)) + int(cfg.rl.loss.kl_beta > 0)
     train = {
         "flops": fwd * passes,
         "bytes": n_total * (mbytes * 7 + pbytes * passes),

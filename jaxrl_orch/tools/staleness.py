@@ -48,7 +48,7 @@ from jaxrl_orch.paths import as_path
 from jaxrl_orch.tools import staleness_sim, staleness_table
 
 # name -> (what it is, in one line; its gin bindings). docs/losses.md has the formulas.
-_DECOUPLED = ("RL.recompute_old_logprobs=True", "RL.tis_cap=2.0")
+_DECOUPLED = ("RL.recompute_old_logprobs=True", "Loss.tis_cap=2.0")
 PRESETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "grpo": ("the config's loss as is (clipped token surrogate vs the engine's log-probs)", ()),
     "decoupled": (
@@ -58,21 +58,21 @@ PRESETS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "icepop": (
         "decoupled + IcePop: tokens whose trainer/engine ratio leaves [0.5, 2] dropped",
-        (*_DECOUPLED, "RL.icepop=(0.5, 2.0)"),
+        (*_DECOUPLED, "Loss.icepop=(0.5, 2.0)"),
     ),
     "gspo": (
         "GSPO: sequence-level length-normalised ratio and clip, the paper's eps 3e-4 / 4e-4, "
         "per-sequence normalisation",
         (
-            'RL.policy_loss="gspo"',
-            "RL.eps_low=3e-4",
-            "RL.eps_high=4e-4",
-            'RL.loss_norm="sequence"',
+            'Loss.policy_loss="gspo"',
+            "Loss.eps_low=3e-4",
+            "Loss.eps_high=4e-4",
+            'Loss.norm="sequence"',
         ),
     ),
     "cispo": (
         "CISPO: every token keeps its gradient; its IS weight, clipped at 1.28, is a constant",
-        ('RL.policy_loss="cispo"',),
+        ('Loss.policy_loss="cispo"',),
     ),
 }
 # The shares each preset's loss reports (shown in the table even when 0).

@@ -25,7 +25,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl_orch.models.lora import LoraConfig, merge_adapters
+from jaxrl_orch.models.lora import merge_adapters
+from jaxrl_orch.models.lora_config import LoraConfig
 from jaxrl_orch.models.qlora import dequantize_base, quantize_base
 from jaxrl_orch.models.transformer import ModelConfig, Transformer
 from jaxrl_orch.trainer.programs import TrainPrograms

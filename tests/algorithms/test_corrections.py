@@ -13,7 +13,9 @@ import pytest
 from support.loss_chunks import assert_rows_add_up
 
 from jaxrl_orch.algorithms import corrections, losses
+from jaxrl_orch.algorithms.loss_config import POLICY_LOSSES
 from jaxrl_orch.config import train as train_config
+from jaxrl_orch.config.load import make_config
 
 R, L = 4, 12
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -284,7 +286,7 @@ def test_row_chunks_add_up_to_the_batch():
 def test_off_mask_junk_and_empty_chunks_contribute_nothing():
     b = _batch(seed=6)
     masks = dict(icepop=(0.6, 1.6), mis="sequence", mis_bounds=(0.5, 2.0))
-    for loss, masked in itertools.product(corrections.POLICY_LOSSES, (False, True)):
+    for loss, masked in itertools.product(POLICY_LOSSES, (False, True)):
         cfg = Cfg(policy_loss=loss, **(masks if masked else {}))
         # Off the mask anything goes, even a log-prob of -inf.
         junk = np.where(b["mask"], b["new"], -np.inf).astype(np.float32)
@@ -411,8 +413,11 @@ def test_default_settings_are_bit_identical_to_the_token_surrogate(use_old, jit)
 def test_bad_settings_name_the_value_and_the_allowed():
     bad = {
         "policy_loss='grpo'": (dict(policy_loss="grpo"), r"'ppo', 'gspo'.*'grpo'"),
-        "mis without bounds": (dict(mis="token"), r"mis \('token'\) and (RL\.)?mis_bounds \(None"),
-        "bounds without mis": (dict(mis_bounds=(0.5, 2)), r"mis \(None\) and (RL\.)?mis_bounds"),
+        "mis without bounds": (
+            dict(mis="token"),
+            r"Loss.mis \('token'\) and Loss.mis_bounds \(None",
+        ),
+        "bounds without mis": (dict(mis_bounds=(0.5, 2)), r"Loss.mis \(None\) and Loss.mis_bounds"),
         "mis level": (dict(mis="row", mis_bounds=(0.5, 2)), r"\(None, 'token', 'seq.*'row'"),
         "band order": (dict(icepop=(2.0, 0.5)), r"icepop must be .*0 <= low < high.*2.0"),
         "band shape": (dict(geo_mask=(0.5,)), r"geo_mask must be .*\(0.5,\)"),
@@ -423,7 +428,7 @@ def test_bad_settings_name_the_value_and_the_allowed():
         with pytest.raises(ValueError, match=msg):
             Cfg(**kw)
         with pytest.raises(ValueError, match=msg):
-            train_config.RL(**kw)
+            make_config({f"Loss.{k}": v for k, v in kw.items()})
     assert Cfg(icepop=[0.5, 2]).icepop == (0.5, 2.0)  # a list binding becomes a float pair
 
 
@@ -439,7 +444,7 @@ def test_rl_settings_reach_the_step_config():
         mis_bounds=(0.1, 10.0),
         geo_mask=(0.8, 1.25),
     )
-    loss = step_config(train_config.TrainConfig(rl=train_config.RL(**rl)), "rl").loss
+    loss = step_config(make_config({f"Loss.{k}": v for k, v in rl.items()}), "rl").loss
     assert {k: getattr(loss, k) for k in rl} == rl
     assert step_config(train_config.TrainConfig(), "rl").loss == Cfg(norm="token")
 
@@ -451,14 +456,14 @@ def test_gin_bindings_spell_the_bands_and_an_uncapped_weight():
     from jaxrl_orch.config.load import load_config
 
     bindings = [
-        "RL.geo_mask = (0.9, 1.1)",
-        "RL.tis_cap = 1e999",
+        "Loss.geo_mask = (0.9, 1.1)",
+        "Loss.tis_cap = 1e999",
         "RL.recompute_old_logprobs = True",
     ]
     try:
         loss = step_config(load_config([], bindings), "rl").loss
-        with pytest.raises(ValueError, match=r"RL.mis \('sequence'\) and RL.mis_bounds \(None"):
-            load_config([], ["RL.mis = 'sequence'"])
+        with pytest.raises(ValueError, match=r"Loss.mis \('sequence'\) and Loss.mis_bounds \(None"):
+            load_config([], ["Loss.mis = 'sequence'"])
     finally:
         gin.clear_config()
     assert loss.geo_mask == (0.9, 1.1) and loss.tis_cap == math.inf  # AReaL's uncapped weight

@@ -105,9 +105,10 @@ def test_constant_norm_is_dr_grpo_sum_over_a_constant():
     n_seqs = sum(m[r, seg[r] == s].any() for r in range(R) for s in np.unique(seg[r]))
     assert len(np.unique(np.asarray(w)[b["mask"]])) == 1
     np.testing.assert_allclose(np.asarray(w)[b["mask"]], 1 / (16.0 * n_seqs), rtol=1e-6)
-    with pytest.raises(ValueError, match="norm_constant"):
-        losses.PolicyLossConfig(norm="constant")
-    with pytest.raises(ValueError, match="norm_constant"):
+    with pytest.raises(ValueError, match="norm 'constant' needs norm_constant"):
+        losses.loss_weights(b["mask"], b["seg"], "constant", None)
+    assert losses.PolicyLossConfig(norm="constant").for_budget(12).norm_constant == 12.0
+    with pytest.raises(ValueError, match="Loss.norm_constant .* with norm 'token' leave it None"):
         losses.PolicyLossConfig(norm="token", norm_constant=8.0)
 
 

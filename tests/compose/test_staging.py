@@ -9,7 +9,7 @@ from flax import nnx
 from support.trainer_batches import TINY, make_batch
 
 from jaxrl_orch.compose.staging import AdapterMerge, tree_nbytes
-from jaxrl_orch.models.lora import LoraConfig
+from jaxrl_orch.models.lora_config import LoraConfig
 from jaxrl_orch.models.transformer import Transformer, logical_specs
 from jaxrl_orch.trainer.trainer import RowLayout, Trainer
 from sharding.mesh import make_meshes

@@ -236,8 +236,8 @@ def test_loss_settings_reach_the_rl_step(tmp_path):
     small = {"Warmup.steps": 0, "Trainer.mesh": (("fsdp", 1),), "Engine.mesh": (("tp", 1),)}
     cases = {
         "grpo": {"RL.algorithm": "grpo"},
-        "dr": {"RL.algorithm": "dr_grpo", "RL.max_new_tokens": 40},
-        "tis": {"RL.algorithm": "grpo", "RL.recompute_old_logprobs": True, "RL.tis_cap": 1.5},
+        "dr": {"RL.algorithm": "dr_grpo", "Loss.norm": "constant", "RL.max_new_tokens": 40},
+        "tis": {"RL.algorithm": "grpo", "RL.recompute_old_logprobs": True, "Loss.tis_cap": 1.5},
     }
     steps = {}
     for name, kw in cases.items():
@@ -250,7 +250,10 @@ def test_loss_settings_reach_the_rl_step(tmp_path):
     assert not steps["grpo"].recompute_old_logprobs
     assert steps["tis"].recompute_old_logprobs and steps["tis"].loss.tis_cap == 1.5
     with pytest.raises(ValueError, match="'dr_grpo' normalises the loss by a constant"):
-        load_config([], ["RL.algorithm = 'dr_grpo'", "RL.loss_norm = 'token'"])
+        load_config([], ["RL.algorithm = 'dr_grpo'", "Loss.norm = 'token'"])
+    # the step reads the RL section's loss object as it is: no copy field by field
+    parts = prepare(make_config({**small, **cases["tis"]}), tmp_path / "same")
+    assert step_config(parts.cfg, "rl").loss is parts.cfg.rl.loss
     with pytest.raises(ValueError, match=r"RL.after_warmup must be one of \('rl', 'sft'\).*'dpo'"):
         load_config([], ["RL.after_warmup = 'dpo'"])
 

@@ -1,9 +1,10 @@
 """What ``--list_config`` says a setting may hold is what the setting's check lets through.
 
-Each section states its ranges once (``ALLOWED``, ``config.checks``): its check and the listing
-both read them. These tests read the listing as a user does, find the checked settings by
-probing the sections with bad values (so a check written outside the table shows up), and try
-each stated bound: the value at it accepted, the one just past it refused, naming both.
+Each setting states its range once, on its field (``jaxrl_orch.settings.setting``): its
+section's check and the listing both read it. These tests read the listing as a user does, find
+the checked settings by probing the sections with bad values (so a check declared elsewhere
+shows up), and try each stated bound: the value at it accepted, the one just past it refused,
+naming both.
 """
 
 from __future__ import annotations
@@ -12,22 +13,35 @@ import dataclasses
 
 import pytest
 
-from jaxrl_orch.config.checks import Allowed, allowed_of
 from jaxrl_orch.config.listing import format_config_listing
-from jaxrl_orch.config.load import load_config
-from jaxrl_orch.config.train import SECTIONS, Engine, Trainer, Warmup
+from jaxrl_orch.config.load import SECTION_BY_NAME, SECTIONS, load_config
+from jaxrl_orch.settings import Allowed, allowed_of
+
+Engine, Trainer, Warmup, Loss = (
+    SECTION_BY_NAME[n] for n in ("Engine", "Trainer", "Warmup", "Loss")
+)
 
 # Settings checked outside their section's ALLOWED table, so ``--list_config`` states no range
 # for them: none today (a check added outside a table shows up here).
 UNLISTED: set[str] = set()
 # Settings set together: a value of one is tried with the other set too (MIS: a level and its
 # band), so what is refused is the value itself.
-COMPANIONS = {"mis_bounds": {"mis": "token"}, "mis": {"mis_bounds": (0.5, 2.0)}}
+COMPANIONS = {
+    "mis_bounds": {"mis": "token"},
+    "mis": {"mis_bounds": (0.5, 2.0)},
+    "norm_constant": {"norm": "constant"},
+    "quantize": {"rank": 4},
+}
 PROBES = (-(10**9), -1, 0, 0.5, 10**9, "no-such-value", None)
 
 
 def _rules() -> list[tuple[type, str, Allowed]]:
-    return [(s, name, rule) for s in SECTIONS for name, rule in allowed_of(s).items()]
+    return [
+        (s, f.name, rule)
+        for s in SECTIONS
+        for f in dataclasses.fields(s)
+        if (rule := allowed_of(f)) is not None
+    ]
 
 
 def _checked(section: type, name: str) -> bool:
@@ -37,7 +51,7 @@ def _checked(section: type, name: str) -> bool:
             message = _refusal(section, name, value)
         except (TypeError, AttributeError):  # a check that compares before it looks
             continue
-        if message is not None and message.startswith(f"{section.__name__}.{name} must be"):
+        if message is not None and message.startswith(f"{section.SECTION}.{name} must be"):
             return True
     return False
 
@@ -67,16 +81,16 @@ def _listed() -> dict[str, str]:
 def test_every_checked_setting_lists_what_its_check_allows():
     listed = _listed()
     checked = {
-        f"{s.__name__}.{f.name}"
+        f"{s.SECTION}.{f.name}"
         for s in SECTIONS
         for f in dataclasses.fields(s)
         if _checked(s, f.name)
     }
-    tabled = {f"{s.__name__}.{name}" for s, name, _ in _rules()}
+    tabled = {f"{s.SECTION}.{name}" for s, name, _ in _rules()}
     assert tabled <= checked  # no table entry without a check
     assert checked - tabled == UNLISTED  # and no other check but those known
     assert {k: listed[k] for k in tabled} == {
-        f"{s.__name__}.{name}": str(rule) for s, name, rule in _rules()
+        f"{s.SECTION}.{name}": str(rule) for s, name, rule in _rules()
     }
     assert set(listed) == tabled  # nothing unchecked claims a range
     assert listed["Engine.serve_port"] == "in [0, 65535] or None"
@@ -89,9 +103,9 @@ def _just_past(section: type, name: str, bound: float, step: int) -> float:
     return bound + step * (1 if is_int else 1e-6)
 
 
-@pytest.mark.parametrize("section, name, rule", _rules(), ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("section, name, rule", _rules(), ids=lambda x: getattr(x, "SECTION", x))
 def test_the_value_at_each_listed_bound_passes_and_one_past_it_is_refused(section, name, rule):
-    where = f"{section.__name__}.{name}"
+    where = f"{section.SECTION}.{name}"
     accepted, refused = [], []
     if rule.subset:
         first, second = rule.choices[:2]
@@ -134,3 +148,29 @@ def test_a_setting_declared_int_refuses_a_fraction_or_a_bool():
     )
     with pytest.raises(ValueError, match=r"Engine.serve_port must be in \[0, 65535\] or None, got"):
         load_config([], ["Engine.serve_port = 70000"])  # through a gin binding, before any work
+
+
+def _float_settings() -> list[tuple[type, str]]:
+    return [
+        (s, f.name)
+        for s in SECTIONS
+        for f in dataclasses.fields(s)
+        if f.type.startswith("float") and not (allowed_of(f) and allowed_of(f).infinite_ok)
+    ]
+
+
+@pytest.mark.parametrize("section, name", _float_settings(), ids=str)
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=str)
+def test_every_float_setting_refuses_what_is_not_finite(section, name, value):
+    assert (
+        _refusal(section, name, value) == f"{section.SECTION}.{name} must be finite, got {value!r}"
+    )
+
+
+def test_only_settings_that_say_so_take_infinity():
+    assert _refusal(Loss, "tis_cap", float("inf")) is None  # uncapped TIS, as the listing says
+    assert "or inf" in _listed()["Loss.tis_cap"]
+    with pytest.raises(ValueError, match="RL.temperature must be finite, got inf"):
+        load_config([], ["RL.temperature = 1e999"])
+    with pytest.raises(ValueError, match="Loss.kl_beta must be finite, got inf"):
+        load_config([], ["Loss.kl_beta = 1e999"])

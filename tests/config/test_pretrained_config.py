@@ -31,7 +31,7 @@ def test_no_warm_up_a_pretrained_learning_rate_and_the_checkpoints_tokenizer():
     assert cfg.warmup.steps == 0 and cfg.warmup.demonstrations == ()
     assert cfg.rl.learning_rate == 1e-6 and cfg.rl.lr_warmup_steps == 10
     assert cfg.model.param_dtype == "float32"  # a 1e-6 step needs fp32 master weights
-    assert cfg.data.instruction is None and cfg.rl.kl_beta == 0.0
+    assert cfg.data.instruction is None and cfg.rl.loss.kl_beta == 0.0
     assert cfg.rl.max_new_tokens < cfg.trainer.row_len and cfg.engine.max_target_length // 2 >= 128
     assert (ROOT / CONFIG).read_text().startswith("#")
 

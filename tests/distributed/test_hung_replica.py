@@ -17,7 +17,7 @@ import pytest
 from support.standin_process import StandInProcess
 from support.standin_replica import FakeOffer, HeldDriver, StandInEngine, serve
 
-from jaxrl_orch.config.train import Processes
+from jaxrl_orch.config.runtime import ProcessesSettings as Processes
 from jaxrl_orch.distributed.pool import RemotePool
 from jaxrl_orch.distributed.replica_client import RemoteEngineClient, ReplicaLost
 from jaxrl_orch.serving.host import EngineHost

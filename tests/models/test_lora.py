@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 from support.trainer_batches import TINY
 
-from jaxrl_orch.config.train import LORA_TARGETS
-from jaxrl_orch.models.lora import TARGETS, LoraConfig, add_adapters, merge_adapters, project
+from jaxrl_orch.models.lora import add_adapters, merge_adapters, project
+from jaxrl_orch.models.lora_config import LoraConfig
 from jaxrl_orch.models.transformer import ModelConfig, Transformer
 
 # The trainer tests' tiny model, with Qwen2's q/k/v biases and an untied head: every weight kind.
@@ -148,10 +148,12 @@ def test_adapters_are_float32_masters_over_a_bf16_base():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"rank": 0}, "rank must be an int >= 1, got 0"),
-        ({"alpha": 0.0}, "alpha must be > 0, got 0.0"),
-        ({"targets": ("q", "qkv")}, r"targets must be distinct names from .*'qkv'"),
-        ({"targets": ()}, "targets must be distinct names"),
+        ({"rank": -1}, "Lora.rank must be >= 0, got -1"),
+        ({"rank": 1.5}, "Lora.rank must be an int, got 1.5"),
+        ({"alpha": 0.0}, "Lora.alpha must be > 0, got 0.0"),
+        ({"targets": ("q", "qkv")}, r"Lora.targets must be a non-empty tuple of distinct names"),
+        ({"targets": ()}, "Lora.targets must be a non-empty tuple of distinct names"),
+        ({"quantize": "int8"}, r"Lora.quantize = 'int8' quantizes a LoRA run's frozen base"),
     ],
 )
 def test_bad_settings_are_named(kwargs, match):
@@ -159,5 +161,6 @@ def test_bad_settings_are_named(kwargs, match):
         LoraConfig(**kwargs)
 
 
-def test_the_config_names_the_same_targets():
-    assert tuple(TARGETS) == LORA_TARGETS
+def test_a_model_with_adapters_of_rank_0_is_refused():
+    with pytest.raises(ValueError, match="rank 0 is a run without them"):
+        dataclasses.replace(BASE, lora=LoraConfig(rank=0))

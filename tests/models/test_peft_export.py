@@ -19,9 +19,12 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from jaxrl_orch.compose.parts import RunParts
-from jaxrl_orch.config.train import Lora, Model, TrainConfig, Warmup
+from jaxrl_orch.config.train import Lora, TrainConfig
+from jaxrl_orch.config.train import ModelSettings as Model
+from jaxrl_orch.config.train import WarmupSettings as Warmup
 from jaxrl_orch.models.hf_import import read_safetensors, save_hf_checkpoint
-from jaxrl_orch.models.lora import TARGETS, LoraConfig, merge_adapters
+from jaxrl_orch.models.lora import merge_adapters
+from jaxrl_orch.models.lora_config import TARGETS, LoraConfig
 from jaxrl_orch.models.peft_export import save_peft_adapter
 from jaxrl_orch.models.transformer import ModelConfig, Transformer
 from jaxrl_orch.run.export import export_policy

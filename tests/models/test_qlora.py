@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 from support.trainer_batches import TINY
 
-from jaxrl_orch.models.lora import LoraConfig
+from jaxrl_orch.models.lora_config import LoraConfig
 from jaxrl_orch.models.qlora import WEIGHTS, dequantize, dequantize_base, quantize, quantize_base
 from jaxrl_orch.models.transformer import Transformer
 
@@ -102,5 +102,7 @@ def test_a_dense_base_quantizes_into_the_tree_the_model_builds():
 
 
 def test_quantize_names_the_types_allowed():
-    with pytest.raises(ValueError, match=r"None or one of \('int8', 'int4'\), got 'nf4'"):
+    with pytest.raises(
+        ValueError, match=r"Lora.quantize must be one of \(None, 'int8', 'int4'\), got 'nf4'"
+    ):
         LoraConfig(rank=2, quantize="nf4")

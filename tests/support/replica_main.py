@@ -40,7 +40,7 @@ def lora_adapters(rank: int):
 
     from jaxrl_orch.compose.staging import abstract_adapters
     from jaxrl_orch.models.configs import get_config
-    from jaxrl_orch.models.lora import LoraConfig
+    from jaxrl_orch.models.lora_config import LoraConfig
 
     lora = LoraConfig(rank=rank, alpha=32.0)
     model = dataclasses.replace(get_config("tiny-byte"), lora=lora)

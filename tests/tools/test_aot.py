@@ -227,7 +227,7 @@ def test_a_program_xla_refuses_for_memory_is_a_shortfall_not_an_error(monkeypatc
 def test_model_costs_count_what_the_model_computes():
     """Analytic FLOPs: 2 per matmul weight per token, x3 for forward + backward, +1 with remat."""
     m = get_config("qwen2.5-0.5b")
-    cfg = make_config({"Trainer.row_len": 128, "RL.ppo_epochs": 1, "RL.kl_beta": 0.0})
+    cfg = make_config({"Trainer.row_len": 128, "RL.ppo_epochs": 1, "Loss.kl_beta": 0.0})
     limits = EngineLimits(max_concurrent_decodes=4, max_target_length=256, steps_per_call=2)
     c = aot_report.model_costs(m, cfg, rows=2, limits=limits)
     tokens = 2 * 128

@@ -66,8 +66,8 @@ def test_one_warm_up_then_the_grid_then_the_policies_without_a_second_admit_run(
     assert "Engine.slots=8" in _params(cmds["s0_icepop"])
     assert _params(cmds["s2_icepop"])[-3:] == [
         "RL.recompute_old_logprobs=True",
-        "RL.tis_cap=2.0",
-        "RL.icepop=(0.5, 2.0)",
+        "Loss.tis_cap=2.0",
+        "Loss.icepop=(0.5, 2.0)",
     ]
     assert _params(cmds["s2_grpo_drop"]) == [
         p.replace('"admit"', '"drop"') for p in s2
@@ -82,15 +82,15 @@ def test_each_preset_is_its_bindings_and_every_config_builds(tmp_path):
     study = 3 + 1  # from_workdir and the three Orchestrator bindings, no Engine.slots
     expected = {
         "grpo": [],
-        "decoupled": ["RL.recompute_old_logprobs=True", "RL.tis_cap=2.0"],
-        "icepop": ["RL.recompute_old_logprobs=True", "RL.tis_cap=2.0", "RL.icepop=(0.5, 2.0)"],
+        "decoupled": ["RL.recompute_old_logprobs=True", "Loss.tis_cap=2.0"],
+        "icepop": ["RL.recompute_old_logprobs=True", "Loss.tis_cap=2.0", "Loss.icepop=(0.5, 2.0)"],
         "gspo": [
-            'RL.policy_loss="gspo"',
-            "RL.eps_low=3e-4",
-            "RL.eps_high=4e-4",
-            'RL.loss_norm="sequence"',
+            'Loss.policy_loss="gspo"',
+            "Loss.eps_low=3e-4",
+            "Loss.eps_high=4e-4",
+            'Loss.norm="sequence"',
         ],
-        "cispo": ['RL.policy_loss="cispo"'],
+        "cispo": ['Loss.policy_loss="cispo"'],
     }
     assert set(expected) == set(staleness.PRESETS)
     for loss, bindings in expected.items():
@@ -226,7 +226,7 @@ def test_table_histogram_and_plot_from_the_runs(tmp_path):
     assert "## Age policies at S = 2 (grpo)" in md
     assert "| admit | 0.600 | 0.550 | 0 | 2 | 2.000 |" in md
     assert "| drop | 0.550 | 0.500 | 5 | 2 | 1.000 |" in md
-    assert "- `icepop`: decoupled + IcePop" in md and "`RL.icepop=(0.5, 2.0)`" in md
+    assert "- `icepop`: decoupled + IcePop" in md and "`Loss.icepop=(0.5, 2.0)`" in md
     assert "- s0_icepop: `python -m jaxrl_orch.train" in md  # not run: no row, its command
     assert "| 0 | icepop" not in md
     assert (tmp_path / "staleness.png").read_bytes()[:4] == b"\x89PNG"

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 from support.trainer_batches import TINY, make_batch
 
-from jaxrl_orch.models.lora import LoraConfig
+from jaxrl_orch.models.lora_config import LoraConfig
 from jaxrl_orch.models.transformer import Transformer
 from jaxrl_orch.trainer import optim as optim_lib
 from jaxrl_orch.trainer import step as step_lib

@@ -1,0 +1,132 @@
+"""The sections that say how and where a run executes: ``Engine`` (the decoding engine),
+``Orchestrator`` (staleness, concurrency and timeouts of the loop), ``Processes`` (a
+multi-process layout and its network timeouts) and ``Outputs`` (checkpoints, logging, export).
+
+Each field declares its default, range and meaning once (``jaxrl_orch.settings``); the
+``Orchestrator`` section's fields are the loop's own (``config.orchestrator.loop_setting``).
+Read by ``compose.engines`` and ``compose.sides`` (Engine), ``TrainConfig.loop`` (Orchestrator),
+``distributed`` and the composition root (Processes), ``run`` (Outputs). Pure: no JAX.
+"""
+
+from __future__ import annotations
+
+from jaxrl_orch.config.orchestrator import loop_setting
+from jaxrl_orch.config.section import section
+from jaxrl_orch.settings import Allowed, setting
+
+DTYPES = ("float32", "bfloat16")
+_MESH_MEANING = "the mesh as ((axis, size), ...); (): the devices split evenly"
+
+
+@section("Engine")
+class EngineSettings:
+    kind: str = setting(
+        "builtin", "'builtin', or 'package.module:factory' for a JetStream-shaped engine"
+    )
+    slots: int = setting(32, "concurrent decodes (continuous batching)", Allowed.at_least(1))
+    max_target_length: int = setting(
+        256,
+        "KV cache positions: prompt plus completion",
+        Allowed.at_least(2).because("a prompt token and a generated one"),
+    )
+    steps_per_call: int = setting(8, "decode steps per engine call", Allowed.at_least(1))
+    warmup: bool = setting(
+        True,
+        "run every prompt bucket's prefill and every decode width once before the first "
+        "rollout, so nothing compiles mid-run (JetStream's model warm-up)",
+    )
+    mesh: tuple[tuple[str, int], ...] = setting((), _MESH_MEANING)
+    param_dtype: str | None = setting(
+        None,
+        "the engine's copy of the weights; None: its compute dtype",
+        Allowed.one_of(None, *DTYPES),
+    )
+    compute_dtype: str | None = setting(
+        None, "the engine's matmuls; None: Model.compute_dtype", Allowed.one_of(None, *DTYPES)
+    )
+    overlap: str = setting(
+        "auto",
+        "S >= 1, engine in this process: 'overlapped' (generate while training), 'sliced' (the "
+        "engine pauses during train steps) or 'auto' (where they share cores: measure, keep the "
+        "faster)",
+        Allowed.one_of("auto", "overlapped", "sliced"),
+    )
+    serve_port: int | None = setting(
+        None,
+        "serve the policy being trained on http://127.0.0.1:PORT (vLLM's RL API and OpenAI's, "
+        "each response naming its policy version) for evals and agents; None: off, 0: any free "
+        "port",
+        Allowed.between(0, 65535).or_none(),
+    )
+
+
+@section("Orchestrator")
+class OrchestratorSettings:
+    max_staleness: int = loop_setting("max_staleness")
+    age_policy: str = loop_setting("age_policy")
+    max_concurrent: int | None = loop_setting("max_concurrent")
+    stall_timeout_s: float | None = loop_setting("stall_timeout_s")
+    env_timeout_s: float | None = loop_setting("env_timeout_s")
+    drain_timeout_s: float = loop_setting("drain_timeout_s")
+    loop_block_warn_s: float | None = loop_setting("loop_block_warn_s")
+
+    @property
+    def synchronous(self) -> bool:
+        """S = 0: every batch trains on the version that generated it; generation and training
+        never overlap (the baseline that tells an algorithm bug from an asynchrony bug)."""
+        return self.max_staleness == 0
+
+
+@section("Processes")
+class ProcessesSettings:
+    trainer_processes: int = setting(
+        1,
+        "a trainer group of this many jax.distributed processes (SPMD over one mesh spanning "
+        "them; process 0 also runs the orchestrator)",
+        Allowed.at_least(1),
+    )
+    engine_replicas: int = setting(
+        0,
+        "engine replicas, each its own process serving the HTTP API; 0: the engine lives in "
+        "the trainer's process (jaxrl-launch-local starts both)",
+        Allowed.at_least(0),
+    )
+    colocated: bool | None = setting(
+        None, "engine and trainer on one set of devices; None: iff there is 1 device"
+    )
+    weight_pull_timeout_s: float = setting(
+        120.0, "a replica's pull of a new version longer: it fails", Allowed.above(0)
+    )
+    replica_request_timeout_s: float = setting(
+        600.0, "one generate request to a replica longer: an error", Allowed.above(0)
+    )
+    replica_health_timeout_s: float = setting(
+        20.0,
+        "a live replica that answers no health probe for this long (stopped, wedged) is lost "
+        "like a dead one: its groups move to the other replicas, and it rejoins once it answers",
+        Allowed.at_least(1).because("replicas are probed each second"),
+    )
+    tpu_topology: str | None = setting(
+        None, "the slice this config is sized for, e.g. 'v5e:2x4' (python -m jaxrl_orch.tools.aot)"
+    )
+
+
+@section("Outputs")
+class OutputsSettings:
+    checkpoint_every: int = setting(
+        10, "RL steps between two checkpoints (and one at the end)", Allowed.at_least(1)
+    )
+    max_to_keep: int = setting(2, "RL checkpoints kept", Allowed.at_least(1))
+    log_interval_s: float = setting(
+        30.0, "seconds between two gauge rows (gauges.jsonl, TensorBoard)", Allowed.above(0)
+    )
+    wandb_project: str | None = setting(
+        None, "Weights & Biases project (pip install 'jaxrl-orch[wandb]'); None: off"
+    )
+    wandb_run_name: str | None = setting(None, "the W&B run's name; None: the workdir's name")
+    wandb_mode: str | None = setting(
+        None,
+        "'online', 'offline' or 'disabled'; None: W&B's own (WANDB_MODE)",
+        Allowed.one_of(None, "online", "offline", "disabled"),
+    )
+    export_hf: bool = setting(True, "write the final policy as an HF checkpoint to WORKDIR/export")
