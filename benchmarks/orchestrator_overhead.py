@@ -106,7 +106,7 @@ _STAGES = {
     "sink: traces -> samples": ("train_sink.py", "_tokenize"),
     "sink: score, filter": ("train_sink.py", "_process_group"),
     "sink: add (incl. the two above)": ("train_sink.py", "add"),
-    "ship: batch, stamps, metrics": ("loop.py", "_try_ship"),
+    "ship: batch, stamps, metrics": ("shipping.py", "try_ship"),
 }
 
 

@@ -23,7 +23,7 @@ AGE_POLICIES = ("admit", "drop", "pace")
 
 @dataclasses.dataclass(frozen=True)
 class OrchestratorConfig:
-    """The loop's settings (``orchestrator/loop.py`` documents what each bound does)."""
+    """The loop's settings (``orchestrator/shipping.py`` and ``drain.py`` document the bounds)."""
 
     max_steps: int
     batch_size: int  # rollouts per training batch (B)

@@ -9,7 +9,8 @@ step order (``flush``; ``flush(final=True)`` at shutdown writes the rest). Also 
 decisions of shipping: ``stamp_ages`` and ``drop_stale`` on a batch's rollouts, and
 ``pace_wait``, the ``pace`` policy's test of whether a batch may ship yet.
 
-A helper of ``loop.py``, not a component: no start/stop, no imports of other components.
+A helper of the loop (``loop.py``, ``shipping.py``), not a component: no start/stop, no
+imports of other components.
 """
 
 from __future__ import annotations

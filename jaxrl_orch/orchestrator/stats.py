@@ -1,6 +1,6 @@
 """Per-step statistics the main loop computes when it ships a batch.
 
-What it owns: two pure helpers, kept out of ``loop.py`` so they can be tested against NumPy
+What it owns: two pure helpers, kept out of the loop so they can be tested against NumPy
 on their own:
 
 - ``summaries(series)``: max / mean / p50 / p95 / p99 of several equal-length series (the

@@ -19,8 +19,8 @@ import pytest
 from jaxrl_orch.compose.orchestrator import Telemetry, build_orchestrator
 from jaxrl_orch.config.orchestrator import OrchestratorConfig
 from jaxrl_orch.orchestrator.gate import ResumeBurstError
-from jaxrl_orch.orchestrator.loop import EmptyBatchError
 from jaxrl_orch.orchestrator.progress import PipelineStallError
+from jaxrl_orch.orchestrator.shipping import EmptyBatchError
 from jaxrl_orch.orchestrator.vclock import run_virtual
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher, WatcherStallError
 from jaxrl_orch.tools.simulate import Scenario, SimEngine, SimEnv, SimSource, SimTrainer, simulate
