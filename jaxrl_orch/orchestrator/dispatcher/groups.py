@@ -31,7 +31,7 @@ Settling (``settle``, ``Flights.emit``)
     placeholders are not, since the gate never admitted them. Each ending of a started
     rollout first calls ``release(group, 1)`` so the dispatcher returns its permit.
 
-Who drives it: only ``dispatcher.RolloutDispatcher``. This is a helper of that component,
+Who drives it: only the dispatcher (``launch.Launcher``). This is a helper of that component,
 not a component of its own: it reads no version, admits nothing and decides nothing.
 
 Never: import another orchestrator component (gate, sinks, watcher, logger, store, loop);
