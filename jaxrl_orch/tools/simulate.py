@@ -95,7 +95,8 @@ class SimEngine:
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion:
         n = sampling.max_tokens
         policy = self.policy
-        first = last = policy.version
+        first = policy.version
+        last = first
         latency = self.draw()
         if latency > 0:
             loop = asyncio.get_running_loop()
@@ -127,7 +128,8 @@ class SimEnv:
     async def run(self, client, example, *, group_id, episode_id, sampling) -> Rollout:
         prompt = example["prompt_ids"]
         c = await client.generate(prompt, sampling)
-        p, n = len(prompt), len(c.token_ids)
+        p = len(prompt)
+        n = len(c.token_ids)
         return Rollout(
             env=self.name,
             group_id=group_id,
