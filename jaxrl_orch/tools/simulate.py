@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_orch.compose.orchestrator import Telemetry, build_orchestrator
+from jaxrl_orch.compose.orchestrator import Backend, Telemetry, Workload, build_orchestrator
 from jaxrl_orch.config.orchestrator import AGE_POLICIES, OrchestratorConfig
 from jaxrl_orch.orchestrator.vclock import run_virtual
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
@@ -239,13 +239,12 @@ def build_scenario(sc: Scenario, trainer_cls: type = SimTrainer) -> tuple[Any, A
     orch = build_orchestrator(
         cfg,
         policy,
-        pool=engine,
-        envs={"sim": SimEnv(rng)},
-        source=SimSource(),
-        sampling=SamplingParams(temperature=1.0, max_tokens=8),
-        trainer=trainer,
-        version_source=publisher,
-        reload_fn=reload,
+        backend=Backend(pool=engine, trainer=trainer, version_source=publisher, reload_fn=reload),
+        workload=Workload(
+            envs={"sim": SimEnv(rng)},
+            source=SimSource(),
+            sampling=SamplingParams(temperature=1.0, max_tokens=8),
+        ),
         clock=asyncio.get_running_loop().time,
         telemetry=Telemetry(log_interval_s=1e9),
     )
