@@ -14,7 +14,7 @@ Who drives it: ``loop.Orchestrator`` (``request`` for its caller; ``overdue``, `
 once ``step > max_steps``). The last shipped step is handed in; it never reads the shipper.
 
 Never: admits, ships or cancels work on its own account: it stops the dispatcher's train
-admissions and, past the deadline only, stops the dispatcher.
+admissions and, past the deadline only, drops the queued evals and stops the dispatcher.
 """
 
 from __future__ import annotations
