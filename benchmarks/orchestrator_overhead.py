@@ -102,11 +102,11 @@ def measure(steps: int, batch: int, group: int, repeats: int) -> dict[str, float
 # Stage -> the function whose cumulative time it is (cProfile names: file suffix, function).
 _STAGES = {
     "env + simulated engine": ("simulate.py", "run"),
-    "dispatcher (incl. env)": ("dispatcher.py", "_fill"),
+    "dispatcher (incl. env)": ("dispatch.py", "_fill"),
     "sink: traces -> samples": ("train_sink.py", "_tokenize"),
     "sink: score, filter": ("train_sink.py", "_process_group"),
     "sink: add (incl. the two above)": ("train_sink.py", "add"),
-    "ship: batch, stamps, metrics": ("loop.py", "_try_ship"),
+    "ship: batch, stamps, metrics": ("shipping.py", "try_ship"),
 }
 
 

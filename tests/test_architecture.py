@@ -1,6 +1,6 @@
 """The boundaries of DESIGN.md section 2, enforced: import-linter contracts from pyproject.toml.
 
-Orchestrator components never import each other (only loop.py wires them); layers only import
+Orchestrator components never import each other (only the loop drives them); layers only import
 downwards; sharding/ knows nothing of models or RL; inference/ knows nothing of orchestration;
 algorithms/ are pure.
 """
@@ -37,7 +37,7 @@ def test_import_contracts_hold():
 
 
 PLANTS = {
-    # a component importing another: only loop.py wires them
+    # a component importing another: only the loop drives them
     "independent": ("orchestrator/gate.py", "from jaxrl_orch.orchestrator import store"),
     # the orchestrator reaching for JAX or an engine module instead of a types.py Protocol
     "no engine, trainer": ("orchestrator/gate.py", "import jax"),

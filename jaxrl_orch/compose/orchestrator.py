@@ -2,9 +2,11 @@
 
 What it owns: constructing the gate, dispatcher, train and eval sinks, weight watcher, rollout
 store and periodic logger from the loop's settings (``config.orchestrator.OrchestratorConfig``)
-and the parts the caller built (the inference pool, environments, sources, trainer, version
-source, reload function, writers), wiring them together by constructor arguments and
-callbacks, and handing them to the loop as one ``LoopComponents`` with the caller's ``LoopHooks``:
+and the parts the caller built, grouped by what they are: ``Backend`` (the inference pool, the
+trainer and the weight path between them), ``Workload`` (environments, sources, sampling, eval
+plan), ``SinkSettings`` (the advantage algorithm and the sink's filters) and ``Telemetry``
+(writers, gauges, rollout store). It wires them together by constructor arguments and
+callbacks, and hands them to the loop as one ``LoopComponents`` with the caller's ``LoopHooks``:
 
 - gate <- dispatcher: ``GateHooks(capacity, on_admit, on_finish)`` (train rollouts only); a
   resumed run's gate is recovered by its rule (``gate.resume``) and checks the first step;
@@ -44,8 +46,9 @@ from jaxrl_orch.orchestrator.logger import PeriodicLogger
 from jaxrl_orch.orchestrator.loop import Orchestrator
 from jaxrl_orch.orchestrator.store import RolloutStore
 from jaxrl_orch.orchestrator.train_sink import TrainSink, TrainSinkConfig
-from jaxrl_orch.orchestrator.watcher import WeightWatcher
+from jaxrl_orch.orchestrator.watcher import VersionSource, WeightWatcher
 from jaxrl_orch.types import (
+    Algorithm,
     BatchTrainer,
     Environment,
     InferencePool,
@@ -54,6 +57,43 @@ from jaxrl_orch.types import (
     SamplingParams,
     Source,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """The compute the loop drives but does not own: the ``pool`` rollouts sample from, the
+    ``trainer`` batches are shipped to, and the weight path between them: ``version_source``,
+    where the trainer's published versions appear, and ``reload_fn(version, params)``, which
+    loads one into the pool (awaited if async, else run on a worker thread)."""
+
+    pool: InferencePool
+    trainer: BatchTrainer
+    version_source: VersionSource
+    reload_fn: Callable[[int, Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What the rollouts are: the train ``envs`` by name, their prompts (``source``: one, or
+    one per env), the train ``sampling`` (one, or one per env) and what every eval pass runs
+    (``eval_plan``; its default has no sources: no eval)."""
+
+    envs: Mapping[str, Environment]
+    source: Source | Mapping[str, Source]
+    sampling: SamplingParams | Mapping[str, SamplingParams]
+    eval_plan: EvalPlan = dataclasses.field(default_factory=EvalPlan)
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkSettings:
+    """The train sink's settings the caller chooses (the loop's config sets the rest): the
+    advantage ``algorithm`` (a name or an ``Algorithm``), ``dynamic_sampling`` (drop groups
+    without reward variance) and ``engine_logprobs`` (the engine reports behavior
+    log-probs, so a non-finite one flags its rollout)."""
+
+    algorithm: Algorithm | str = "grpo"
+    dynamic_sampling: bool = True
+    engine_logprobs: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,39 +113,32 @@ def build_orchestrator(
     config: OrchestratorConfig,
     policy: PolicyHandle,
     *,
-    pool: InferencePool,
-    envs: Mapping[str, Environment],
-    source: Source | Mapping[str, Source],
-    sampling: SamplingParams,
-    trainer: BatchTrainer,
-    version_source: Any,
-    reload_fn: Callable[..., Any],
-    algorithm: Any = "grpo",
-    eval_plan: EvalPlan | None = None,
+    backend: Backend,
+    workload: Workload,
+    sink: SinkSettings = SinkSettings(),
+    hooks: LoopHooks = LoopHooks(),
     telemetry: Telemetry = Telemetry(),
     clock: Callable[[], float] = time.monotonic,
-    on_step: Callable[[int, dict[str, Any]], Any] | None = None,
-    step_metrics: Callable[[int, dict[str, float]], dict[str, float] | None] | None = None,
-    sink_kwargs: Mapping[str, Any] | None = None,
 ) -> Orchestrator:
     """The orchestrator for ``config``, its components built from the caller's parts and wired
-    (the module docstring lists the wiring). ``sink_kwargs`` are ``TrainSinkConfig`` fields
-    (``dynamic_sampling``, ``engine_logprobs``)."""
+    (the module docstring lists the wiring); ``hooks`` are the caller's per-step callbacks."""
     gate = _gate(config, policy)
-    eval_plan = eval_plan or EvalPlan()
+    eval_plan = workload.eval_plan
     dispatcher = RolloutDispatcher(
-        pool,
-        envs,
-        source,
+        backend.pool,
+        workload.envs,
+        workload.source,
         policy,
-        _dispatch_config(config, sampling, eval_plan),
+        _dispatch_config(config, workload.sampling, eval_plan),
         gate=GateHooks(gate.capacity, gate.on_admit, gate.on_finish),
         eval_plan=eval_plan,
         clock=clock,
     )
-    train_sink = _train_sink(config, policy, algorithm, gate, dispatcher, sink_kwargs)
+    train_sink = _train_sink(config, policy, sink, gate, dispatcher)
     eval_sink = EvalSink()
-    watcher = WeightWatcher(version_source, reload_fn, policy, observers=[gate], clock=clock)
+    watcher = WeightWatcher(
+        backend.version_source, backend.reload_fn, policy, observers=[gate], clock=clock
+    )
     t = telemetry
     faults = FaultLog(os.path.join(t.store_dir, "errors.jsonl") if t.store_dir else None)
     watchdog = LoopWatchdog(config.loop_block_warn_s) if config.loop_block_warn_s else None
@@ -125,10 +158,10 @@ def build_orchestrator(
         config,
         policy,
         parts,
-        trainer=trainer,
+        trainer=backend.trainer,
         writers=t.writers,
         clock=clock,
-        hooks=LoopHooks(on_step=on_step, step_metrics=step_metrics),
+        hooks=hooks,
     )
 
 
@@ -141,7 +174,9 @@ def _gate(config: OrchestratorConfig, policy: PolicyHandle) -> StalenessGate:
 
 
 def _dispatch_config(
-    config: OrchestratorConfig, sampling: SamplingParams, eval_plan: EvalPlan
+    config: OrchestratorConfig,
+    sampling: SamplingParams | Mapping[str, SamplingParams],
+    eval_plan: EvalPlan,
 ) -> DispatchConfig:
     # Eval rollouts get permits of their own on top of the train ones the gate bounds.
     eval_slots = eval_plan.num_examples if eval_plan.sources else 0
@@ -157,10 +192,9 @@ def _dispatch_config(
 def _train_sink(
     config: OrchestratorConfig,
     policy: PolicyHandle,
-    algorithm: Any,
+    sink: SinkSettings,
     gate: StalenessGate,
     dispatcher: RolloutDispatcher,
-    sink_kwargs: Mapping[str, Any] | None,
 ) -> TrainSink:
     def on_discard(n: int) -> None:
         # Slots the sink gave back may be all the dispatcher is waiting for.
@@ -170,10 +204,12 @@ def _train_sink(
     settings = TrainSinkConfig(
         group_size=config.group_size,
         batch_size=config.batch_size,
+        dynamic_sampling=sink.dynamic_sampling,
+        engine_logprobs=sink.engine_logprobs,
         batch_order="oldest" if config.age_policy == "pace" else "arrival",
-        **dict(sink_kwargs or {}),
     )
-    return TrainSink(settings, algorithm, first_step=policy.version + 1, on_discard=on_discard)
+    first_step = policy.version + 1
+    return TrainSink(settings, sink.algorithm, first_step=first_step, on_discard=on_discard)
 
 
 def _logger(

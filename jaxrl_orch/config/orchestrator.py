@@ -28,7 +28,7 @@ _SECONDS_OR_OFF = Allowed.above(0).or_none()
 
 @dataclasses.dataclass(frozen=True)
 class OrchestratorConfig:
-    """The loop's settings (``orchestrator/loop.py`` documents what each bound does)."""
+    """The loop's settings (``orchestrator/shipping.py`` and ``drain.py`` document the bounds)."""
 
     max_steps: int = setting(meaning="RL steps to train", allowed=Allowed.at_least(1))
     batch_size: int = setting(

@@ -2,7 +2,8 @@
 
 What it owns: two frozen dataclasses, ``LoopComponents`` (the built, wired components) and
 ``LoopHooks`` (the callbacks of whoever runs the loop). ``build_orchestrator``
-(``compose/orchestrator.py``) fills both; ``Orchestrator`` (``loop.py``) only reads them.
+(``compose/orchestrator.py``) fills both; the loop (``loop.Orchestrator`` and the shipper, drain
+and resume functions it hands them to) only reads them.
 
 Invariants: data only (no behaviour, no state of its own); every part is built and wired before
 it lands here, so nothing is attached to a component after it is built.

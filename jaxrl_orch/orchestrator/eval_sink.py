@@ -45,7 +45,9 @@ class _Expectation:
     __slots__ = ("step", "env", "n", "rollouts")
 
     def __init__(self, step: int, env: str, n: int) -> None:
-        self.step, self.env, self.n = step, env, n
+        self.step = step
+        self.env = env
+        self.n = n
         self.rollouts: list[Rollout] = []
 
     @property

@@ -139,7 +139,8 @@ class LoopWatchdog:
     def __init__(self, warn_s: float, report: Callable[[str], None] = warn) -> None:
         if not warn_s > 0:
             raise ValueError(f"warn_s must be > 0 seconds, got {warn_s!r}")
-        self.warn_s, self.report = warn_s, report
+        self.warn_s = warn_s
+        self.report = report
         self.interval_s = min(0.25, warn_s / 4)
         self.blocked_total = 0
         self.blocked_max_s = 0.0

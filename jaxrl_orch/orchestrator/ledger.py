@@ -9,7 +9,8 @@ step order (``flush``; ``flush(final=True)`` at shutdown writes the rest). Also 
 decisions of shipping: ``stamp_ages`` and ``drop_stale`` on a batch's rollouts, and
 ``pace_wait``, the ``pace`` policy's test of whether a batch may ship yet.
 
-A helper of ``loop.py``, not a component: no start/stop, no imports of other components.
+A helper of the loop (``loop.py``, ``shipping.py``), not a component: no start/stop, no
+imports of other components.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def stamp_ages(rollouts: Sequence[Rollout], step: int, now: float) -> None:
 def drop_stale(batch: TrainBatch, step: int, bound: int) -> int:
     """The ``drop`` policy: remove live rollouts whose head age at ``step`` exceeds ``bound``
     from the batch (and their samples); returns how many."""
-    keep, dropped = [], 0
+    keep = []
+    dropped = 0
     for r, head in zip(batch.trained, head_versions(batch.trained), strict=True):
         if r.live_policy and (step - 1) - head > bound:
             dropped += 1
@@ -97,7 +99,9 @@ class StepLedger:
         write: Callable[[int, dict[str, float]], None],
         step_metrics: Callable[[int, dict[str, float]], dict[str, float] | None] | None = None,
     ) -> None:
-        self.clock, self.write, self.step_metrics = clock, write, step_metrics
+        self.clock = clock
+        self.write = write
+        self.step_metrics = step_metrics
         self.history: list[StepRecord] = []
         # Observed head age (in versions) of every live rollout shipped: bounded memory.
         self.age_histogram: Counter[int] = Counter()

@@ -38,8 +38,10 @@ class LagMonitor:
     def __init__(self, probe_s: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
         if probe_s <= 0:
             raise ValueError(f"probe_s must be > 0, got {probe_s!r}")
-        self.probe_s, self.clock = probe_s, clock
-        self.last_s = self.max_s = 0.0
+        self.probe_s = probe_s
+        self.clock = clock
+        self.last_s = 0.0
+        self.max_s = 0.0
         self.probes = 0
 
     async def run(self) -> None:
@@ -73,10 +75,14 @@ class PeriodicLogger:
         for w in writers:
             if not (callable(getattr(w, "write", None)) and callable(getattr(w, "close", None))):
                 raise TypeError(f"writer {w!r} needs write(step, metrics) and close()")
-        self.sources, self.writers = list(sources), list(writers)
-        self.interval_s, self.clock, self.step_fn = interval_s, clock, step_fn
+        self.sources = list(sources)
+        self.writers = list(writers)
+        self.interval_s = interval_s
+        self.clock = clock
+        self.step_fn = step_fn
         self.lag = LagMonitor(lag_probe_s, clock) if lag_probe_s is not None else None
-        self.ticks = self.writes_total = 0
+        self.ticks = 0
+        self.writes_total = 0
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._closed = False

@@ -1,4 +1,4 @@
-"""What the main loop leans on to keep moving: progress, stalls, resume checks, the next episode.
+"""What the main loop leans on to keep moving: progress, stalls, the next episode.
 
 What it owns
 - ``Progress``: when the pipeline last moved (a rollout landed, a step shipped, the trainer
@@ -6,11 +6,10 @@ What it owns
   ``PipelineStallError`` with what the pipeline is waiting on (in-flight rollouts, gate
   capacity, ready rollouts, awaited evals), so a stall ends the run with a reason instead of
   hanging it: whatever hangs (an environment past any timeout, an engine, the trainer).
-- ``check_resume_state``: a saved orchestrator state fits the restored trainer.
 - ``next_episode``: the next finished episode, or None after a poll or a new version;
   ``maybe_await``: await a callback's result if it is awaitable.
 
-Helpers of ``loop.Orchestrator`` only; they read the clock they are handed.
+Helpers of the loop (``loop``, ``shipping``) only; they read the clock they are handed.
 """
 
 from __future__ import annotations
@@ -35,7 +34,9 @@ class Progress:
         timeout_s: float | None,
         describe: Callable[[], str],
     ) -> None:
-        self.clock, self.timeout_s, self.describe = clock, timeout_s, describe
+        self.clock = clock
+        self.timeout_s = timeout_s
+        self.describe = describe
         self.last = clock()
         self._version: int | None = None
 
@@ -56,25 +57,6 @@ class Progress:
                 f"landed, no step was shipped and the trainer stayed at version {version}; "
                 f"{self.describe()}"
             )
-
-
-def check_resume_state(
-    state: Mapping[str, Any], step: int, version: int, max_staleness: int
-) -> None:
-    """A saved orchestrator state fits a loop resuming at ``step`` (trainer at ``version``):
-    the version hold let the saved loop ship at most ``max_staleness + 1`` steps the trainer
-    had not trained."""
-    missing = {"step", "gate", "train_sink", "dispatcher"} - set(state)
-    if missing:
-        raise ValueError(f"orchestrator state lacks {sorted(missing)}; got {sorted(state)}")
-    saved, lo = int(state["step"]), step
-    hi = lo + max_staleness + 1
-    if not lo <= saved <= hi or int(state["gate"]["version"]) > version:
-        raise ValueError(
-            f"orchestrator state is for step {saved} (gate version {state['gate']['version']})"
-            f" but the restored trainer resumes at step {lo} (version {version}):"
-            f" a matching state lies in steps {lo}..{hi}; the checkpoint's parts disagree"
-        )
 
 
 async def next_episode(

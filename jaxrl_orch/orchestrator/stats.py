@@ -1,6 +1,6 @@
 """Per-step statistics the main loop computes when it ships a batch.
 
-What it owns: two pure helpers, kept out of ``loop.py`` so they can be tested against NumPy
+What it owns: two pure helpers, kept out of the loop so they can be tested against NumPy
 on their own:
 
 - ``summaries(series)``: max / mean / p50 / p95 / p99 of several equal-length series (the
@@ -58,7 +58,8 @@ def summaries(series: Mapping[str, Sequence[float]]) -> dict[str, float]:
     mean = a.sum(axis=1, keepdims=True) / n
     a.sort(axis=1)
     lo, hi, t, upper = _ranks(n)
-    below, above = a[:, lo], a[:, hi]
+    below = a[:, lo]
+    above = a[:, hi]
     diff = above - below
     # NumPy's lerp: interpolate from the nearer end, so a tie (below == above) is exact.
     q = np.where(upper, above - diff * (1 - t), below + diff * t)
@@ -113,7 +114,10 @@ def window_stats(window: Sequence[Rollout]) -> dict[str, float]:
     """Counts and reward statistics of the rollouts the train sink saw since its last batch."""
     # One pass in plain Python: a few dozen rollouts, so NumPy calls (~5 us each) would cost
     # more than the arithmetic.
-    errors = untrainable = filtered = nonfinite = 0
+    errors = 0
+    untrainable = 0
+    filtered = 0
+    nonfinite = 0
     scored = []
     for r in window:
         nonfinite += has_nonfinite_reward(r)  # an env's error, or a NaN the sink filtered

@@ -111,7 +111,8 @@ class TrainSink:
         on_discard: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
-        self.group_size, self.batch_size = config.group_size, config.batch_size
+        self.group_size = config.group_size
+        self.batch_size = config.batch_size
         self.algorithm: Algorithm = (
             get_algorithm(algorithm) if isinstance(algorithm, str) else algorithm
         )
@@ -148,7 +149,8 @@ class TrainSink:
         """Take one finished train episode; the loop takes batches (``take_batch``)."""
         if not episode:
             raise ValueError("episode must hold at least one rollout, got an empty list")
-        pending, size = self._pending, self.group_size
+        pending = self._pending
+        size = self.group_size
         full: list[int] = []
         for r in episode:
             if r.is_eval:
@@ -308,14 +310,16 @@ class TrainSink:
         self._totals["samples"] += len(samples)
         self._window = []
         self._window_counts = defaultdict(int)
-        self._window_groups = self._window_signal = 0
+        self._window_groups = 0
+        self._window_signal = 0
         return batch
 
     def _metrics(self, trained: list[Rollout], samples: list[Sample]) -> dict[str, float]:
         window = self._window
         m = {f"train/{k}": v for k, v in window_stats(window).items()}
         masks = np.concatenate([s.loss_mask for s in samples]) if samples else np.zeros(0, bool)
-        groups, with_signal = self._window_groups, self._window_signal
+        groups = self._window_groups
+        with_signal = self._window_signal
         m |= {
             "train/groups_seen": float(groups),
             "train/groups_with_signal": float(with_signal),

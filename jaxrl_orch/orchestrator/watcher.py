@@ -102,7 +102,8 @@ class InProcessPublisher:
             self._latest = PublishedVersion(int(version), params, self._now())
             self._last_version = int(version)
             self.published_total += 1
-            waiters, self._waiters = self._waiters, []
+            waiters = self._waiters
+            self._waiters = []
         for loop, fut in waiters:
             # A closed loop means its watcher is gone; nobody is left to wake.
             with contextlib.suppress(RuntimeError):
@@ -146,7 +147,9 @@ class WeightWatcher:
         for obs in observers:
             if not callable(getattr(obs, "on_version", None)):
                 raise TypeError(f"observer {obs!r} has no on_version(version) method")
-        self.source, self.reload_fn, self.policy = source, reload_fn, policy
+        self.source = source
+        self.reload_fn = reload_fn
+        self.policy = policy
         self.observers = list(observers)
         self.clock = clock
         self._stopping = False
@@ -157,8 +160,10 @@ class WeightWatcher:
         self._started_at: float | None = None
         self._last_version_at: float | None = None
         self._awaiting = -1
-        self.reloads_total = self.skipped_versions_total = 0
-        self.last_reload_s = self.last_latency_s = 0.0
+        self.reloads_total = 0
+        self.skipped_versions_total = 0
+        self.last_reload_s = 0.0
+        self.last_latency_s = 0.0
 
     async def start(self) -> None:
         """Run until ``stop()``: wait for a version, load it, bump, notify. Failures are stored
@@ -198,7 +203,8 @@ class WeightWatcher:
             obs.on_version(pub.version)
         self.reloads_total += 1
         self.skipped_versions_total += max(0, pub.version - previous - 1)
-        self.last_reload_s, self.last_latency_s = now - t0, now - pub.published_at
+        self.last_reload_s = now - t0
+        self.last_latency_s = now - pub.published_at
         self._last_version_at = now
 
     async def stop(self) -> None:

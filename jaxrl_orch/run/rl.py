@@ -179,6 +179,9 @@ def _finish(parts: RunParts, side: Any, trainer: Any, ckpt: Checkpointer, orch: 
 
 
 def _orchestrator(parts, built, side, trainer, publisher, times, start_step) -> Any:
+    from jaxrl_orch.compose.orchestrator import Backend, SinkSettings, Workload
+    from jaxrl_orch.orchestrator.components import LoopHooks
+
     cfg, env = parts.cfg, parts.env
     sampling = SamplingParams(temperature=cfg.rl.temperature, max_tokens=cfg.rl.max_new_tokens)
     greedy = SamplingParams(temperature=0.0, max_tokens=cfg.rl.max_new_tokens)
@@ -187,22 +190,22 @@ def _orchestrator(parts, built, side, trainer, publisher, times, start_step) -> 
     return build_orchestrator(
         cfg.loop,
         PolicyHandle(trainer.version),
-        pool=side.pool,
-        envs={env.name: env},
-        source=parts.data.train,
-        sampling=sampling,
-        trainer=trainer,
-        version_source=publisher,
-        reload_fn=side.swap,
-        algorithm=cfg.rl.algorithm,
-        sink_kwargs={
-            "dynamic_sampling": cfg.rl.dynamic_sampling,
-            "engine_logprobs": built.logprobs,
-        },
-        eval_plan=EvalPlan(views, sources, cfg.rl.eval_examples, greedy),
+        backend=Backend(
+            pool=side.pool, trainer=trainer, version_source=publisher, reload_fn=side.swap
+        ),
+        workload=Workload(
+            envs={env.name: env},
+            source=parts.data.train,
+            sampling=sampling,
+            eval_plan=EvalPlan(views, sources, cfg.rl.eval_examples, greedy),
+        ),
+        sink=SinkSettings(
+            algorithm=cfg.rl.algorithm,
+            dynamic_sampling=cfg.rl.dynamic_sampling,
+            engine_logprobs=built.logprobs,
+        ),
+        hooks=LoopHooks(on_step=times.on_ship, step_metrics=times.step_metrics),
         telemetry=rl_telemetry(parts, side.gauge_source, trainer, start_step),
-        on_step=times.on_ship,
-        step_metrics=times.step_metrics,
     )
 
 

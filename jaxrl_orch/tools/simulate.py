@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_orch.compose.orchestrator import Telemetry, build_orchestrator
+from jaxrl_orch.compose.orchestrator import Backend, Telemetry, Workload, build_orchestrator
 from jaxrl_orch.config.orchestrator import AGE_POLICIES, OrchestratorConfig
 from jaxrl_orch.orchestrator.vclock import run_virtual
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
@@ -95,7 +95,8 @@ class SimEngine:
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion:
         n = sampling.max_tokens
         policy = self.policy
-        first = last = policy.version
+        first = policy.version
+        last = first
         latency = self.draw()
         if latency > 0:
             loop = asyncio.get_running_loop()
@@ -127,7 +128,8 @@ class SimEnv:
     async def run(self, client, example, *, group_id, episode_id, sampling) -> Rollout:
         prompt = example["prompt_ids"]
         c = await client.generate(prompt, sampling)
-        p, n = len(prompt), len(c.token_ids)
+        p = len(prompt)
+        n = len(c.token_ids)
         return Rollout(
             env=self.name,
             group_id=group_id,
@@ -237,13 +239,12 @@ def build_scenario(sc: Scenario, trainer_cls: type = SimTrainer) -> tuple[Any, A
     orch = build_orchestrator(
         cfg,
         policy,
-        pool=engine,
-        envs={"sim": SimEnv(rng)},
-        source=SimSource(),
-        sampling=SamplingParams(temperature=1.0, max_tokens=8),
-        trainer=trainer,
-        version_source=publisher,
-        reload_fn=reload,
+        backend=Backend(pool=engine, trainer=trainer, version_source=publisher, reload_fn=reload),
+        workload=Workload(
+            envs={"sim": SimEnv(rng)},
+            source=SimSource(),
+            sampling=SamplingParams(temperature=1.0, max_tokens=8),
+        ),
         clock=asyncio.get_running_loop().time,
         telemetry=Telemetry(log_interval_s=1e9),
     )

@@ -208,7 +208,7 @@ def test_eval_rollouts_run_alongside_training_outside_the_gate():
         await until(loop, lambda: len(ev.calls) == 3 and d.idle is False)
         assert d.schedule_eval(10) == {"evalenv": 3}
         await until(loop, lambda: len(ev.calls) == 6)
-        await until(loop, lambda: not d._eval_groups and not d._eval_pending)
+        await until(loop, lambda: not d.launcher.eval_groups and not d.evals)
         await d.stop()
         await runner
         return d, gate, ev
@@ -246,11 +246,15 @@ def test_stop_emits_hung_rollouts_as_cancelled_and_restores_permits():
     assert d.permits == 3 and gate.running == 0
 
 
+class BrokenGate(FakeGate):
+    def capacity(self) -> int:
+        return 1 // 0
+
+
 def test_loop_failure_is_raised_from_start_and_check():
     async def scenario(loop):
         env = ScriptedEnv()
-        d, _, _ = make(loop, env)
-        d.capacity_fn = lambda: 1 // 0
+        d, _, _ = make(loop, env, gate=BrokenGate())
         with pytest.raises(ZeroDivisionError):
             await d.start()
         with pytest.raises(ZeroDivisionError):
@@ -271,7 +275,7 @@ def test_per_env_sources_round_robin_and_finite_sources_run_dry():
             clock=loop.time,
         )
         runner = asyncio.create_task(d.start())
-        await until(loop, lambda: d._exhausted == {"a", "b"} and d.idle)
+        await until(loop, lambda: d.admission.exhausted == {"a", "b"} and d.idle)
         await d.stop()
         await runner
         return a, b

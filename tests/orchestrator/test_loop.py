@@ -16,11 +16,12 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl_orch.compose.orchestrator import Telemetry, build_orchestrator
+from jaxrl_orch.compose.orchestrator import Backend, Telemetry, Workload, build_orchestrator
 from jaxrl_orch.config.orchestrator import OrchestratorConfig
+from jaxrl_orch.orchestrator.components import LoopHooks
 from jaxrl_orch.orchestrator.gate import ResumeBurstError
-from jaxrl_orch.orchestrator.loop import EmptyBatchError
 from jaxrl_orch.orchestrator.progress import PipelineStallError
+from jaxrl_orch.orchestrator.shipping import EmptyBatchError
 from jaxrl_orch.orchestrator.vclock import run_virtual
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher, WatcherStallError
 from jaxrl_orch.tools.simulate import Scenario, SimEngine, SimEnv, SimSource, SimTrainer, simulate
@@ -159,15 +160,10 @@ def _run(
         orch = build_orchestrator(
             cfg,
             policy,
-            pool=engine,
-            envs={"sim": env_cls(rng)},
-            source=SimSource(),
-            sampling=SamplingParams(max_tokens=6),
-            trainer=trainer,
-            version_source=publisher,
-            reload_fn=reload,
+            backend=Backend(engine, trainer, publisher, reload),
+            workload=Workload({"sim": env_cls(rng)}, SimSource(), SamplingParams(max_tokens=6)),
             clock=loop.time,
-            on_step=on_step,
+            hooks=LoopHooks(on_step=on_step),
             telemetry=Telemetry(log_interval_s=1e9, store_dir=store_dir),
         )
         try:
@@ -367,13 +363,10 @@ def _built(start_step, **cfg_kw):
     return build_orchestrator(
         cfg,
         policy,
-        pool=SimEngine("fixed:1", policy, rng),
-        envs={"sim": SimEnv(rng)},
-        source=SimSource(),
-        sampling=SamplingParams(max_tokens=6),
-        trainer=SimTrainer(publisher, 1.0),
-        version_source=publisher,
-        reload_fn=reload,
+        backend=Backend(
+            SimEngine("fixed:1", policy, rng), SimTrainer(publisher, 1.0), publisher, reload
+        ),
+        workload=Workload({"sim": SimEnv(rng)}, SimSource(), SamplingParams(max_tokens=6)),
         telemetry=Telemetry(log_interval_s=1e9),
     )
 

@@ -33,7 +33,9 @@ class _Started(collections.abc.Coroutine):
     __slots__ = ("_coro", "_pending", "_first")
 
     def __init__(self, coro: Coroutine[Any, Any, Any], pending: Any) -> None:
-        self._coro, self._pending, self._first = coro, pending, True
+        self._coro = coro
+        self._pending = pending
+        self._first = True
 
     def send(self, value: Any) -> Any:
         if self._first:

@@ -31,7 +31,7 @@ Settling (``settle``, ``Flights.emit``)
     placeholders are not, since the gate never admitted them. Each ending of a started
     rollout first calls ``release(group, 1)`` so the dispatcher returns its permit.
 
-Who drives it: only ``dispatcher.RolloutDispatcher``. This is a helper of that component,
+Who drives it: only the dispatcher (``launch.Launcher``). This is a helper of that component,
 not a component of its own: it reads no version, admits nothing and decides nothing.
 
 Never: import another orchestrator component (gate, sinks, watcher, logger, store, loop);
@@ -99,10 +99,14 @@ def settle(
         temp = g.sampling.temperature
         rollouts = [Rollout(g.env, g.group_id, i, g.example, temperature=temp) for i in ids]
     for r, eid in zip(rollouts, ids, strict=True):
-        r.env, r.group_id, r.episode_id = g.env, g.group_id, eid
-        r.is_eval, r.eval_step = g.is_eval, g.eval_step
+        r.env = g.env
+        r.group_id = g.group_id
+        r.episode_id = eid
+        r.is_eval = g.is_eval
+        r.eval_step = g.eval_step
         r.policy_version_at_start = g.version_at_start
-        r.admitted_at, r.finished_at = admitted_at, finished_at
+        r.admitted_at = admitted_at
+        r.finished_at = finished_at
         if cancel is not None:
             r.errors.append(f"Cancelled: {cancel}")
             r.trainable = False
@@ -133,12 +137,18 @@ class Flights:
         wake: Callable[[], None],
         timeout_s: float | None = None,
     ) -> None:
-        self.clock, self.on_finish, self._release, self._wake = clock, on_finish, release, wake
+        self.clock = clock
+        self.on_finish = on_finish
+        self._release = release
+        self._wake = wake
         self.timeout_s = timeout_s
         self.out_q: asyncio.Queue[Episode] = asyncio.Queue()
         self._tasks: dict[asyncio.Task, Flight] = {}
         self._done: list[asyncio.Task] = []
-        self.errors_total = self.cancelled_total = self.emitted_total = self.timeouts_total = 0
+        self.errors_total = 0
+        self.cancelled_total = 0
+        self.emitted_total = 0
+        self.timeouts_total = 0
 
     def __len__(self) -> int:
         """Rollouts running under a Task."""
@@ -219,7 +229,8 @@ class Flights:
 
     def reap(self) -> None:
         """Settle every Task that finished since the last call."""
-        done, self._done = self._done, []
+        done = self._done
+        self._done = []
         for task in done:
             self._complete(task)
 
@@ -264,7 +275,8 @@ class Flights:
             # Cancelled by someone else, or still running after stop()'s grace period.
             cancel = "rollout task was cancelled"
         if flight.timed_out:  # an error of the env's, not a deliberate cancellation
-            error, cancel = EnvTimeout(flight.cancel_reason), None
+            error = EnvTimeout(flight.cancel_reason)
+            cancel = None
         result = task.result() if cancel is None and error is None else None
         self.finish(flight.group, flight.episode_id, flight.admitted_at, result, error, cancel)
 

@@ -8,8 +8,9 @@ What it owns
     names. Scalar settings are checked when a dataclass is built, per-env ones when it is
     resolved; every message names the bad value and what would be accepted.
 
-Who uses it: ``dispatcher.RolloutDispatcher`` (which re-exports the three dataclasses) and
-whoever constructs one. A helper of the dispatcher, not a component: it holds no state.
+Who uses it: ``dispatch.RolloutDispatcher`` (which re-exports the three dataclasses), its
+parts (``evals``, ``launch``) and whoever constructs one. A helper of the dispatcher, not a
+component: it holds no state.
 
 Never: import another orchestrator module (gate, sinks, watcher, logger, store, loop).
 """

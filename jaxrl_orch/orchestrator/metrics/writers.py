@@ -57,7 +57,8 @@ class ConsoleWriter:
     """
 
     def __init__(self, stream: TextIO | None = None, keys: Sequence[str] | None = None) -> None:
-        self.stream, self.keys = stream, list(keys) if keys is not None else None
+        self.stream = stream
+        self.keys = list(keys) if keys is not None else None
 
     def _chosen(self, m: dict[str, float]) -> list[str]:
         if self.keys is None:
