@@ -118,7 +118,8 @@ def valid_tokens(result: Any, slots: Sequence[int]) -> list[tuple[list, list | N
     engine's result through its ``get_result_at_slot``."""
     if not isinstance(result, ResultTokens) or not slots:
         return [_valid(*slot_columns(result.get_result_at_slot(s))) for s in slots]
-    per, data = result.samples_per_slot, np.asarray(result.data)
+    per = result.samples_per_slot
+    data = np.asarray(result.data)
     rows = np.concatenate([np.arange(s * per, (s + 1) * per) for s in slots])
 
     def cols(idx: tuple[int, int] | None) -> np.ndarray | None:
