@@ -1,9 +1,9 @@
 """The engine contract the driver drives: JetStream's Engine method shape plus RL extras.
 
-Owns: ``ResultTokens`` / ``SlotData`` (what prefill and generate hand back) and the ``Engine``
-Protocol (the methods and properties the driver relies on). Written from JetStream's
-``engine_api`` shape (prefill / insert / generate / init_decode_state / load_params and the
-capacity properties); the ``google-jetstream`` package is deliberately not a dependency.
+Owns: ``ResultTokens`` / ``SlotData`` (what prefill and generate hand back) and the
+``JetStreamEngine`` Protocol (the methods and properties the driver relies on). Written from
+JetStream's ``engine_api`` shape (prefill / insert / generate / init_decode_state / load_params
+and the capacity properties); the ``google-jetstream`` package is deliberately not a dependency.
 
 Result layout: every per-slot quantity of one call lives in a single int32 array ``data`` of
 shape ``[slots * samples_per_slot, columns]`` so one device-to-host copy fetches everything.

@@ -52,7 +52,8 @@ def repack(engine: Any, slots: list[Any], state: Any, widths: Sequence[int]) -> 
     width, moves = pack(slots, widths)
     for src, dst in moves:
         state = engine.move_slot(state, src, dst)
-        slots[dst], slots[src] = slots[src], None
+        slots[dst] = slots[src]
+        slots[src] = None
     return width, state
 
 

@@ -40,11 +40,13 @@ class PauseState:
         caller has already ended every request for an ``abort``."""
         if self.mode is None or (self.mode == "wait" and running):
             return
-        self.paused, self.mode = True, None
+        self.paused = True
+        self.mode = None
         self._release(True)
 
     def resume(self) -> None:
-        self.paused, self.mode = False, None
+        self.paused = False
+        self.mode = None
         self._release(False)  # a pause overtaken by resume never took effect
 
     def fail(self, exc: BaseException) -> None:

@@ -4,9 +4,11 @@
 prompt computed with params of that version (KV to insert into slots), and the token a
 JetStream-style engine sampled at prefill, if any. A prompt asked for again under the same
 version (a group re-queued, an identical prompt of another group) reuses the prefix; a new
-version never does (its KV would come from other weights). Prompts are padded to power-of-two
-buckets (``bucket``) so prefill compiles once per bucket; ``buckets`` lists every bucket a
-prompt may take, for the driver's warm-up.
+version never does (its KV would come from other weights). ``prepare(group, params, version)``
+gives a queued ``PrefillGroup`` the prefix of the version about to decode, recomputing one
+computed under an older version (a swap landed while the group waited for slots). Prompts are
+padded to power-of-two buckets (``bucket``) so prefill compiles once per bucket; ``buckets``
+lists every bucket a prompt may take, for the driver's warm-up.
 
 Called from the driver's loop thread only; it counts prefills and their seconds for the gauges.
 """
@@ -19,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_orch.inference.requests import first_token
+from jaxrl_orch.inference.engine_api import JetStreamEngine
+from jaxrl_orch.inference.requests import PrefillGroup, first_token
 
 _SMALLEST = 8
 
@@ -37,7 +40,7 @@ def buckets(max_prefill: int) -> list[int]:
 
 
 class Prefixes:
-    def __init__(self, engine: Any, cache_size: int) -> None:
+    def __init__(self, engine: JetStreamEngine, cache_size: int) -> None:
         if cache_size < 0:
             raise ValueError(f"prefix_cache_size must be >= 0, got {cache_size!r}")
         self.engine = engine
@@ -67,3 +70,10 @@ class Prefixes:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return entry
+
+    def prepare(self, group: PrefillGroup, params: Any, version: int) -> None:
+        """Set ``group``'s prefix (and first token) to its prompt's under ``version``."""
+        if group.prefix is not None and group.prefix_version == version:
+            return
+        group.prefix, group.first = self.get(group.prompt, params, version)
+        group.prefix_version = version

@@ -1,17 +1,18 @@
 """The driver's request records and the small helpers around them.
 
-What it owns: ``PrefillGroup`` (one submitted prompt with its samples' futures and sampling params,
-and the prefilled prefix they share) and ``Seq`` (one running sample: its future and the ids,
-log-probs and versions generated so far); ``resolve`` (settle a future exactly once, whatever
-the caller did with it); ``accepts`` (whether an engine method takes an optional keyword, so a
-plain JetStream-shaped engine can be driven too); ``first_token`` (the token a JetStream-style
-engine samples at prefill); ``valid_tokens`` (a decode step's valid tokens, log-probs and
-versions per running slot, read from the result in one pass); ``finish_reason`` (the host-side
-finishing rules); ``consumed`` (whether a failed engine call took the decode state with it);
-``check_request`` (a submission validated against the engine's ``RequestLimits``: prompt ids in
-the vocabulary, settings that fit the engine's slot fields; sample i of one seeded
-``SamplingParams`` for n samples gets seed ``seed + i``). Host-side only; the thread that uses
-them is ``driver.py``'s.
+What it owns: ``PrefillGroup`` (one submitted prompt with its samples' futures and sampling
+params, and the prefilled prefix they share) and ``Seq`` (one running sample: its future, the
+ids, log-probs and versions generated so far, and its ``TokenListener`` when streamed);
+``resolve`` (settle a future exactly once, whatever the caller did with it); ``accepts``
+(whether an engine method takes an optional keyword, so a plain JetStream-shaped engine can be
+driven too); ``first_token`` (the token a JetStream-style engine samples at prefill);
+``valid_tokens`` (a decode step's valid tokens, log-probs and versions per running slot, read
+from the result in one pass); ``finish_reason`` (the host-side finishing rules); ``consumed``
+(whether a failed engine call took the decode state with it); ``check_request`` (a submission
+validated against the engine's ``RequestLimits``: prompt ids in the vocabulary, settings that
+fit the engine's slot fields; sample i of one seeded ``SamplingParams`` for n samples gets seed
+``seed + i``). Host-side only; the thread that uses them is the driver's (``driver.py`` and the
+parts it runs: ``intake``, ``slots``, ``prefixes``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -33,6 +34,8 @@ ABORTED = "abort"  # the finish reason of requests a pause("abort") ended (vLLM'
 PAUSE_MODES = ("keep", "wait", "abort")  # weakest first
 # An engine that reports no log-probs yields NaN: the trainer must recompute them (DESIGN 5).
 NO_LP = float("nan")
+# Streaming: called with (token_id, logprob, version) as each token of a sample is recorded.
+TokenListener = Callable[[int, float, int], Any]
 
 
 @dataclasses.dataclass(eq=False)
@@ -49,7 +52,7 @@ class Seq:
     future: concurrent.futures.Future
     sampling: SamplingParams
     prompt_len: int
-    on_token: Any = None  # called with (token, logprob, version) as each token is recorded
+    on_token: TokenListener | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -118,7 +121,8 @@ def valid_tokens(result: Any, slots: Sequence[int]) -> list[tuple[list, list | N
     engine's result through its ``get_result_at_slot``."""
     if not isinstance(result, ResultTokens) or not slots:
         return [_valid(*slot_columns(result.get_result_at_slot(s))) for s in slots]
-    per, data = result.samples_per_slot, np.asarray(result.data)
+    per = result.samples_per_slot
+    data = np.asarray(result.data)
     rows = np.concatenate([np.arange(s * per, (s + 1) * per) for s in slots])
 
     def cols(idx: tuple[int, int] | None) -> np.ndarray | None:
