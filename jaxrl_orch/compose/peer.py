@@ -17,11 +17,13 @@ from jax.experimental import multihost_utils
 from jaxrl_orch.compose.staging import GroupStaging, final_policy
 from jaxrl_orch.distributed.group import ABORT, CHECKPOINT, STOP, TRAIN, Channel, GroupAborted
 from jaxrl_orch.trainer.checkpoint import Checkpointer, save_trainer
+from jaxrl_orch.trainer.trainer import Trainer
 
 
-def follow(trainer: Any, ckpt: Checkpointer, staging: GroupStaging) -> dict[str, Any]:
+def follow(trainer: Trainer, ckpt: Checkpointer, staging: GroupStaging) -> dict[str, Any]:
     """A peer's RL stage: take every step, stage and checkpoint the leader takes, until STOP
-    (or ABORT: the leader failed, and this process fails with its reason)."""
+    (or ABORT: the leader failed, and this process fails with its reason). ``staging``: what
+    every process of the group stages for the replicas (``GroupStaging.of``)."""
     channel = Channel(leader=False)
     staging.first(trainer)  # what the replicas load first
     steps = 0

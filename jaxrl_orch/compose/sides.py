@@ -1,40 +1,47 @@
-"""Where the RL stage's engine lives: in this process, or behind engine replicas.
+"""Where the RL stage's engine lives: one declared interface, two sides, chosen by placement.
 
-What it owns: the two engine sides the RL stage drives through one interface (the
-``weights.EngineSide`` hops plus their lifecycle): ``pool`` (what the orchestrator dispatches
-to), ``move`` / ``swap`` / ``engine_seconds`` (the weight path's hops), ``start`` / ``stop``,
-``before_save`` (what a checkpoint must tell the others first), ``final_params`` (what the
-export writes: ``compose.staging.final_policy``), ``abort`` (the stage failed: what the others
-must be told), ``gauge_source`` and ``summary`` (the summary's keys of this side).
+What it owns
+    ``EngineSide``: everything the RL stage asks of the engine's side, declared once and
+    implemented in full by both sides: ``pool`` (what the orchestrator dispatches to), the
+    weight path's hops (``move`` on the trainer's thread, ``swap`` on the event loop,
+    ``bytes_moved``, ``engine_seconds``), the lifecycle (``start``, ``stop``), what a
+    checkpoint, the export and a failure must tell others (``before_save``, ``final_params``,
+    ``abort``), and its numbers (``gauges``, ``summary``).
+    ``side_plan(parts, built)``: the factory. It picks the side from the run's placement (one
+    process: ``InProcessPlan``; trainer process 0 with engine replicas: ``ReplicaPlan``) and
+    builds first what the trainer must be constructed with (its ``StepHooks``: the overlap
+    schedule's, or the trainer group's batch broadcast); ``plan.side(trainer)`` then builds the
+    side from the trainer, on its current (restored) weights. That is the whole build order:
+    plan and hooks, trainer, side. Nothing is attached to a part after it is built.
 
 ``InProcessSide``: the engine on this process's decode mesh, run by an ``InferenceDriver``;
 weights move by a device-to-device reshard (cast to the engine's dtype on the trainer's devices
-first) and swap in between two decode steps. The overlap schedule (``overlap``) decides whether
-the engine pauses while the trainer steps; it is given to the trainer as its step hook.
+first; a LoRA run moves only its adapters, merged into the base the engine holds) and swap in
+between two decode steps. With ``Engine.serve_port`` it also serves the policy being trained
+(``live``). ``ReplicaSide``: trainer process 0 with engine replicas (docs/scale-out.md): the
+``GroupStaging`` lays every version out in a replica's layout, the ``WeightOffer`` offers it on
+``--weight_source``, the ``RemotePool`` dispatches over the replicas' HTTP API and has every
+replica pull it; with a trainer group (P > 1) the group's ``Channel`` hands each batch and
+checkpoint to the peers. A peer of the group has no engine side: it follows the leader
+(``compose.peer``).
 
-``LeaderSide``: trainer process 0 with engine replicas (DESIGN.md section 8): the
-``GroupStaging`` lays every version out in a replica's layout (a LoRA run: the frozen base once,
-then only the adapters, which each replica merges into it), the ``WeightOffer`` offers it on
-the run's ``--weight_source`` (the one address every replica pulls from), the ``RemotePool``
-dispatches over the replicas' HTTP API and has every replica pull it; with a trainer group of
-P > 1 the ``Channel`` hands each batch (the trainer's ``on_batch`` hook) and checkpoint to the
-peers.
-
-Never: builds the trainer or the orchestrator (the RL stage does), or sets a hook on a part.
+Never: builds the orchestrator (the RL stage does), or reads a setting the stage could hand it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import multihost_utils
 
-from jaxrl_orch.compose.engines import to_engine
-from jaxrl_orch.compose.overlap import OverlapSchedule
+from jaxrl_orch.compose.engines import BuiltEngine, to_engine
+from jaxrl_orch.compose.live import serve_live_policy
+from jaxrl_orch.compose.overlap import OverlapSchedule, schedule_for
+from jaxrl_orch.compose.parts import RunParts
 from jaxrl_orch.compose.staging import (
     AdapterMerge,
     GroupStaging,
@@ -42,51 +49,117 @@ from jaxrl_orch.compose.staging import (
     lora_line,
     tree_nbytes,
 )
-from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas, host_port
 from jaxrl_orch.distributed.group import CHECKPOINT, STOP, TRAIN, Channel
 from jaxrl_orch.distributed.pool import RemotePool
 from jaxrl_orch.distributed.transfer import WeightOffer
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
+from jaxrl_orch.inference.engine_api import RLEngine
 from jaxrl_orch.orchestrator.metrics.writers import stage
-from jaxrl_orch.trainer.trainer import StepHooks
+from jaxrl_orch.serving.runner import HttpServer
+from jaxrl_orch.trainer.trainer import StepHooks, Trainer
+from jaxrl_orch.types import InferencePool
 from sharding.reshard import reshard
 
 
+class EngineSide(Protocol):
+    """See the module docstring."""
+
+    pool: InferencePool
+    bytes_moved: int  # what the last ``move`` took off the trainer's devices
+
+    def move(self, params: Any) -> Any: ...
+
+    async def swap(self, version: int, params: Any) -> None: ...
+
+    def engine_seconds(self) -> float: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def before_save(self, step: int, orchestrator_state: dict[str, Any]) -> None: ...
+
+    def final_params(self) -> dict[str, Any]: ...
+
+    def abort(self, reason: str) -> None: ...
+
+    def gauges(self) -> dict[str, float]: ...
+
+    def summary(self) -> dict[str, Any]: ...
+
+
+class SidePlan(Protocol):
+    """What the trainer is built with (``hooks``), then the side built from the trainer."""
+
+    hooks: StepHooks
+
+    def side(self, trainer: Trainer) -> EngineSide: ...
+
+
+def side_plan(parts: RunParts, built: BuiltEngine) -> SidePlan:
+    """The engine side's plan for this process's placement (see the module docstring)."""
+    role = parts.role
+    if role.kind == "single":
+        return InProcessPlan(parts, built.engine)
+    if role.leader:
+        return ReplicaPlan(parts, built.engine)
+    raise ValueError(f"{role.describe()} has no engine side: it follows the group's leader")
+
+
+class InProcessPlan:
+    """One process: the overlap schedule first (the trainer's step hook), then the side."""
+
+    def __init__(self, parts: RunParts, engine: RLEngine) -> None:
+        cfg = parts.cfg
+        self.parts = parts
+        self.engine = engine
+        self.schedule = schedule_for(
+            cfg.orchestrator.synchronous,
+            cfg.engine.overlap,
+            parts.placement.colocated,
+            jax.default_backend(),
+        )
+        self.hooks = StepHooks(around_step=self.schedule.training)
+
+    def side(self, trainer: Trainer) -> InProcessSide:
+        return InProcessSide(self.parts, self.engine, self.schedule, trainer)
+
+
 class InProcessSide:
-    """See the module docstring. Built before the trainer: ``hooks`` go to its constructor."""
+    """See the module docstring. The driver starts on the trainer's current weights (after a
+    resume: the restored ones), so no rollout comes from older ones."""
 
-    def __init__(self, engine: Any, schedule: OverlapSchedule, engine_warmup: bool) -> None:
-        self.engine, self.schedule = engine, schedule
-        self._warm_up = engine_warmup
-        self.driver: InferenceDriver | None = None  # attach: it starts on the trainer's params
-        self.pool: ClientPool | None = None
-        self.hooks = StepHooks(around_step=schedule.training)
-        self.adapters: AdapterMerge | None = None  # a LoRA run: the base lives on the engine
-        self.bytes_moved = 0  # what the last version moved from the trainer's devices
+    def __init__(
+        self, parts: RunParts, engine: RLEngine, schedule: OverlapSchedule, trainer: Trainer
+    ) -> None:
+        self.parts = parts
+        self.engine = engine
+        self.schedule = schedule
+        self.trainer = trainer
+        self.adapters: AdapterMerge | None = None
+        self.bytes_moved = 0
+        self.driver = InferenceDriver(
+            engine, self._first_weights(), trainer.version, gate=schedule.engine_may_run
+        )
+        self.pool = ClientPool([EngineClient(self.driver)])
+        self._live: HttpServer | None = None
 
-    def attach(self, trainer: Any, colocated: bool) -> None:
-        """The driver on the trainer's current weights (after a resume: the restored ones)."""
-        if trainer.frozen is not None:
+    def _first_weights(self) -> Any:
+        trainer = self.trainer
+        if trainer.frozen is not None:  # LoRA: the base placed on the engine once
             lora = trainer.config.lora
             self.adapters = AdapterMerge(self.engine, trainer.dense_base(), lora.scale)
             first = self.adapters.move(trainer.params)
-            where = "stays on the engine"
-            stage("weights", lora_line(lora, self.adapters.bytes_moved, self.adapters.base, where))
-        else:
-            first = jax.tree.map(jnp.copy, trainer.params) if colocated else trainer.params
-            first = to_engine(first, self.engine)
-        self.driver = InferenceDriver(
-            self.engine,
-            first,
-            trainer.version,
-            gate=self.schedule.engine_may_run,
-        )
-        self.pool = ClientPool([EngineClient(self.driver)])
-        if self._warm_up:
-            secs = self.driver.warm_up()
-            stage("engine", f"warm-up: every prompt bucket and decode width, {secs:.1f} s")
+            line = lora_line(
+                lora, self.adapters.bytes_moved, self.adapters.base, "stays on the engine"
+            )
+            stage("weights", line)
+            return first
+        if self.parts.placement.colocated:  # the next step donates the trainer's own arrays
+            return to_engine(jax.tree.map(jnp.copy, trainer.params), self.engine)
+        return to_engine(trainer.params, self.engine)
 
     def move(self, params: Any) -> Any:
         if self.adapters is not None:
@@ -105,66 +178,72 @@ class InProcessSide:
         g = self.driver.gauges()
         return g["inference/prefill_s"] + g["inference/decode_s"]
 
-    async def start(self, trainer: Any) -> None:
+    async def start(self) -> None:
+        """Warm the engine up (every prompt bucket and decode width compiled before the first
+        rollout), start its driver, and serve it when ``Engine.serve_port`` says so."""
+        cfg = self.parts.cfg
+        if cfg.engine.warmup:
+            secs = self.driver.warm_up()
+            stage("engine", f"warm-up: every prompt bucket and decode width, {secs:.1f} s")
         self.driver.start()
+        self._live = serve_live_policy(cfg, self.engine, self.driver, self.parts.tokenizer)
 
     async def stop(self) -> None:
-        if self.driver is not None:
-            self.driver.stop()
+        if self._live is not None:
+            self._live.stop()
+        self.driver.stop()
 
     def before_save(self, step: int, orchestrator_state: dict[str, Any]) -> None:
         """One process: nobody else saves."""
 
-    def final_params(self, trainer: Any) -> dict[str, Any]:
-        return final_policy(trainer)
+    def final_params(self) -> dict[str, Any]:
+        return final_policy(self.trainer)
 
     def abort(self, reason: str) -> None:
         """One process: nobody else to tell."""
 
-    @property
-    def gauge_source(self) -> Any:
-        return self.driver
+    def gauges(self) -> dict[str, float]:
+        return self.driver.gauges()
 
     def summary(self) -> dict[str, Any]:
         return {"overlap": self.schedule.decision}
 
 
-class LeaderSide:
-    """See the module docstring. ``engine`` never runs here: its shardings and weight dtype
-    are a replica's (``roles.placement`` built its mesh like one)."""
+class ReplicaPlan:
+    """Trainer process 0 with replicas: a trainer group's channel first (the trainer's batch
+    broadcast hook), then the side."""
 
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        engine: Any,
-        trainer_mesh: Any,
-        replicas: Replicas,
-        adapters: Any = None,
-    ) -> None:
+    def __init__(self, parts: RunParts, engine: RLEngine) -> None:
+        replicas = parts.engine_addresses
         if replicas.weight_source is None:
             raise ValueError("engine replicas need --weight_source=HOST:PORT to pull weights from")
-        self.staging = GroupStaging(trainer_mesh, engine, adapters)
-        self.channel = Channel(leader=True) if cfg.processes.trainer_processes > 1 else None
-        on_batch = None if self.channel is None else self._send_batch
-        self.hooks = StepHooks(on_batch=on_batch)
-        self.offer = WeightOffer(*host_port(replicas.weight_source))
-        self.pool = RemotePool(
-            replicas.urls,
-            self.offer,
-            api_key=replicas.api_key,
-            request_timeout_s=cfg.processes.replica_request_timeout_s,
-            pull_timeout_s=cfg.processes.weight_pull_timeout_s,
-            health_timeout_s=cfg.processes.replica_health_timeout_s,
-            # Every load names the staged layout: a replica whose decode mesh differs (its host
-            # has more devices than a trainer host) pulls in it and reshards on its own devices.
-            layout=self.staging.layout,
-            base_layout=self.staging.base_layout,
-        )
-        self._watch: asyncio.Future | None = None
-        self.bytes_moved = 0  # what each replica pulls per version
+        self.parts = parts
+        self.engine = engine
+        group = parts.cfg.processes.trainer_processes > 1
+        self.channel = Channel(leader=True) if group else None
+        self.hooks = StepHooks(on_batch=self._send_batch if group else None)
 
     def _send_batch(self, arrays: dict[str, Any]) -> None:
         self.channel.send(TRAIN, {}, arrays)
+
+    def side(self, trainer: Trainer) -> ReplicaSide:
+        return ReplicaSide(self.parts, self.engine, trainer, self.channel)
+
+
+class ReplicaSide:
+    """See the module docstring. ``engine`` never runs here: its shardings and weight dtype
+    are a replica's (``placement.group_placement`` built its mesh like one)."""
+
+    def __init__(
+        self, parts: RunParts, engine: RLEngine, trainer: Trainer, channel: Channel | None
+    ) -> None:
+        self.trainer = trainer
+        self.channel = channel
+        self.staging = GroupStaging.of(trainer, engine)
+        self.offer = WeightOffer(*host_port(parts.engine_addresses.weight_source))
+        self.pool = _replica_pool(parts, self.offer, self.staging)
+        self._watch: asyncio.Future | None = None
+        self.bytes_moved = 0  # what each replica pulls per version
 
     def move(self, params: Any) -> Any:
         """Trainer thread, after every step: the collective stage, then this process's copy."""
@@ -178,14 +257,14 @@ class LeaderSide:
     def engine_seconds(self) -> float:
         return self.pool.engine_seconds()
 
-    async def start(self, trainer: Any) -> None:
+    async def start(self) -> None:
         """Every replica holds the trainer's current weights before the first rollout."""
+        trainer = self.trainer
         base, first = self.staging.first(trainer)
         self.bytes_moved = tree_nbytes(first)
         if base is not None:
-            lora = trainer.config.lora
             where = "is pulled once by each replica"
-            stage("weights", lora_line(lora, self.bytes_moved, base, where))
+            stage("weights", lora_line(trainer.config.lora, self.bytes_moved, base, where))
         await self.pool.start(trainer.version, first, base=base)
         self._watch = asyncio.ensure_future(self.pool.watch())
 
@@ -201,24 +280,41 @@ class LeaderSide:
         if self.channel is not None:
             self.channel.send(CHECKPOINT, {"step": step, "state": orchestrator_state})
 
-    def final_params(self, trainer: Any) -> dict[str, Any]:
+    def final_params(self) -> dict[str, Any]:
         """The peers leave their loop; the final policy gathered to every process."""
         if self.channel is None:
-            return final_policy(trainer)
+            return final_policy(self.trainer)
         self.channel.send(STOP, {})
         self.channel = None  # the peers have left their loop: nothing more to send them
-        return multihost_utils.process_allgather(final_policy(trainer), tiled=True)
+        return multihost_utils.process_allgather(final_policy(self.trainer), tiled=True)
 
     def abort(self, reason: str) -> None:
         """The stage failed with the trainer thread idle: the peers leave their loop too."""
         if self.channel is not None:
-            channel, self.channel = self.channel, None
+            channel = self.channel
+            self.channel = None
             channel.abort(reason)
 
-    @property
-    def gauge_source(self) -> Any:
-        return self.pool
+    def gauges(self) -> dict[str, float]:
+        return self.pool.gauges()
 
     def summary(self) -> dict[str, Any]:
         replicas = {k.split("/")[1]: v for k, v in self.pool.gauges().items()}
         return {"overlap": None, "replicas": replicas}
+
+
+def _replica_pool(parts: RunParts, offer: WeightOffer, staging: GroupStaging) -> RemotePool:
+    replicas: Replicas = parts.engine_addresses
+    processes = parts.cfg.processes
+    return RemotePool(
+        replicas.urls,
+        offer,
+        api_key=replicas.api_key,
+        request_timeout_s=processes.replica_request_timeout_s,
+        pull_timeout_s=processes.weight_pull_timeout_s,
+        health_timeout_s=processes.replica_health_timeout_s,
+        # Every load names the staged layout: a replica whose decode mesh differs (its host
+        # has more devices than a trainer host) pulls in it and reshards on its own devices.
+        layout=staging.layout,
+        base_layout=staging.base_layout,
+    )

@@ -30,8 +30,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_orch.compose.engines import to_engine
 from jaxrl_orch.distributed.group import EngineStager
+from jaxrl_orch.inference.engine_api import RLEngine
 from jaxrl_orch.models.lora import merge_adapters
 from jaxrl_orch.models.transformer import ModelConfig, Transformer
+from jaxrl_orch.trainer.trainer import Trainer
 
 
 def tree_nbytes(tree: Any) -> int:
@@ -95,6 +97,15 @@ class GroupStaging:
             mesh = jax.tree.leaves(engine.param_shardings)[0].mesh
             everywhere = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), adapters)
             self.adapters = EngineStager(trainer_mesh, everywhere, jnp.float32)
+
+    @classmethod
+    def of(cls, trainer: Trainer, engine: RLEngine) -> GroupStaging:
+        """The staging of ``trainer``'s weights for replicas shaped like ``engine``: with LoRA
+        (its model names adapters) the base once, then the adapters."""
+        lora = trainer.config.lora
+        return cls(
+            trainer.mesh, engine, None if lora is None else abstract_adapters(trainer.config)
+        )
 
     @property
     def layout(self) -> dict[str, Any]:

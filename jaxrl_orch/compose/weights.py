@@ -8,10 +8,9 @@ One line of named hops per trained version ``v``::
         pulls) -> PolicyHandle.version = v
 
 What it owns
-    ``EngineSide``: the two hops that depend on where the engine lives (``compose.sides``):
+    The two hops that depend on where the engine lives are the ``compose.sides.EngineSide``'s:
     ``move`` (trainer thread: the params laid out for the engine, a device-to-device reshard or
-    a trainer group's stage) and ``swap`` (event loop: the engine takes them), plus the engine
-    time so far (``engine_seconds``).
+    a trainer group's stage) and ``swap`` (event loop: the engine takes them).
     ``StepTimes``: step ``v``'s trainer diagnostics and phase times (generate, train, transfer,
     idle), merged into step ``v``'s one ``metrics.jsonl`` row by the orchestrator.
     ``WeightPath``: the trainer thread's side of the path, in order of safety: the move, then
@@ -32,19 +31,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
 
-
-class EngineSide(Protocol):
-    bytes_moved: int  # what the last ``move`` took off the trainer's devices
-
-    def move(self, params: Any) -> Any: ...
-
-    async def swap(self, version: int, params: Any) -> None: ...
-
-    def engine_seconds(self) -> float: ...
+if TYPE_CHECKING:
+    from jaxrl_orch.compose.sides import EngineSide
 
 
 class StepTimes:

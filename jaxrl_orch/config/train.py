@@ -188,6 +188,12 @@ class TrainConfig:
             "RL.after_warmup='sft' (the imitation control) runs in one process; set "
             f"Processes.engine_replicas = 0 (got {self.processes.engine_replicas})",
         )
+        require(
+            not (self.processes.engine_replicas and self.engine.serve_port is not None),
+            f"Engine.serve_port ({self.engine.serve_port}) serves the engine in the trainer's "
+            f"process; with Processes.engine_replicas = {self.processes.engine_replicas} every "
+            "replica serves the same API at its own URL: set Engine.serve_port = None",
+        )
         self._check_verifiers()
         multiple = trainer.chunk_rows * rl.minibatches
         require(

@@ -63,6 +63,12 @@ class Role:
         return self.kind != "engine" and self.process_index == 0
 
     @property
+    def follows(self) -> bool:
+        """A trainer group's peer: it trains the leader's batches, in lockstep, and has no
+        engine side of its own."""
+        return self.kind == "trainer" and self.process_index != 0
+
+    @property
     def replica(self) -> int:
         return self.process_index - self.trainer_processes
 

@@ -1,7 +1,8 @@
 """The engine contract the driver drives: JetStream's Engine method shape plus RL extras.
 
-Owns: ``ResultTokens`` / ``SlotData`` (what prefill and generate hand back) and the
-``JetStreamEngine`` Protocol (the methods and properties the driver relies on). Written from
+Owns: ``ResultTokens`` / ``SlotData`` (what prefill and generate hand back), the
+``JetStreamEngine`` Protocol (the methods and properties the driver relies on) and ``RLEngine``
+(that plus where its weights live: what the run moves the trainer's weights into). Written from
 JetStream's ``engine_api`` shape (prefill / insert / generate / init_decode_state / load_params
 and the capacity properties); the ``google-jetstream`` package is deliberately not a dependency.
 
@@ -97,3 +98,13 @@ class JetStreamEngine(Protocol):
 
     @property
     def max_prefill_length(self) -> int: ...
+
+
+@runtime_checkable
+class RLEngine(JetStreamEngine, Protocol):
+    """An engine the RL run moves weights into: JetStream's methods plus ``param_shardings``
+    (the tree of shardings the trainer's weights are resharded onto, on the engine's mesh).
+    ``param_dtype`` (the weights' dtype, cast to on the way) and ``reports_logprobs`` are read
+    where present; the built-in ``DecodeEngine`` has both."""
+
+    param_shardings: Any

@@ -1,24 +1,25 @@
 """The RL stage: asynchronous RL from the warm-up's params, resumable, on one event loop.
 
 What it owns: ``run_rl(parts, params, stop)``, which builds the stage's parts in dependency order
-and drives them:
+(no part is attached to another after it is built) and drives them:
 
 1. the engine (``compose.engines.build_engine``: whether it reports log-probs decides the
-   trainer's step) and its side (``compose.sides``: in this process, or replicas behind trainer
-   process 0), whose step hooks go to the trainer's constructor;
-2. the trainer on the warm-up's params, then the newest RL checkpoint restored onto it (a peer
-   of a trainer group then follows the leader's steps, ``compose.peer.follow``);
-3. the history trimmed to the restored step, the orchestrator (``compose.orchestrator``) with
-   the weight path's publisher, the side's swap and the step times, restored too;
-4. the weight path (``compose.weights.WeightPath``: move, checkpoint, publish on the trainer's
-   thread), handed to the trainer when it starts;
-5. with ``Engine.serve_port``, the in-process engine served over HTTP (``compose.live``).
+   trainer's step);
+2. a trainer group's peer (``Role.follows``) builds its trainer, restores the newest checkpoint
+   onto it and follows the leader's steps (``compose.peer.follow``); nothing below is its;
+3. the engine side's plan (``compose.sides.side_plan``: the overlap schedule, or the group's
+   channel), whose step hooks the trainer is built with; then the trainer on the warm-up's
+   params, the newest RL checkpoint restored onto it, and the side built from the trainer
+   (the engine starts on the restored weights, so no rollout comes from older ones);
+4. the history trimmed to the restored step, the orchestrator (``compose.orchestrator``) with
+   the weight path's publisher, the side's pool and swap and the step times, restored too;
+5. the weight path (``compose.weights.WeightPath``: move, checkpoint, publish on the trainer's
+   thread), handed to the trainer when it starts.
 
 Then the loop runs to its last step or a drain (SIGTERM: ``StopFlag`` polled on the loop), the
 final checkpoint is written with the orchestrator's final state, the final eval is announced,
-the policy exported, and the summary's RL keys returned. On resume the engine starts on the
-restored weights, so no rollout comes from older ones. A failure of trainer process 0, once its
-trainer thread is stopped, is passed to the group's peers (``side.abort``) so they exit too.
+the policy exported, and the summary's RL keys returned. A failure of trainer process 0, once
+its trainer thread is stopped, is passed to the group's peers (``side.abort``) so they exit too.
 
 Never: sets a hook on a part after it is built, or reads a setting a part was built with.
 """
@@ -30,20 +31,18 @@ import contextlib
 import time
 from typing import Any
 
-import jax
-
 from jaxrl_orch.compose.engines import BuiltEngine, build_engine, engine_notes
-from jaxrl_orch.compose.live import serve_live_policy
-from jaxrl_orch.compose.orchestrator import build_orchestrator
-from jaxrl_orch.compose.overlap import schedule_for
+from jaxrl_orch.compose.orchestrator import Backend, SinkSettings, Workload, build_orchestrator
 from jaxrl_orch.compose.parts import RunParts
 from jaxrl_orch.compose.peer import follow
-from jaxrl_orch.compose.sides import InProcessSide, LeaderSide
+from jaxrl_orch.compose.sides import EngineSide, side_plan
 from jaxrl_orch.compose.staging import GroupStaging
-from jaxrl_orch.compose.trainers import build_trainer, rl_adapters
+from jaxrl_orch.compose.trainers import build_trainer
 from jaxrl_orch.compose.weights import StepTimes, WeightPath
 from jaxrl_orch.envs.base import AtTemperature, close_env
+from jaxrl_orch.orchestrator.components import LoopHooks
 from jaxrl_orch.orchestrator.dispatcher.dispatch import EvalPlan
+from jaxrl_orch.orchestrator.loop import Orchestrator
 from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
 from jaxrl_orch.run.export import export_policy
@@ -52,7 +51,7 @@ from jaxrl_orch.run.stop import StopFlag
 from jaxrl_orch.run.summary import eval_line, merge_evals
 from jaxrl_orch.run.telemetry import rl_telemetry
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
-from jaxrl_orch.trainer.trainer import StepHooks
+from jaxrl_orch.trainer.trainer import StepHooks, Trainer
 from jaxrl_orch.types import PolicyHandle, SamplingParams
 
 SNAPSHOT_TIMEOUT_S = 60.0  # the event loop hands the trainer thread the orchestrator's state
@@ -63,23 +62,14 @@ async def run_rl(parts: RunParts, sft_params: Any, stop: StopFlag) -> dict[str, 
     built = build_engine(cfg, parts.model_cfg, parts.placement.decode_mesh, parts.tokenizer)
     if cfg.engine.kind != "builtin":
         stage("engine", engine_notes(built.engine, cfg.engine.kind, built.recompute))
-    side = _side(parts, built)
-    hooks = StepHooks() if side is None else side.hooks
-    trainer = build_trainer(
-        parts,
-        "rl",
-        cfg.rl.learning_rate,
-        recompute=built.recompute,
-        init_params=sft_params,
-        hooks=hooks,
-    )
-    ckpt = Checkpointer(parts.workdir / "checkpoints", max_to_keep=cfg.outputs.max_to_keep)
+    if parts.role.follows:
+        return _follow(parts, built, sft_params)
+    plan = side_plan(parts, built)
+    trainer = _trainer(parts, built, sft_params, plan.hooks)
+    ckpt = _checkpointer(parts)
     try:
         orch_state = restore_trainer(ckpt, trainer) if ckpt.latest_step() is not None else {}
-        if side is None:  # a peer of the trainer group: the leader's steps, in lockstep
-            adapters = rl_adapters(cfg, parts.model_cfg)
-            staging = GroupStaging(trainer.mesh, built.engine, adapters)
-            return follow(trainer, ckpt, staging)
+        side = plan.side(trainer)
         try:
             return await _lead(parts, built, side, trainer, ckpt, orch_state, stop)
         except BaseException as exc:  # the trainer thread is stopped: the peers may be told
@@ -89,27 +79,32 @@ async def run_rl(parts: RunParts, sft_params: Any, stop: StopFlag) -> dict[str, 
         ckpt.close()
 
 
-def _side(parts: RunParts, built: BuiltEngine) -> InProcessSide | LeaderSide | None:
-    """This process's engine side: None for a trainer group's peer (it only trains)."""
-    cfg, placement = parts.cfg, parts.placement
-    if parts.role.kind == "single":
-        backend = jax.default_backend()
-        schedule = schedule_for(
-            cfg.orchestrator.synchronous, cfg.engine.overlap, placement.colocated, backend
-        )
-        return InProcessSide(built.engine, schedule, cfg.engine.warmup)
-    if not parts.role.leader:
-        return None
-    adapters = rl_adapters(cfg, parts.model_cfg)
-    mesh, addresses = placement.trainer_mesh, parts.engine_addresses
-    return LeaderSide(cfg, built.engine, mesh, addresses, adapters)
+def _trainer(parts: RunParts, built: BuiltEngine, sft_params: Any, hooks: StepHooks) -> Trainer:
+    lr, recompute = parts.cfg.rl.learning_rate, built.recompute
+    return build_trainer(parts, "rl", lr, recompute=recompute, init_params=sft_params, hooks=hooks)
+
+
+def _checkpointer(parts: RunParts) -> Checkpointer:
+    return Checkpointer(parts.workdir / "checkpoints", max_to_keep=parts.cfg.outputs.max_to_keep)
+
+
+def _follow(parts: RunParts, built: BuiltEngine, sft_params: Any) -> dict[str, Any]:
+    """A peer of the trainer group: the leader's steps, in lockstep, from the same restore."""
+    trainer = _trainer(parts, built, sft_params, StepHooks())
+    ckpt = _checkpointer(parts)
+    try:
+        if ckpt.latest_step() is not None:
+            restore_trainer(ckpt, trainer)
+        return follow(trainer, ckpt, GroupStaging.of(trainer, built.engine))
+    finally:
+        ckpt.close()
 
 
 async def _lead(
     parts: RunParts,
     built: BuiltEngine,
-    side: InProcessSide | LeaderSide,
-    trainer: Any,
+    side: EngineSide,
+    trainer: Trainer,
     ckpt: Checkpointer,
     orch_state: dict[str, Any],
     stop: StopFlag,
@@ -118,13 +113,43 @@ async def _lead(
     cfg = parts.cfg
     start_step = trainer.version + 1
     _trim_history(parts, start_step)
-    if isinstance(side, InProcessSide):
-        side.attach(trainer, parts.placement.colocated)
     times = StepTimes(side.engine_seconds, synchronous=cfg.orchestrator.synchronous)
     publisher = InProcessPublisher()
-    orch = _orchestrator(parts, built, side, trainer, publisher, times, start_step)
+    orch = _orchestrator(parts, built, side, trainer, publisher, times)
     if orch_state:
         orch.restore(orch_state)
+    path = _weight_path(parts, side, trainer, ckpt, orch, times, publisher)
+    await side.start()
+    trainer.start(path.on_publish, copy_params=parts.placement.colocated)
+    drain = asyncio.ensure_future(_drain_on_stop(stop, orch, cfg.orchestrator.drain_timeout_s))
+    t0 = time.perf_counter()
+    try:
+        await orch.run()
+        policy = _finish(side, trainer, ckpt, orch)
+        secs = time.perf_counter() - t0
+    finally:
+        drain.cancel()
+        await close_env(parts.env)
+        trainer.stop()
+        await side.stop()
+    names = (parts.env.name, parts.sampled_eval)
+    summary = rl_summary(parts.workdir, cfg, names, orch, (trainer.version, start_step, secs))
+    summary.update(side.summary())
+    exported = export_policy(parts, **policy) if cfg.outputs.export_hf else None
+    summary["export_dir"] = None if exported is None else str(exported)
+    return summary
+
+
+def _weight_path(
+    parts: RunParts,
+    side: EngineSide,
+    trainer: Trainer,
+    ckpt: Checkpointer,
+    orch: Orchestrator,
+    times: StepTimes,
+    publisher: InProcessPublisher,
+) -> WeightPath:
+    """The trainer thread's hops; its checkpoint takes the orchestrator's state from the loop."""
     loop = asyncio.get_running_loop()
 
     def checkpoint(version: int) -> None:  # the trainer's thread, between two steps
@@ -133,37 +158,13 @@ async def _lead(
         save_trainer(ckpt, trainer, version, state, between_steps=True)
         ckpt.wait()  # the next step donates these arrays: the copy to disk must finish first
 
-    every, last = cfg.outputs.checkpoint_every, cfg.rl.steps
-    path = WeightPath(side, times, publisher, checkpoint, checkpoint_every=every, last_step=last)
-    await side.start(trainer)
-    live = None
-    if isinstance(side, InProcessSide):
-        live = serve_live_policy(cfg, built.engine, side.driver, parts.tokenizer)
-    trainer.start(path.on_publish, copy_params=parts.placement.colocated)
-    drain = asyncio.ensure_future(_drain_on_stop(stop, orch, cfg.orchestrator.drain_timeout_s))
-    t0 = time.perf_counter()
-    try:
-        await orch.run()
-        policy = _finish(parts, side, trainer, ckpt, orch)
-        secs = time.perf_counter() - t0
-    finally:
-        drain.cancel()
-        await close_env(parts.env)
-        if live is not None:
-            live.stop()
-        trainer.stop()
-        await side.stop()
-    names = (parts.env.name, parts.sampled_eval)
-    summary = rl_summary(parts.workdir, cfg, names, orch, (trainer.version, start_step, secs))
-    summary.update(side.summary())
-    if cfg.outputs.export_hf:
-        summary["export_dir"] = str(export_policy(parts, **policy))
-    else:
-        summary["export_dir"] = None
-    return summary
+    every, last = parts.cfg.outputs.checkpoint_every, parts.cfg.rl.steps
+    return WeightPath(side, times, publisher, checkpoint, checkpoint_every=every, last_step=last)
 
 
-def _finish(parts: RunParts, side: Any, trainer: Any, ckpt: Checkpointer, orch: Any) -> Any:
+def _finish(
+    side: EngineSide, trainer: Trainer, ckpt: Checkpointer, orch: Orchestrator
+) -> dict[str, Any]:
     """After the loop: the final checkpoint (the drained orchestrator's state), the final
     eval's line; returns what the export writes (``compose.staging.final_policy``)."""
     trainer.wait_idle()
@@ -175,13 +176,17 @@ def _finish(parts: RunParts, side: Any, trainer: Any, ckpt: Checkpointer, orch: 
     ckpt.wait()
     final = merge_evals(orch.eval_history).get(trainer.version, {})
     stage("final eval", eval_line(final))
-    return side.final_params(trainer)
+    return side.final_params()
 
 
-def _orchestrator(parts, built, side, trainer, publisher, times, start_step) -> Any:
-    from jaxrl_orch.compose.orchestrator import Backend, SinkSettings, Workload
-    from jaxrl_orch.orchestrator.components import LoopHooks
-
+def _orchestrator(
+    parts: RunParts,
+    built: BuiltEngine,
+    side: EngineSide,
+    trainer: Trainer,
+    publisher: InProcessPublisher,
+    times: StepTimes,
+) -> Orchestrator:
     cfg, env = parts.cfg, parts.env
     sampling = SamplingParams(temperature=cfg.rl.temperature, max_tokens=cfg.rl.max_new_tokens)
     greedy = SamplingParams(temperature=0.0, max_tokens=cfg.rl.max_new_tokens)
@@ -205,7 +210,7 @@ def _orchestrator(parts, built, side, trainer, publisher, times, start_step) -> 
             engine_logprobs=built.logprobs,
         ),
         hooks=LoopHooks(on_step=times.on_ship, step_metrics=times.step_metrics),
-        telemetry=rl_telemetry(parts, side.gauge_source, trainer, start_step),
+        telemetry=rl_telemetry(parts, side, trainer, trainer.version + 1),
     )
 
 
@@ -217,11 +222,11 @@ def _trim_history(parts: RunParts, start_step: int) -> None:
         stage("resume", f"at step {start_step}; the earlier attempt's rows past it: {what}")
 
 
-async def _snapshot(orch: Any) -> dict[str, Any]:
+async def _snapshot(orch: Orchestrator) -> dict[str, Any]:
     return orch.checkpoint_state()
 
 
-async def _drain_on_stop(stop: StopFlag, orch: Any, timeout_s: float) -> None:
+async def _drain_on_stop(stop: StopFlag, orch: Orchestrator, timeout_s: float) -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await stop.wait()
         orch.request_drain(timeout_s)
