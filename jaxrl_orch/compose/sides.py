@@ -151,10 +151,8 @@ class LeaderSide:
         self.pool = RemotePool(
             replicas.urls,
             self.offer,
+            cfg.processes,
             api_key=replicas.api_key,
-            request_timeout_s=cfg.processes.replica_request_timeout_s,
-            pull_timeout_s=cfg.processes.weight_pull_timeout_s,
-            health_timeout_s=cfg.processes.replica_health_timeout_s,
             # Every load names the staged layout: a replica whose decode mesh differs (its host
             # has more devices than a trainer host) pulls in it and reshards on its own devices.
             layout=self.staging.layout,

@@ -244,6 +244,12 @@ class Processes:
     engine_replicas: int = 0
     colocated: bool | None = None  # engine and trainer on one set of devices; None: iff 1 device
     weight_pull_timeout_s: float = 120.0  # a replica's pull of a new version longer: it fails
+    # a weight update's request (and its offer) outlives the pull's deadline by this, for the
+    # swap; a replica silent past both is lost
+    weight_load_extra_s: float = 30.0
+    replica_warmup_s: float = 900.0  # the same for a replica's first update: it compiles its engine
+    replica_start_timeout_s: float = 600.0  # a replica silent this long at the start: the run fails
+    replica_probe_timeout_s: float = 5.0  # a start-up health probe unanswered this long: sent again
     replica_request_timeout_s: float = 600.0  # one generate request to a replica longer: an error
     # a live replica that answers no health probe for this long (stopped, wedged) is lost like a
     # dead one: its groups move to the other replicas, and it rejoins once it answers; >= 1, as
@@ -255,6 +261,10 @@ class Processes:
         "trainer_processes": Allowed.at_least(1),
         "engine_replicas": Allowed.at_least(0),
         "weight_pull_timeout_s": Allowed.above(0),
+        "weight_load_extra_s": Allowed.above(0),
+        "replica_warmup_s": Allowed.above(0),
+        "replica_start_timeout_s": Allowed.above(0),
+        "replica_probe_timeout_s": Allowed.above(0),
         "replica_request_timeout_s": Allowed.above(0),
         "replica_health_timeout_s": Allowed.at_least(1).because("replicas are probed each second"),
     }
