@@ -13,9 +13,9 @@ Weights (``--checkpoint``):
   weights, and its tokenizer when it holds one;
 - a train command's workdir: its ``export/`` when the run finished, else its newest RL
   checkpoint (or its warm-up's), restored as the train command restores it.
-``--weight_source=HOST:PORT`` lets ``POST /update_weights`` pull offers from that transfer
-server (the trainer's); without it the server refuses updates. A request never names where to
-pull from.
+``--weight_source=HOST:PORT`` lets a weight update (``serving.contract.UPDATE_WEIGHTS``) pull
+offers from that transfer server (the trainer's); without it the server refuses updates. A
+request never names where to pull from.
 
 Safety: loopback by default; any other ``--host`` refuses to start without ``--api_key_file``
 (a file holding the key, so it stays out of the process list and shell history).

@@ -39,6 +39,7 @@ def serve_replica(
         model=cfg.model.name,
         bind=bind_of(url),
         weight_source=replicas.weight_source,
+        request_timeout_s=cfg.processes.replica_request_timeout_s,
         api_key=replicas.api_key,
         warm_up=cfg.engine.warmup,
         lora=None if adapters is None else (adapters, cfg.lora.alpha / cfg.lora.rank),

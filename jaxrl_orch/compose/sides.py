@@ -305,14 +305,11 @@ class ReplicaSide:
 
 def _replica_pool(parts: RunParts, offer: WeightOffer, staging: GroupStaging) -> RemotePool:
     replicas: Replicas = parts.engine_addresses
-    processes = parts.cfg.processes
     return RemotePool(
         replicas.urls,
         offer,
+        parts.cfg.processes,
         api_key=replicas.api_key,
-        request_timeout_s=processes.replica_request_timeout_s,
-        pull_timeout_s=processes.weight_pull_timeout_s,
-        health_timeout_s=processes.replica_health_timeout_s,
         # Every load names the staged layout: a replica whose decode mesh differs (its host
         # has more devices than a trainer host) pulls in it and reshards on its own devices.
         layout=staging.layout,

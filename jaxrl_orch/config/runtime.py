@@ -97,6 +97,23 @@ class ProcessesSettings:
     weight_pull_timeout_s: float = setting(
         120.0, "a replica's pull of a new version longer: it fails", Allowed.above(0)
     )
+    weight_load_extra_s: float = setting(
+        30.0,
+        "a weight update's request (and its offer) outlives the pull's deadline by this, for "
+        "the swap; a replica silent past both is lost",
+        Allowed.above(0),
+    )
+    replica_warmup_s: float = setting(
+        900.0,
+        "the same for a replica's first update: it compiles its engine first",
+        Allowed.above(0),
+    )
+    replica_start_timeout_s: float = setting(
+        600.0, "a replica silent this long at the start: the run fails", Allowed.above(0)
+    )
+    replica_probe_timeout_s: float = setting(
+        5.0, "a start-up health probe unanswered this long is sent again", Allowed.above(0)
+    )
     replica_request_timeout_s: float = setting(
         600.0, "one generate request to a replica longer: an error", Allowed.above(0)
     )

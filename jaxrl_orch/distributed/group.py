@@ -84,7 +84,8 @@ class Role:
 def resolve_role(trainer_processes: int, engine_replicas: int, process_index: int | None) -> Role:
     """The role of process ``process_index`` (None: 0 for a single process; on a TPU slice
     ``jax.distributed`` tells the trainer its index, so None there means "ask it")."""
-    p, r = trainer_processes, engine_replicas
+    p = trainer_processes
+    r = engine_replicas
     if p == 1 and r == 0:
         if process_index not in (None, 0):
             raise ValueError(
@@ -176,7 +177,8 @@ class Channel:
 
     def receive(self) -> tuple[int, dict[str, Any], dict[str, np.ndarray]]:
         header = multihost_utils.broadcast_one_to_all(np.zeros(2, np.int64))
-        cmd, n = int(header[0]), int(header[1])
+        cmd = int(header[0])
+        n = int(header[1])
         if cmd not in _NAMES:
             raise RuntimeError(f"trainer group: unknown command {cmd} from process 0")
         raw = multihost_utils.broadcast_one_to_all(np.zeros(n, np.uint8))

@@ -113,7 +113,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 class Launcher:
     def __init__(self, args: argparse.Namespace, train_args: list[str]) -> None:
         self.args = args
-        self.p, self.r = args.trainer_processes, args.engine_replicas
+        self.p = args.trainer_processes
+        self.r = args.engine_replicas
         ports = free_ports(2 + self.r)
         self.coordinator = f"127.0.0.1:{ports[0]}"
         self.weight_source = f"127.0.0.1:{ports[1]}"

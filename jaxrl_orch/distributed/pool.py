@@ -15,18 +15,19 @@ Lost means not answering, dead or alive
     A replica is lost (``_lose``: one console line with the cause, ``lost_total``, every request
     in flight on it failed over at once through ``RemoteEngineClient.abandon``) when a request
     to it fails with ``ReplicaLost`` (the process died, the connection broke), when a weight
-    update gets no answer at all within the pull's deadline (``pull_timeout_s`` plus
-    ``load_extra_s``), or when ``watch`` gets no answer to its health probes for
-    ``health_timeout_s``: a stopped (SIGSTOP) or wedged process keeps its connections open and
-    would otherwise hold its groups until ``request_timeout_s`` and a weight update until the
-    run fails. A lost replica is no longer selected; a request of a group pinned to it moves the
-    group before it is sent.
+    update gets no answer at all within the pull's deadline (``weight_pull_timeout_s`` plus
+    ``weight_load_extra_s``), or when ``watch`` gets no answer to its health probes for
+    ``replica_health_timeout_s``: a stopped (SIGSTOP) or wedged process keeps its connections
+    open and would otherwise hold its groups until ``replica_request_timeout_s`` and a weight
+    update until the run fails. Every deadline is a setting of the run's ``Processes`` section
+    (``Deadlines``: what the pool reads of it). A lost replica is no longer selected; a request
+    of a group pinned to it moves the group before it is sent.
 
 Weights: ``start`` waits (bounded) until every replica answers, then loads the first version
 into each; ``load_weights(version, params)`` offers the params to each live replica
 (``transfer.WeightOffer``, one pull per offer, on the fixed address every replica was started
 with as its only weight source, so an update names just the offer's uuid) and awaits every pull
-and swap (``POST /update_weights``); a replica lost meanwhile is marked lost, a pull the replica
+and swap (``contract.UPDATE_WEIGHTS``); a replica lost meanwhile is marked lost, a pull the replica
 answers as failed raises ``WeightPullError`` naming the replica and version. A LoRA run's
 pool is started with the frozen ``base`` too (in a replica's layout, ``base_layout``), and keeps
 it: every replica fresh to the pool (its first load, or back after a restart) pulls the base
@@ -43,15 +44,26 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from jaxrl_orch.distributed.replica_client import RemoteEngineClient, ReplicaLost, WeightPullError
 from jaxrl_orch.distributed.transfer import WeightOffer
+from jaxrl_orch.serving.contract import Health
 from jaxrl_orch.types import Completion, SamplingParams
 
-FIRST_LOAD_EXTRA_S = 900.0  # a replica's first load also compiles its engine (warm-up)
-LOAD_EXTRA_S = 30.0  # a later load past its pull's deadline: the swap (a decode step)
-HEALTH_TIMEOUT_S = 20.0  # Processes.replica_health_timeout_s's default
+PROBE_INTERVAL_S = 1.0  # each replica's health probes, one after the other
+
+
+class Deadlines(Protocol):
+    """The settings of the ``Processes`` section (``config.runtime``) the pool reads."""
+
+    replica_request_timeout_s: float
+    weight_pull_timeout_s: float
+    weight_load_extra_s: float
+    replica_warmup_s: float
+    replica_start_timeout_s: float
+    replica_probe_timeout_s: float
+    replica_health_timeout_s: float
 
 
 class RemotePool:
@@ -59,37 +71,34 @@ class RemotePool:
         self,
         addresses: Sequence[str],
         offer: WeightOffer,
+        deadlines: Deadlines,
         *,
-        request_timeout_s: float,
-        pull_timeout_s: float,
-        probe_interval_s: float = 1.0,
-        health_timeout_s: float = HEALTH_TIMEOUT_S,
+        probe_interval_s: float = PROBE_INTERVAL_S,
         layout: dict | None = None,
         base_layout: dict | None = None,
         api_key: str | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("RemotePool needs at least one replica address")
-        if not health_timeout_s > 0:
-            raise ValueError(f"health_timeout_s must be > 0 seconds, got {health_timeout_s!r}")
+        timeout_s = deadlines.replica_request_timeout_s
         self.clients = [
-            RemoteEngineClient(a, replica=i, timeout_s=request_timeout_s, api_key=api_key)
+            RemoteEngineClient(a, replica=i, timeout_s=timeout_s, api_key=api_key)
             for i, a in enumerate(addresses)
         ]
         self.offer = offer
+        self.deadlines = deadlines
         self.layout = layout  # how offers are laid out, when not the replicas' own
         self.base_layout = base_layout  # how a LoRA base is, likewise
         self._base: Any = None  # a LoRA run's frozen base, for replicas that start or restart
-        self.pull_timeout_s = pull_timeout_s
-        self.load_extra_s = LOAD_EXTRA_S
         self.probe_interval_s = probe_interval_s
-        self.health_timeout_s = float(health_timeout_s)
         self._answered: dict[int, float] = {}  # replica -> monotonic time of its last answer
         self.live: set[int] = set()
         self._current: tuple[int, Any] | None = None
         self._changed = asyncio.Event()
         self._turn = 0
-        self.lost_total = self.rejoined_total = self.moved_groups_total = 0
+        self.lost_total = 0
+        self.rejoined_total = 0
+        self.moved_groups_total = 0
         self.reissued_total = 0
         self.pull_s = 0.0
         self._engine_s: dict[int, float] = {}  # per replica, this run (restarts included)
@@ -97,18 +106,19 @@ class RemotePool:
 
     # ------------------------------------------------------------------ weights
 
-    async def start(
-        self, version: int, params: Any, timeout_s: float = 600.0, base: Any = None
-    ) -> None:
+    async def start(self, version: int, params: Any, base: Any = None) -> None:
         """Wait until every replica answers (they may still be compiling), then load ``version``
-        into each (a LoRA run: ``base`` first, ``params`` are its adapters); an unreachable
-        replica past ``timeout_s`` is an error naming it."""
-        self._current, self._base = (version, params), base
+        into each (a LoRA run: ``base`` first, ``params`` are its adapters); a replica silent
+        past ``replica_start_timeout_s`` is an error naming it."""
+        self._current = (version, params)
+        self._base = base
+        timeout_s = self.deadlines.replica_start_timeout_s
+        probe_s = self.deadlines.replica_probe_timeout_s
         deadline = time.monotonic() + timeout_s
         waiting = set(range(len(self.clients)))
         while waiting:
             for i in sorted(waiting):
-                if await self.clients[i].health(timeout_s=5.0) is not None:
+                if await self.clients[i].health(probe_s) is not None:
                     waiting.discard(i)
             if waiting and time.monotonic() > deadline:
                 names = ", ".join(f"{i} ({self.clients[i].address})" for i in sorted(waiting))
@@ -138,19 +148,27 @@ class RemotePool:
         """Replica ``i`` pulls ``version``; ``first``: its first load since it started, which
         also runs its engine warm-up (compiles), so the call may take longer."""
         t0 = time.perf_counter()
-        client, expire_s = self.clients[i], self.pull_timeout_s + 30
+        extra_s = self.deadlines.weight_load_extra_s
         part = "weights"
         if self._base is not None:
             part = "adapters"
             if first:  # a fresh process holds no base
-                uuid = self.offer.offer(self._base, expire_s=expire_s)
-                await client.load_weights(
-                    version, uuid, self.pull_timeout_s, self.base_layout, self.load_extra_s, "base"
-                )
-        uuid = self.offer.offer(params, expire_s=expire_s)
-        extra = FIRST_LOAD_EXTRA_S if first else self.load_extra_s
-        await client.load_weights(version, uuid, self.pull_timeout_s, self.layout, extra, part)
+                await self._pull(i, version, self._base, extra_s, self.base_layout, "base")
+        if first:
+            extra_s = self.deadlines.replica_warmup_s
+        await self._pull(i, version, params, extra_s, self.layout, part)
         self.pull_s += time.perf_counter() - t0
+
+    async def _pull(
+        self, i: int, version: int, arrays: Any, extra_s: float, layout: Any, part: str
+    ) -> None:
+        """Replica ``i`` pulls ``arrays`` as ``part`` of ``version``; the offer lasts as long as
+        the pull may, plus the weight update's extra seconds."""
+        d = self.deadlines
+        uuid = self.offer.offer(arrays, expire_s=d.weight_pull_timeout_s + d.weight_load_extra_s)
+        await self.clients[i].load_weights(
+            version, uuid, d.weight_pull_timeout_s, extra_s=extra_s, layout=layout, part=part
+        )
 
     # ------------------------------------------------------------------ liveness
 
@@ -179,27 +197,28 @@ class RemotePool:
                 probes.create_task(self._watch_one(i))
 
     async def _watch_one(self, i: int) -> None:
-        """Replica ``i``'s probes: a live one silent for ``health_timeout_s`` is lost; a lost one
-        that answers is re-admitted with the current weights first; each answer updates its
-        engine time."""
+        """Replica ``i``'s probes: a live one silent for ``replica_health_timeout_s`` is lost; a
+        lost one that answers is re-admitted with the current weights first; each answer updates
+        its engine time."""
+        timeout_s = self.deadlines.replica_health_timeout_s
         while True:
             await asyncio.sleep(self.probe_interval_s)
             if self._current is None:
                 continue
-            health = await self.clients[i].health(timeout_s=self.health_timeout_s)
+            health = await self.clients[i].health(timeout_s)
             now = time.monotonic()
             if health is None:
                 silent = now - self._answered.setdefault(i, now)
-                if i in self.live and silent >= self.health_timeout_s:
+                if i in self.live and silent >= timeout_s:
                     self._lose(i, f"no answer to its health probe for {silent:.1f} s")
                 continue
             self._answered[i] = now
             self._count_engine_s(i, health)
             if i not in self.live:
-                await self._rejoin(i, first=health.get("version", -1) < 0)
+                await self._rejoin(i, first=health.version < 0)
 
-    def _count_engine_s(self, i: int, health: dict) -> None:
-        raw = float(health.get("engine_s", 0.0))
+    def _count_engine_s(self, i: int, health: Health) -> None:
+        raw = health.engine_s
         last = self._raw_s.get(i, 0.0)
         # A restarted replica counts from 0 again: keep what the lost one did.
         self._engine_s[i] = self._engine_s.get(i, 0.0) + (raw - last if raw >= last else raw)
@@ -226,7 +245,8 @@ class RemotePool:
         while not self.live:
             self._changed.clear()
             await self._changed.wait()
-        start = self._turn = self._turn + 1
+        self._turn += 1
+        start = self._turn
         order = sorted(self.live, key=lambda i: (i - start) % len(self.clients))
         return min(order, key=lambda i: self.clients[i].in_flight)
 
@@ -258,7 +278,8 @@ class PinnedClient:
     """One group's client: every rollout of the group calls it (see the module docstring)."""
 
     def __init__(self, pool: RemotePool, replica: int) -> None:
-        self.pool, self.replica = pool, replica
+        self.pool = pool
+        self.replica = replica
         # While no replica is live the first to notice waits in ``wait_live``; the others wait
         # here, then find the group moved (one move, counted once, even back to the same index).
         self._moving = asyncio.Lock()
@@ -270,7 +291,8 @@ class PinnedClient:
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion:
         while True:
-            replica, moves = self.replica, self._moves
+            replica = self.replica
+            moves = self._moves
             # A replica lost since the group was pinned may be alive but silent: a request sent
             # there would wait for its own timeout, so the group moves first.
             if replica in self.pool.live:

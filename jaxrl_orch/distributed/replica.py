@@ -7,12 +7,12 @@ server), ``make_app`` (the routes, the API key) and ``HttpServer`` (the bind: lo
 address with an API key). ``replica_server`` builds the pair; ``serve_until_signal`` serves it
 until SIGTERM / SIGINT and then stops the driver.
 
-Lifecycle: the replica answers ``GET /health`` at once (``ready`` False, version -1) and refuses
-generation (503) until the pool's first ``POST /update_weights`` lands, which also builds and
-warms up the driver; each later update swaps between two decode steps. Every update is logged
-as ``replica R: serving version V (pull ..., swap ...)``, the line operators and tests read (a
-LoRA run's replica first says ``replica R: holds the LoRA base``: it serves nothing until the
-first adapters arrive).
+Lifecycle: the replica answers its health probe at once (``ready`` False, version -1) and
+refuses generation (503) until the pool's first weight update lands (``serving.contract``),
+which also builds and warms up the driver; each later update swaps between two decode steps.
+Every update is logged as ``replica R: serving version V (pull ..., swap ...)``, the line
+operators and tests read (a LoRA run's replica first says ``replica R: holds the LoRA base``: it
+serves nothing until the first adapters arrive).
 
 Never: pulls from an address a request names (the update body has no address field), binds
 beyond loopback without an API key, or listens anywhere but the host of its own URL (the HTTP
@@ -28,6 +28,8 @@ from typing import Any
 from jaxrl_orch.distributed.lora_source import LoraSource
 from jaxrl_orch.distributed.source import TransferSource
 from jaxrl_orch.serving.app import make_app
+from jaxrl_orch.serving.contract import MAX_QUEUED, WeightsLoaded
+from jaxrl_orch.serving.guard import Limits
 from jaxrl_orch.serving.host import EngineHost
 from jaxrl_orch.serving.runner import HttpServer
 
@@ -39,11 +41,10 @@ class ReplicaHost(EngineHost):
         super().__init__(engine, **kwargs)
         self.replica = int(replica)
 
-    def loaded(self, part: str, out: dict[str, float]) -> None:
-        what = "holds the LoRA base" if part == "base" else f"serving version {out['version']}"
+    def loaded(self, part: str, out: WeightsLoaded) -> None:
+        what = "holds the LoRA base" if part == "base" else f"serving version {out.version}"
         print(
-            f"replica {self.replica}: {what} (pull {out['pull_s']:.3f} s, "
-            f"swap {out['swap_s']:.3f} s)",
+            f"replica {self.replica}: {what} (pull {out.pull_s:.3f} s, swap {out.swap_s:.3f} s)",
             flush=True,
         )
 
@@ -55,13 +56,15 @@ def replica_server(
     model: str,
     bind: tuple[str, int],
     weight_source: str,
+    request_timeout_s: float,
     api_key: str | None = None,
     warm_up: bool = False,
-    max_queued: int = 4096,
+    max_queued: int = MAX_QUEUED,
     lora: tuple[Any, float] | None = None,
 ) -> tuple[ReplicaHost, HttpServer]:
     """Replica ``replica`` of ``engine``: its host (no weights yet) and its server on ``bind``
-    (``(host, port)``, port 0: a free one), pulling only from ``weight_source`` (HOST:PORT).
+    (``(host, port)``, port 0: a free one), pulling only from ``weight_source`` (HOST:PORT);
+    a generation past ``request_timeout_s`` fails and frees its slot.
     ``lora``: ``(abstract adapters, alpha / rank)`` of a LoRA run, whose replicas hold the
     frozen base and merge each version's adapters into it (``lora_source``)."""
     # Its receiver binds the replica's own host too: nothing here listens on every interface.
@@ -77,7 +80,7 @@ def replica_server(
         warm_up=warm_up,
         max_queued=max_queued,
     )
-    app = make_app(host, api_key=api_key)
+    app = make_app(host, api_key=api_key, limits=Limits(request_timeout_s=request_timeout_s))
     return host, HttpServer(app, host=bind[0], port=bind[1], api_key=api_key)
 
 

@@ -5,13 +5,14 @@ Owns: one ``aiohttp.ClientSession`` to a replica served by ``serving`` (``Engine
 orchestrator acts on. Same duck type as ``inference.client.EngineClient`` (``generate()`` +
 ``in_flight``), so ``ClientPool`` / ``RemotePool`` pin groups to remote replicas unchanged.
 
-Routes (``serving/__init__``): ``POST /inference/v1/generate`` (one sample: ``token_ids`` and
-``sampling_params`` with ``logprobs: 1``; back come ``choices[0].token_ids``, the log-probs of
-``choices[0].logprobs.content`` (``null`` -> NaN), ``choices[0].policy_versions`` and
-``finish_reason``), ``GET /health`` and ``POST /update_weights`` ``{"version", "uuid",
-"layout", "timeout_s"}``: the replica pulls the offer from the one weight source it was started
-with; a request never names an address. With an API key every request carries
-``Authorization: Bearer <key>``.
+The contract (``serving.contract``): every route called here is one of its ``Route`` objects,
+every request body is built from its request model (a sampling outside it raises pydantic's
+``ValidationError`` before anything is sent), and every answer is read through its reply model,
+so a reply the orchestrator cannot use (no policy version per token, a key missing) is refused
+by name. ``generate`` asks for one sample and the sampled token's log-prob (a log-prob the
+engine did not report comes back NaN); ``load_weights`` has the replica pull an offer from the
+one weight source it was started with (a request never names an address). With an API key
+every request carries ``Authorization: Bearer <key>``.
 
 Errors:
 - ``ReplicaLost`` (``.replica``, ``.address``, ``.cause``): the replica is gone, going or not
@@ -25,8 +26,8 @@ Errors:
   (its pull timed out, offer never made, version going backwards, no weight source); the
   message carries the server's.
 - Any other 4xx / 5xx (a bad request, 429 over ``max_queued``, an engine error): ``RuntimeError``
-  naming the replica, the route and the server's message; no answer within ``timeout_s``:
-  ``RuntimeError`` naming ``timeout_s``.
+  naming the replica, the route and the server's message, and likewise an answer that does not
+  fit the contract; no answer within ``timeout_s``: ``RuntimeError`` naming ``timeout_s``.
 
 Why aiohttp, not httpx: measured with ``benchmarks/replica_protocol.py`` at the pool's load
 (64 requests in flight, each held ~0.5 s by the decode), ``httpx.AsyncClient`` spent 4-8 ms of
@@ -55,17 +56,32 @@ from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import aiohttp
+from pydantic import BaseModel, ValidationError
 
 from jaxrl_orch.distributed.addresses import bind_of
+from jaxrl_orch.serving.contract import (
+    GENERATE,
+    HEALTH,
+    MAX_QUEUED,
+    UPDATE_WEIGHTS,
+    GenerateChoice,
+    GenerateRequest,
+    Health,
+    Route,
+    UpdateWeights,
+    WeightsLoaded,
+    WireSampling,
+)
 from jaxrl_orch.types import Completion, SamplingParams
 
-GENERATE, HEALTH, UPDATE = "/inference/v1/generate", "/health", "/update_weights"
-MAX_CONNECTIONS = 4096  # per replica: one per request in flight, well above a replica's slots
+# Per replica: one per request in flight, and a replica admits no more than that by default.
+MAX_CONNECTIONS = MAX_QUEUED
 # Idle connections are dropped before uvicorn's 5 s keep-alive ends them, so a POST (which
 # aiohttp never retries) is not sent on a connection the replica is closing at that moment.
 KEEPALIVE_S = 3.0
 # The connection refused, reset or closed under a request, or its answer cut or garbled.
 _BROKEN = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)
+_JSON = {"Content-Type": "application/json"}
 
 
 class ReplicaLost(RuntimeError):
@@ -89,7 +105,9 @@ class _Status(Exception):
 
     def __init__(self, status: int, message: str, from_app: bool) -> None:
         super().__init__(f"HTTP {status}: {message}")
-        self.status, self.message, self.from_app = status, message, from_app
+        self.status = status
+        self.message = message
+        self.from_app = from_app
 
     @property
     def going_down(self) -> bool:
@@ -98,44 +116,33 @@ class _Status(Exception):
         return self.status == 503 or (self.status >= 500 and not self.from_app)
 
 
-def sampling_params(sampling: SamplingParams) -> dict[str, Any]:
+def wire_sampling(sampling: SamplingParams) -> WireSampling:
     """``sampling`` as the generate route's ``sampling_params`` (the sampled token's log-prob)."""
-    return {
-        "temperature": float(sampling.temperature),
-        "top_p": float(sampling.top_p),
-        "top_k": int(sampling.top_k),
-        "max_tokens": int(sampling.max_tokens),
-        "seed": sampling.seed,
-        "stop_token_ids": [int(t) for t in sampling.stop_token_ids],
-        "logprobs": 1,
-    }
+    return WireSampling(
+        temperature=float(sampling.temperature),
+        top_p=float(sampling.top_p),
+        top_k=int(sampling.top_k),
+        max_tokens=int(sampling.max_tokens),
+        seed=sampling.seed,
+        stop_token_ids=[int(t) for t in sampling.stop_token_ids],
+        logprobs=1,
+    )
 
 
-def completion(body: dict[str, Any]) -> Completion:
-    """The first choice of a generate response as a ``Completion``. The staleness bound needs
-    the policy version of every token: an engine that answers without ``policy_versions`` (one
-    that takes its weights out of band must report the version it holds there) is refused."""
-    choice = body["choices"][0]
-    if len(choice.get("policy_versions") or ()) != len(choice["token_ids"]):
-        raise ValueError(
-            "the engine's answer has no choices[0].policy_versions with one version per token; "
-            "the orchestrator bounds staleness by them (DESIGN.md section 3), so an engine "
-            "serving it must report the version of every token it generates"
-        )
+def completion(choice: GenerateChoice) -> Completion:
+    """A generate answer's choice (one version per token: the contract checked it) as a
+    ``Completion``."""
     return Completion(
-        token_ids=[int(t) for t in choice["token_ids"]],
-        logprobs=[
-            math.nan if c["logprob"] is None else float(c["logprob"])
-            for c in choice["logprobs"]["content"]
-        ],
-        versions=[int(v) for v in choice["policy_versions"]],
-        finish_reason=str(choice["finish_reason"]),
+        token_ids=choice.token_ids,
+        logprobs=[math.nan if c.logprob is None else c.logprob for c in choice.logprobs.content],
+        versions=choice.policy_versions,
+        finish_reason=choice.finish_reason,
     )
 
 
 class RemoteEngineClient:
     def __init__(
-        self, address: str, *, replica: int, timeout_s: float = 600.0, api_key: str | None = None
+        self, address: str, *, replica: int, timeout_s: float, api_key: str | None = None
     ) -> None:
         bind_of(address, "replica address")  # refuse a bad URL here, not at the first request
         self.address = address.rstrip("/")
@@ -143,7 +150,7 @@ class RemoteEngineClient:
         self.timeout_s = float(timeout_s)
         self.in_flight = 0
         self.alive = True
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # One per call in flight: ``abandon`` resolves them with its cause.
@@ -157,21 +164,24 @@ class RemoteEngineClient:
             self._loop = loop
         return self._session
 
-    async def _call(self, method: str, route: str, body: Any, timeout_s: float) -> dict:
-        """The JSON answer of ``route``; raises ``_Status`` for an error status. Connection and
-        timeout errors propagate as aiohttp / asyncio raise them."""
+    async def _call(self, route: Route, body: BaseModel | None, timeout_s: float) -> Any:
+        """``route``'s answer as its reply model: ``body`` as the client set it, nothing more.
+        Raises ``_Status`` for an error status and ``ValueError`` for an answer that does not
+        fit the contract; connection and timeout errors propagate as aiohttp / asyncio raise
+        them."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        kwargs = {"json": body} if body is not None else {}
-        request = self._client().request(
-            method, route, headers=self._headers, timeout=timeout, **kwargs
-        )
+        kwargs = {"headers": self._auth, "timeout": timeout}
+        if body is not None:
+            kwargs["headers"] = {**self._auth, **_JSON}
+            kwargs["data"] = body.model_dump_json(exclude_unset=True)
+        request = self._client().request(route.method, route.path, **kwargs)
         async with request as r:
             text = await r.text()
             if r.status >= 400:
                 raise _Status(r.status, *_message(text))
-            return json.loads(text)
+            return _read(route.reply, text)
 
-    async def _abandonable(self, call: Awaitable[dict]) -> dict:
+    async def _abandonable(self, call: Awaitable[Any]) -> Any:
         """``call``'s answer, unless ``abandon`` comes first: then ``ReplicaLost`` and ``call``
         is cancelled (its connection closed). A caller's cancellation cancels ``call`` too."""
         task = asyncio.ensure_future(call)
@@ -190,7 +200,8 @@ class RemoteEngineClient:
     def abandon(self, cause: str) -> int:
         """Fail every call in flight now with ``ReplicaLost(cause)`` (see the module docstring);
         returns how many. Calls made later are not affected."""
-        waiters, self._waiters = self._waiters, set()
+        waiters = self._waiters
+        self._waiters = set()
         for w in waiters:
             if not w.done():
                 w.set_result(cause)
@@ -200,20 +211,20 @@ class RemoteEngineClient:
         self.alive = False
         return ReplicaLost(self.replica, self.address, cause)
 
-    def _failed(self, route: str, cause: str) -> RuntimeError:
-        return RuntimeError(f"replica {self.replica} at {self.address}: {route}: {cause}")
+    def _failed(self, route: Route, cause: str) -> RuntimeError:
+        where = f"replica {self.replica} at {self.address}: {route.path}"
+        return RuntimeError(f"{where}: {cause}")
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion:
         """One sample of ``prompt_ids``; cancelling the awaiting task cancels it on the replica."""
-        body = {
-            "token_ids": [int(t) for t in prompt_ids],
-            "sampling_params": sampling_params(sampling),
-        }
+        body = GenerateRequest(
+            token_ids=[int(t) for t in prompt_ids], sampling_params=wire_sampling(sampling)
+        )
         self.in_flight += 1
         try:
-            answer = await self._abandonable(self._call("POST", GENERATE, body, self.timeout_s))
-            return completion(answer)
-        except ValueError as err:  # an answer the orchestrator cannot use: name the replica
+            call = self._call(GENERATE, body, self.timeout_s)
+            return completion((await self._abandonable(call)).choices[0])
+        except ValueError as err:  # an answer outside the contract: name the replica
             raise self._failed(GENERATE, str(err)) from None
         except TimeoutError:
             raise self._failed(GENERATE, f"no answer within timeout_s={self.timeout_s:g}") from None
@@ -226,10 +237,10 @@ class RemoteEngineClient:
         finally:
             self.in_flight -= 1
 
-    async def health(self, timeout_s: float = 5.0) -> dict | None:
-        """The replica's ``GET /health`` answer, or None when it does not answer in time."""
+    async def health(self, timeout_s: float) -> Health | None:
+        """The replica's health answer, or None when it does not answer in time."""
         try:
-            answer = await self._call("GET", HEALTH, None, timeout_s)
+            answer = await self._call(HEALTH, None, timeout_s)
         except (TimeoutError, _Status, aiohttp.ClientError, ValueError):
             self.alive = False
             return None
@@ -241,29 +252,32 @@ class RemoteEngineClient:
         version: int,
         uuid: int,
         timeout_s: float,
+        *,
+        extra_s: float,
         layout: dict | None = None,
-        extra_s: float = 30.0,
         part: str = "weights",
-    ) -> dict:
-        """Have the replica pull offer ``uuid`` from its weight source and serve it as
-        ``version``; returns ``{"version", "pull_s", "swap_s"}``. ``layout``: how the sender
-        laid the arrays out (``source.transfer_targets``) when it is not the replica's own;
-        ``part``: what the offer holds (``serving.schemas.UpdateWeights``)."""
-        body = {"version": int(version), "uuid": int(uuid), "timeout_s": float(timeout_s)}
-        if layout is not None:
-            body["layout"] = layout
-        if part != "weights":
-            body["part"] = part
+    ) -> WeightsLoaded:
+        """Have the replica pull offer ``uuid`` from its weight source within ``timeout_s`` and
+        serve it as ``version``; the request waits ``extra_s`` longer, for the swap (or a first
+        load's engine warm-up). ``layout``: how the sender laid the arrays out
+        (``source.transfer_targets``) when it is not the replica's own; ``part``: what the
+        offer holds (``contract.UpdateWeights``)."""
+        body = UpdateWeights(
+            version=int(version),
+            uuid=int(uuid),
+            layout=layout,
+            timeout_s=float(timeout_s),
+            part=part,
+        )
         try:
-            # The request outlives the pull's own deadline by the swap (at most a decode step),
-            # or the first load's engine warm-up (``extra_s``).
-            return await self._abandonable(self._call("POST", UPDATE, body, timeout_s + extra_s))
+            call = self._call(UPDATE_WEIGHTS, body, timeout_s + extra_s)
+            return await self._abandonable(call)
         except TimeoutError:
             # A replica whose pull failed says so (504, 500: WeightPullError); one that says
             # nothing past the pull's deadline is not answering at all, as if it were dead.
             cause = (
-                f"no answer to {UPDATE} (version {version}) within {timeout_s + extra_s:g} s "
-                f"(timeout_s={timeout_s:g} plus extra_s={extra_s:g})"
+                f"no answer to {UPDATE_WEIGHTS.path} (version {version}) within "
+                f"{timeout_s + extra_s:g} s (timeout_s={timeout_s:g} plus extra_s={extra_s:g})"
             )
             raise self._lost(cause) from None
         except _Status as err:
@@ -274,7 +288,9 @@ class RemoteEngineClient:
             raise self._lost(f"{type(err).__name__}: {err}") from None
 
     async def close(self) -> None:
-        session, self._session, self._loop = self._session, None, None
+        session = self._session
+        self._session = None
+        self._loop = None
         if session is not None and not session.closed:
             await session.close()
 
@@ -292,3 +308,15 @@ def _message(text: str) -> tuple[str, bool]:
         return str(json.loads(text)["error"]["message"]), True
     except (ValueError, KeyError, TypeError):
         return text[:500] or "(empty body)", False
+
+
+def _read(model: type[BaseModel], text: str) -> Any:
+    """``text`` as ``model``; a ``ValueError`` naming each field that does not fit."""
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as exc:
+        wrong = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'the answer'}: {e['msg']}"
+            for e in exc.errors(include_url=False)
+        )
+        raise ValueError(f"the answer is not a {model.__name__}: {wrong}") from None

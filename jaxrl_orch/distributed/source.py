@@ -4,8 +4,8 @@ What it owns: fetching an offered pytree (``transfer.WeightOffer`` on the sender
 engine's decode shardings and weight dtype. ``TransferSource(engine, address, host=...)`` is
 bound to ONE sender address when the server starts (``--weight_source``) and pulls through a
 receiver on ``host``, the server's own bind address (loopback by default); ``source(uuid,
-layout, timeout_s) -> params`` is what ``serving.host.EngineHost`` calls for
-``POST /update_weights``, so a request names an offer, never where to pull from.
+layout, timeout_s) -> params`` is what ``serving.host.EngineHost`` calls for a weight update
+(``serving.contract.UPDATE_WEIGHTS``), so a request names an offer, never where to pull from.
 
 Layouts: the transfer copies shard for shard between identical layouts. A sender whose hosts
 have fewer devices than this replica's decode mesh (a v5e trainer host has 4 chips, a v5e-8
@@ -41,12 +41,14 @@ from sharding.reshard import reshard
 class TransferSource:
     def __init__(self, engine: Any, address: str, *, host: str = "127.0.0.1") -> None:
         sender, port = host_port(address, "weight source")
-        self.engine, self.host = engine, host
+        self.engine = engine
+        self.host = host
         self.address = f"{sender}:{port}" if ":" not in sender else f"[{sender}]:{port}"
         self._targets: Any = None
 
     def __call__(self, uuid: int, layout: Any, timeout_s: float) -> Any:
-        targets, shardings = self.pull_targets(), self.engine.param_shardings
+        targets = self.pull_targets()
+        shardings = self.engine.param_shardings
         return self.fetch(uuid, layout, timeout_s, targets, shardings)
 
     def fetch(self, uuid: int, layout: Any, timeout_s: float, targets: Any, shardings: Any) -> Any:

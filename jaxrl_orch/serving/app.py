@@ -6,9 +6,9 @@ body limit) and the metrics middleware around them, and turning every failure in
 contract's error body (``errors``) with a status a client can act on:
 
 - ``ApiError``: its own status; malformed JSON, a body that is not a JSON object, an unknown
-  key (named, with the keys allowed there), a missing or mistyped field: 400 naming the field
-  (``param``) and the problem, whether FastAPI validated the body or the route parsed its bytes
-  itself (``fastjson.BodyInvalid``);
+  key (named, with the keys allowed there: ``allowed_keys``), a missing or mistyped field: 400
+  naming the field (``param``) and the problem, whether FastAPI validated the body or the route
+  parsed its bytes itself (``fastjson.BodyInvalid``);
 - ``NotReady`` 503, ``Busy`` 429, ``UpdateRefused`` 400 (409 when the host has no weight
   source); Starlette's HTTP errors (404 route, 405 method, 413 body) as their status;
   anything else 500 naming the error, and the server keeps serving.
@@ -19,6 +19,7 @@ Built once per served host; ``runner.HttpServer`` serves it. Never binds, never 
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -34,7 +35,6 @@ from jaxrl_orch.serving.host import Busy, NotReady, NoWeightSource, UpdateRefuse
 from jaxrl_orch.serving.openai_api import openai_routes
 from jaxrl_orch.serving.ops import Counting, Metrics, ops_routes
 from jaxrl_orch.serving.rl_api import rl_routes
-from jaxrl_orch.serving.schemas import allowed_keys
 
 _MAX_SHOWN = 200  # characters of a refused value quoted back in an error message
 
@@ -54,8 +54,10 @@ def make_app(host: Any, *, api_key: str | None = None, limits: Limits = Limits()
         # with no provider to send them to.
         telemetry=_NO_TELEMETRY,
     )
-    app.state.host, app.state.limits = host, limits
-    app.state.metrics = metrics = Metrics(host)
+    app.state.host = host
+    app.state.limits = limits
+    metrics = Metrics(host)
+    app.state.metrics = metrics
     app.state.api_key_required = api_key is not None
     routers = [
         rl_routes(host, limits, metrics),
@@ -113,7 +115,8 @@ def validation_message(
     errors: list[dict], body_model: type[BaseModel] | None
 ) -> tuple[str, str | None]:
     """One message for pydantic's errors (each one named, in order) and the first one's field."""
-    parts, params = [], []
+    parts = []
+    params = []
     for err in errors:
         loc = tuple(err.get("loc", ()))
         where = loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc
@@ -125,7 +128,9 @@ def validation_message(
 
 
 def _describe(err: dict, where: tuple, param: str, body_model: type[BaseModel] | None) -> str:
-    kind, ctx, given = err.get("type", ""), err.get("ctx") or {}, err.get("input")
+    kind = err.get("type", "")
+    ctx = err.get("ctx") or {}
+    given = err.get("input")
     if kind == "json_invalid":
         at = f" at character {where[0]}" if where else ""
         return f"the body is not valid JSON: {ctx.get('error', err.get('msg'))}{at}"
@@ -150,4 +155,28 @@ def _body_model(request: Request) -> type[BaseModel] | None:
     annotation = getattr(getattr(field, "field_info", None), "annotation", None)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
+    return None
+
+
+def allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
+    """The keys the object at ``loc`` (a pydantic error location below ``model``) may hold, or
+    None when ``loc`` does not lead to a model."""
+    for part in loc:
+        if not isinstance(part, str):
+            continue  # a list index: the item type is found with the field
+        field = model.model_fields.get(part)
+        inner = _model_in(field.annotation) if field is not None else None
+        if inner is None:
+            return None
+        model = inner
+    return list(model.model_fields)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):  # Optional[M], list[M], M | None ...
+        found = _model_in(arg)
+        if found is not None:
+            return found
     return None

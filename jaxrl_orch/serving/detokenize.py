@@ -42,14 +42,16 @@ class IncrementalDetokenizer:
         text = self._decode(self._ids[self._prefix :])
         if len(text) <= len(released) or text.endswith(REPLACEMENT):
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix = self._read
+        self._read = len(self._ids)
         return text[len(released) :]
 
     def flush(self) -> str:
         """The held-back text, once no more ids will come."""
         released = self._decode(self._ids[self._prefix : self._read])
         text = self._decode(self._ids[self._prefix :])
-        self._prefix = self._read = len(self._ids)
+        self._prefix = len(self._ids)
+        self._read = len(self._ids)
         return text[len(released) :]
 
 

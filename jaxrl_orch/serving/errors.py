@@ -29,7 +29,9 @@ _TYPES = {
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param = int(status), message, param
+        self.status = int(status)
+        self.message = message
+        self.param = param
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(error_body(self.status, self.message, self.param), self.status, headers)

@@ -28,7 +28,8 @@ M = TypeVar("M", bound=BaseModel)
 class BodyInvalid(Exception):
     def __init__(self, model: type[BaseModel], errors: list[dict[str, Any]]) -> None:
         super().__init__(f"invalid {model.__name__} body")
-        self.model, self.errors = model, errors
+        self.model = model
+        self.errors = errors
 
 
 def parse_body(model: type[M], raw: bytes) -> M:

@@ -45,7 +45,8 @@ class Choice:
         stops: Sequence[str] = (),
         skip_special_tokens: bool = True,
     ) -> None:
-        self.index, self.future = index, future
+        self.index = index
+        self.future = future
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         self._stops = StopStrings(stops)
         self._stop_ids = frozenset(sampling.stop_token_ids)
@@ -107,7 +108,8 @@ class Choice:
 
     def unreported(self) -> slice:
         """The tokens no chunk carried yet; marks them carried."""
-        span, self.reported = slice(self.reported, len(self.token_ids)), len(self.token_ids)
+        span = slice(self.reported, len(self.token_ids))
+        self.reported = len(self.token_ids)
         return span
 
 

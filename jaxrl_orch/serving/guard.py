@@ -5,9 +5,9 @@ What it owns: ``Limits`` (the server's bounds: ``max_body_bytes``, ``request_tim
 client's disconnect from ``waiting.await_completions``).
 
 Invariants:
-- With a key, every request but ``GET /health`` carries ``Authorization: Bearer <key>``,
-  compared with ``hmac.compare_digest`` (no timing hint about the key); a missing header and a
-  wrong key are both 401, and the message says which.
+- With a key, every request but the contract's health probe carries
+  ``Authorization: Bearer <key>``, compared with ``hmac.compare_digest`` (no timing hint about
+  the key); a missing header and a wrong key are both 401, and the message says which.
 - A body over ``max_body_bytes`` is refused with 413 before anything parses it: at once from its
   ``Content-Length``, or, for a chunked body, as soon as the bytes read pass the limit.
 - Refusals use the contract's error body (``errors.error_body``).
@@ -24,9 +24,10 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
+from jaxrl_orch.serving.contract import HEALTH
 from jaxrl_orch.serving.errors import error_body
 
-OPEN = {("GET", "/health")}  # what a pool or a load balancer probes without the key
+OPEN = {(HEALTH.method, HEALTH.path)}  # what a pool or a load balancer probes without the key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,8 @@ class Limits:
 
 class Guard:
     def __init__(self, app: Any, *, api_key: str | None, limits: Limits) -> None:
-        self.app, self.limits = app, limits
+        self.app = app
+        self.limits = limits
         self._key = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -54,7 +56,8 @@ class Guard:
         refusal = self._refusal(scope)
         if refusal is not None:
             return await _reply(send, *refusal)
-        limit, seen = self.limits.max_body_bytes, 0
+        limit = self.limits.max_body_bytes
+        seen = 0
 
         async def counted_receive() -> dict:
             nonlocal seen

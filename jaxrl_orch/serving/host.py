@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxrl_orch.inference.driver import InferenceDriver
+from jaxrl_orch.serving.contract import MAX_QUEUED, UPDATE_WEIGHTS, WeightsLoaded
 from jaxrl_orch.types import SamplingParams
 
 WeightSource = Callable[[int, Any, float], Any]  # (uuid, layout or None, timeout_s) -> params
@@ -65,13 +66,14 @@ class EngineHost:
         params: Any = None,
         version: int = 0,
         source: WeightSource | None = None,
-        prefix_cache_size: int = 16,
         warm_up: bool = False,
-        max_queued: int = 4096,
+        max_queued: int = MAX_QUEUED,
     ) -> None:
         if driver is not None and (params is not None or source is not None):
             raise ValueError("EngineHost: give a running driver, or params / a source, not both")
-        self.engine, self.model, self.tokenizer = engine, model, tokenizer
+        self.engine = engine
+        self.model = model
+        self.tokenizer = tokenizer
         self.max_prompt_len = int(engine.max_prefill_length)
         self.max_model_len = int(getattr(engine, "max_target_length", self.max_prompt_len))
         # Ids a prompt may hold (None: unknown, e.g. a plug-in engine without a model config).
@@ -82,7 +84,6 @@ class EngineHost:
         self.in_flight = 0  # samples submitted over HTTP and not yet finished
         self._count_lock = threading.Lock()
         self._source = source
-        self._prefix_cache_size = prefix_cache_size
         self._warm_up = warm_up
         self._owns_driver = driver is None
         self._load_lock = asyncio.Lock()
@@ -111,7 +112,10 @@ class EngineHost:
         """One future per sampling, all of ``prompt_ids`` (sharing one prefill). Refused with
         ``Busy`` when they would take more than ``max_queued`` samples in flight."""
         if self.driver is None:
-            raise NotReady(f"{self.model} holds no weights yet: POST /update_weights first")
+            raise NotReady(
+                f"{self.model} holds no weights yet: {UPDATE_WEIGHTS.method} "
+                f"{UPDATE_WEIGHTS.path} first"
+            )
         if self.in_flight + len(samplings) > self.max_queued:
             raise Busy(
                 f"{self.in_flight} samples in flight and {len(samplings)} more asked for; the "
@@ -142,13 +146,14 @@ class EngineHost:
         version: int,
         uuid: int,
         layout: Any = None,
-        timeout_s: float = 120.0,
+        *,
+        timeout_s: float,
         part: str = "weights",
-    ) -> dict[str, float]:
-        """Fetch offer ``uuid`` from this host's source and decode with it as ``version`` from
-        the next decode step on. Returns ``{"version", "pull_s", "swap_s"}``. ``part``
-        ``base`` only hands the source a LoRA base to keep (nothing is swapped in);
-        ``adapters`` swaps in what the source merged from them."""
+    ) -> WeightsLoaded:
+        """Fetch offer ``uuid`` from this host's source within ``timeout_s`` and decode with it
+        as ``version`` from the next decode step on. ``part`` ``base`` only hands the source a
+        LoRA base to keep (nothing is swapped in); ``adapters`` swaps in what the source merged
+        from them."""
         fetch = self._fetcher(part)
         async with self._load_lock:
             if version < self.version:
@@ -157,19 +162,21 @@ class EngineHost:
                 )
             t0 = time.perf_counter()
             params = await asyncio.to_thread(fetch, uuid, layout, timeout_s)
-            pull_s, t1 = time.perf_counter() - t0, time.perf_counter()
+            pull_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
             if part == "base":  # kept by the source: nothing is swapped in
-                out = {"version": self.version, "pull_s": pull_s, "swap_s": 0.0}
+                out = WeightsLoaded(version=self.version, pull_s=pull_s, swap_s=0.0)
             else:
                 if self.driver is None:
                     self.driver = await asyncio.to_thread(self._start_driver, params, version)
                 else:
                     await asyncio.wrap_future(self.driver.swap_params(params, version))
-                out = {"version": version, "pull_s": pull_s, "swap_s": time.perf_counter() - t1}
+                swap_s = time.perf_counter() - t1
+                out = WeightsLoaded(version=version, pull_s=pull_s, swap_s=swap_s)
             self.loaded(part, out)
             return out
 
-    def loaded(self, part: str, out: dict[str, float]) -> None:
+    def loaded(self, part: str, out: WeightsLoaded) -> None:
         """After each weight update this host took: ``part`` and what ``update_weights``
         returns (a replica logs it; this host says nothing)."""
 
@@ -188,9 +195,7 @@ class EngineHost:
         return fetch
 
     def _start_driver(self, params: Any, version: int) -> InferenceDriver:
-        driver = InferenceDriver(
-            self.engine, params, version, prefix_cache_size=self._prefix_cache_size
-        )
+        driver = InferenceDriver(self.engine, params, version)
         if self._warm_up:  # every program compiled before the first request is served
             print(f"{self.model}: engine warm-up {driver.warm_up():.1f} s", flush=True)
         driver.start()

@@ -1,9 +1,9 @@
 """OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions`` (SSE streaming).
 
-What it owns: ``openai_routes(host)``, the router ``app.make_app`` mounts; turning a validated
-request (``openai_schemas``) into prompt ids and one ``SamplingParams`` per choice, running it
-(``generation.Generation``) and answering with OpenAI's shapes (``openai_shapes``), whole or as
-``text/event-stream``.
+What it owns: ``openai_routes(host, timeout_s=...)``, the router ``app.make_app`` mounts;
+turning a validated request (``openai_schemas``) into prompt ids and one ``SamplingParams`` per
+choice, running it (``generation.Generation``) and answering with OpenAI's shapes
+(``openai_shapes``), whole or as ``text/event-stream``.
 
 Prompts: a completion's ``prompt`` is text (encoded with the host's tokenizer, which adds no
 BOS of its own) or token ids, used as given. A chat's ``messages`` are rendered with the
@@ -42,6 +42,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from jaxrl_orch.serving.contract import GENERATE
 from jaxrl_orch.serving.errors import ApiError, error_body
 from jaxrl_orch.serving.generation import Generation
 from jaxrl_orch.serving.openai_schemas import ChatRequest, CompletionRequest, parse_request
@@ -49,11 +50,10 @@ from jaxrl_orch.serving.openai_shapes import Reply, sse
 from jaxrl_orch.serving.waiting import await_completions
 from jaxrl_orch.types import SamplingParams
 
-REQUEST_TIMEOUT_S = 600.0
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
-def openai_routes(host: Any, *, timeout_s: float = REQUEST_TIMEOUT_S) -> APIRouter:
+def openai_routes(host: Any, *, timeout_s: float) -> APIRouter:
     router = APIRouter()
 
     @router.post(COMPLETIONS)
@@ -87,7 +87,7 @@ def _tokenizer(host: Any) -> Any:
         raise ApiError(
             400,
             f"{host.model} is served without a tokenizer, so it has no text endpoints: use "
-            "POST /inference/v1/generate with token ids",
+            f"{GENERATE.method} {GENERATE.path} with token ids",
         )
     return host.tokenizer
 

@@ -3,12 +3,13 @@
 What it owns: ``Metrics`` (a ``prometheus_client`` registry of this app only, never the global
 one, so two apps in one process never share or clash on a series), ``Counting`` (a plain ASGI
 middleware counting every response by path and status, the guard's refusals included) and
-``ops_routes(host, metrics)``: ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``ops_routes(host, metrics)``: ``GET /v1/models``, the contract's ``HEALTH`` (``contract``),
+``GET /metrics``.
 
 Invariants: the gauges are read from the host and its driver at scrape time (the driver keeps
-them; nothing here runs in the background); ``GET /health`` answers 200 whether or not the host
-holds weights (``ready`` False and ``version`` -1 before the first update); a route label is one
-of the app's paths or ``other``, so unknown paths cannot grow the series without bound.
+them; nothing here runs in the background); the health route answers 200 whether or not the
+host holds weights (``ready`` False and ``version`` -1 before the first update); a route label
+is one of the app's paths or ``other``, so unknown paths cannot grow the series without bound.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from prometheus_client import (
     Gauge,
     generate_latest,
 )
+
+from jaxrl_orch.serving.contract import HEALTH, Health
 
 _GAUGES = {  # metric name -> (help, driver gauge key)
     "jaxrl_engine_queue_depth": ("samples queued for a slot", "inference/queue_depth"),
@@ -71,7 +74,9 @@ class Counting:
     """Counts each response in ``metrics.requests`` once it has started."""
 
     def __init__(self, app: Any, *, metrics: Metrics, paths: set[str]) -> None:
-        self.app, self.metrics, self.paths = app, metrics, paths
+        self.app = app
+        self.metrics = metrics
+        self.paths = paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -112,22 +117,22 @@ def ops_routes(host: Any, metrics: Metrics) -> APIRouter:
         }
         return {"object": "list", "data": [card]}
 
-    @router.get("/health")
-    async def health() -> dict:
+    @router.api_route(HEALTH.path, methods=[HEALTH.method])
+    async def health() -> Health:
         g = host.gauges()
-        return {
-            "status": "ok",
-            "model": host.model,
-            "ready": host.ready,
-            "version": host.version,
-            "paused": host.paused,
-            "in_flight": host.in_flight,
-            "queued": int(g.get("inference/queue_depth", 0)),
-            "slots": int(host.engine.max_concurrent_decodes),
-            "active_slots": int(g.get("inference/active_slots", 0)),
-            "engine_s": g.get("inference/prefill_s", 0.0) + g.get("inference/decode_s", 0.0),
-            "pid": os.getpid(),
-        }
+        return Health(
+            status="ok",
+            model=host.model,
+            ready=host.ready,
+            version=host.version,
+            paused=host.paused,
+            in_flight=host.in_flight,
+            queued=int(g.get("inference/queue_depth", 0)),
+            slots=int(host.engine.max_concurrent_decodes),
+            active_slots=int(g.get("inference/active_slots", 0)),
+            engine_s=g.get("inference/prefill_s", 0.0) + g.get("inference/decode_s", 0.0),
+            pid=os.getpid(),
+        )
 
     @router.get("/metrics")
     async def prometheus() -> Response:

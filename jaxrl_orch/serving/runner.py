@@ -47,7 +47,9 @@ class HttpServer:
                 f"refusing to bind {host!r}: the app checks no API key; build it with "
                 "make_app(host, api_key=...) to serve beyond loopback"
             )
-        self.app, self.host, self.grace_s = app, host, grace_s
+        self.app = app
+        self.host = host
+        self.grace_s = grace_s
         self._want_port = int(port)
         self._port: int | None = None
         self._server: uvicorn.Server | None = None

@@ -41,7 +41,8 @@ class StopStrings:
         return text[: len(text) - keep], False
 
     def flush(self) -> str:
-        held, self._held = self._held, ""
+        held = self._held
+        self._held = ""
         return "" if self.hit is not None else held
 
     def _partial_suffix(self, text: str) -> int:

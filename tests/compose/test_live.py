@@ -48,7 +48,7 @@ def test_the_live_server_answers_with_the_version_the_trainer_swapped_in(driver)
         driver.swap_params(1, 1).result(timeout=30)  # what the weight path does after a step
         second = _generate(server.url, cfg.model.name)
         assert second["token_ids"] == [7, 9, 11] and second["policy_versions"] == [1, 1, 1]
-        update = {"version": 2, "uuid": 1}
+        update = {"version": 2, "uuid": 1, "timeout_s": 30}
         r = httpx.post(f"{server.url}/update_weights", json=update, timeout=30)
         assert r.status_code == 409 and "weight source" in r.text
     finally:

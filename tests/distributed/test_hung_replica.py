@@ -28,20 +28,16 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 SAMPLING = SamplingParams(max_tokens=4)
 
 
-async def _started(procs, *, pull_timeout_s, health_timeout_s, extra_s=None) -> RemotePool:
+async def _started(procs, **deadlines: float) -> RemotePool:
     """A pool over ``procs`` probing every 0.1 s, started at version 3. Its requests may wait
     60 s, far past the deadlines under test: a pool that waited for them would fail instead of
     losing the replica."""
     pool = RemotePool(
         [p.url for p in procs],
         FakeOffer(),
-        request_timeout_s=60,
-        pull_timeout_s=pull_timeout_s,
+        Processes(replica_request_timeout_s=60, **deadlines),
         probe_interval_s=0.1,
-        health_timeout_s=health_timeout_s,
     )
-    if extra_s is not None:
-        pool.load_extra_s = extra_s
     await pool.start(3, "w3")
     return pool
 
@@ -65,9 +61,9 @@ async def _until(predicate, what: str, timeout_s: float = 30.0) -> None:
 
 
 async def _health(url: str) -> dict:
-    probe = RemoteEngineClient(url, replica=9)
+    probe = RemoteEngineClient(url, replica=9, timeout_s=60)
     try:
-        return await probe.health(timeout_s=5.0)
+        return await probe.health(5.0)
     finally:
         await probe.close()
 
@@ -78,7 +74,7 @@ def test_a_stopped_replica_is_lost_its_groups_finish_elsewhere_and_it_rejoins_on
     held, quick = replicas
 
     async def main():
-        pool = await _started([held, quick], pull_timeout_s=5, health_timeout_s=2.0)
+        pool = await _started([held, quick], weight_pull_timeout_s=5, replica_health_timeout_s=2)
         watch = asyncio.ensure_future(pool.watch())
         handle = pool.select()
         while handle.replica != 0:
@@ -105,12 +101,12 @@ def test_a_stopped_replica_is_lost_its_groups_finish_elsewhere_and_it_rejoins_on
     assert [c.token_ids for c in done] == [[41]] * 4
     assert all(c.versions == [3] for c in done)
     assert lost == ({1}, 1, 4, 1)  # lost once; 4 re-issued; the group moved once
-    assert other["engine_s"] == 4.0  # replica 1 answered each request exactly once
+    assert other.engine_s == 4.0  # replica 1 answered each request exactly once
     out = capsys.readouterr().out
     assert f"engine replica 0 ({held.url}) lost: no answer to its health probe for " in out
     # It rejoined through the usual path: the current version first, then live.
     assert "engine replica 0 is back, serving version 4" in out
-    assert back["version"] == 4 and back["engine_s"] == 0.0 and other["version"] == 4
+    assert back.version == 4 and back.engine_s == 0.0 and other.version == 4
     assert pool.live == {0, 1} and pool.rejoined_total == 1 and pool.lost_total == 1
 
 
@@ -121,8 +117,13 @@ def test_a_pull_to_a_stopped_replica_past_its_deadline_loses_it_instead_of_faili
 
     async def main():
         # The health deadline is long and nothing watches yet: the pull's own deadline
-        # (pull_timeout_s + load_extra_s) is what finds the replica silent.
-        pool = await _started([held, quick], pull_timeout_s=1.0, health_timeout_s=60, extra_s=1.0)
+        # (weight_pull_timeout_s + weight_load_extra_s) is what finds the replica silent.
+        pool = await _started(
+            [held, quick],
+            weight_pull_timeout_s=1,
+            weight_load_extra_s=1,
+            replica_health_timeout_s=60,
+        )
         quick.pause()
         await pool.load_weights(4, "w4")  # does not raise: replica 0 is live
         lost = (set(pool.live), pool.lost_total)
@@ -136,14 +137,14 @@ def test_a_pull_to_a_stopped_replica_past_its_deadline_loses_it_instead_of_faili
         return pool, lost, loaded, back
 
     pool, lost, loaded, back = asyncio.run(main())
-    assert lost == ({0}, 1) and loaded["version"] == 4
+    assert lost == ({0}, 1) and loaded.version == 4
     out = capsys.readouterr().out
     assert f"engine replica 1 ({quick.url}) lost: no answer to /update_weights (version 4)" in out
-    assert back["version"] == 4 and pool.live == {0, 1} and pool.rejoined_total == 1
+    assert back.version == 4 and pool.live == {0, 1} and pool.rejoined_total == 1
 
 
 async def _in_flight_is(url: str, n: int) -> bool:
-    return (await _health(url))["in_flight"] == n
+    return (await _health(url)).in_flight == n
 
 
 async def _is_live(pool: RemotePool, i: int) -> bool:
@@ -180,11 +181,3 @@ def test_the_health_deadline_is_a_checked_setting():
     assert Processes().replica_health_timeout_s == 20.0
     with pytest.raises(ValueError, match="replica_health_timeout_s must be >= 1"):
         Processes(replica_health_timeout_s=0.5)
-    with pytest.raises(ValueError, match="health_timeout_s must be > 0"):
-        RemotePool(
-            ["http://127.0.0.1:1"],
-            FakeOffer(),
-            request_timeout_s=1,
-            pull_timeout_s=1,
-            health_timeout_s=0,
-        )

@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 PROMPTS = [list(b"the quick brown"), list(b"jax on two cores")]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+PULL = {"timeout_s": 30.0, "extra_s": 30.0}  # a pull's deadline, and the swap's
 
 
 def _adapters(engine, seed: int):
@@ -68,20 +69,20 @@ def test_a_lora_replica_keeps_the_base_and_serves_it_merged_with_each_versions_a
     staged_base = reshard(base, local_layout(engine.param_shardings))
 
     async def main():
-        client = RemoteEngineClient(url, replica=1)
+        client = RemoteEngineClient(url, replica=1, timeout_s=60.0)
         with pytest.raises(WeightPullError, match=r"part 'adapters' before any part 'base'"):
-            await client.load_weights(1, offer.offer(adapters[1]), 30.0, part="adapters")
-        held = await client.load_weights(1, offer.offer(staged_base), 30.0, part="base")
-        before = await client.health()
+            await client.load_weights(1, offer.offer(adapters[1]), **PULL, part="adapters")
+        held = await client.load_weights(1, offer.offer(staged_base), **PULL, part="base")
+        before = await client.health(5.0)
         got = {}
         for v in (1, 2):
-            await client.load_weights(v, offer.offer(adapters[v]), 30.0, part="adapters")
+            await client.load_weights(v, offer.offer(adapters[v]), **PULL, part="adapters")
             got[v] = await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))
         await client.close()
         return held, before, got
 
     held, before, got = asyncio.run(main())
-    assert held["version"] == -1 and before["version"] == -1 and not before["ready"]
+    assert held.version == -1 and before.version == -1 and not before.ready
     for v in (1, 2):
         for g, w in zip(got[v], want[v], strict=True):
             assert g.token_ids == w.token_ids and g.versions == [v] * len(g.token_ids)
@@ -100,24 +101,24 @@ def test_a_replica_without_lora_refuses_a_base_or_adapters_by_name(replica, refe
     staged = reshard(params[1], local_layout(engine.param_shardings))
 
     async def main():
-        client = RemoteEngineClient(replica[0], replica=1)
+        client = RemoteEngineClient(replica[0], replica=1, timeout_s=60.0)
         errors = []
         for part in ("base", "adapters"):
             with pytest.raises(WeightPullError) as err:
-                await client.load_weights(1, offer.offer(staged), 30.0, part=part)
+                await client.load_weights(1, offer.offer(staged), **PULL, part=part)
             errors.append(str(err.value))
-        health = await client.health()
+        health = await client.health(5.0)
         await client.close()
         return errors, health
 
     errors, health = asyncio.run(main())
     for part, err in zip(("base", "adapters"), errors, strict=True):
         assert f"part {part!r}" in err and "serves whole weights" in err and "400" in err
-    assert health["version"] == -1  # nothing was swapped in
+    assert health.version == -1  # nothing was swapped in
 
 
 def test_the_update_body_names_the_parts_allowed():
-    from jaxrl_orch.serving.schemas import UpdateWeights
+    from jaxrl_orch.serving.contract import UpdateWeights
 
     with pytest.raises(ValueError, match=r"'weights', 'base' or 'adapters'"):
-        UpdateWeights.model_validate({"version": 1, "uuid": 2, "part": "lora"})
+        UpdateWeights.model_validate({"version": 1, "uuid": 2, "timeout_s": 1.0, "part": "lora"})

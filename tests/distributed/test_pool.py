@@ -6,11 +6,14 @@ real engine behind HTTP is tested in test_remote_replica.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import types
 
 import pytest
 from support.standin_replica import FakeOffer, HeldDriver, StandInEngine, serve
 
-from jaxrl_orch.distributed.pool import RemotePool
+from jaxrl_orch.config.runtime import ProcessesSettings as Processes
+from jaxrl_orch.distributed.pool import Deadlines, RemotePool
 from jaxrl_orch.distributed.replica_client import ReplicaLost, WeightPullError
 from jaxrl_orch.serving.host import EngineHost
 from jaxrl_orch.types import Completion, SamplingParams
@@ -34,14 +37,11 @@ class FakeReplica:
         finally:
             self.in_flight -= 1
 
-    async def health(self, timeout_s=5.0):
-        return (
-            {"engine_s": 1.5, "version": self.loads[-1] if self.loads else -1} if self.up else None
-        )
+    async def health(self, timeout_s):
+        version = self.loads[-1] if self.loads else -1
+        return types.SimpleNamespace(engine_s=1.5, version=version) if self.up else None
 
-    async def load_weights(
-        self, version, uuid, timeout_s, layout=None, extra_s=30.0, part="weights"
-    ):
+    async def load_weights(self, version, uuid, timeout_s, *, extra_s, layout=None, part="weights"):
         if not self.up:
             raise ReplicaLost(self.i, f"addr{self.i}", "connection refused")
         if self.fail_pull:
@@ -59,12 +59,11 @@ class FakeReplica:
         pass
 
 
-def make_pool(n: int = 2) -> tuple[RemotePool, list[FakeReplica]]:
+def make_pool(n: int = 2, **deadlines: float) -> tuple[RemotePool, list[FakeReplica]]:
     pool = RemotePool(
         [f"http://127.0.0.1:{i + 1}" for i in range(n)],
         FakeOffer(),
-        request_timeout_s=5,
-        pull_timeout_s=5,
+        Processes(replica_request_timeout_s=5, weight_pull_timeout_s=5, **deadlines),
         probe_interval_s=0.01,
     )
     fakes = [FakeReplica(i) for i in range(n)]
@@ -190,8 +189,7 @@ def test_a_live_replica_silent_past_the_health_deadline_is_lost_and_rejoins_when
     capsys,
 ):
     async def main():
-        pool, fakes = make_pool()
-        pool.health_timeout_s = 0.05
+        pool, fakes = make_pool(replica_health_timeout_s=1.0)  # the least allowed
         await pool.start(0, params="w0")
         watch = asyncio.ensure_future(pool.watch())
         fakes[1].up = False  # no health answers (and no request in flight to fail)
@@ -224,10 +222,10 @@ def test_a_failed_pull_fails_loudly_naming_replica_and_version():
 
 def test_start_names_the_replicas_that_never_answer():
     async def main():
-        pool, fakes = make_pool()
+        pool, fakes = make_pool(replica_start_timeout_s=0.3)
         fakes[1].up = False
         with pytest.raises(TimeoutError, match=r"engine replicas 1 \(addr1\) did not answer"):
-            await pool.start(0, params="w0", timeout_s=0.3)
+            await pool.start(0, params="w0")
 
     asyncio.run(main())
 
@@ -238,9 +236,8 @@ def test_a_replica_stopping_under_a_group_over_http_moves_it_and_no_request_fail
     servers = [serve(EngineHost(StandInEngine(), model="m", driver=d)) for d in (held, quick)]
 
     async def main():
-        pool = RemotePool(
-            [s.url for s in servers], FakeOffer(), request_timeout_s=30, pull_timeout_s=5
-        )
+        deadlines = Processes(replica_request_timeout_s=30, weight_pull_timeout_s=5)
+        pool = RemotePool([s.url for s in servers], FakeOffer(), deadlines)
         pool.live, pool._current = {0, 1}, (3, "w3")  # as if start() had loaded version 3
         handle = pool.select()
         while handle.replica != 0:
@@ -262,3 +259,10 @@ def test_a_replica_stopping_under_a_group_over_http_moves_it_and_no_request_fail
     assert handle.replica == 1 and pool.live == {1} and pool.lost_total == 1
     assert pool.reissued_total == 3 and pool.moved_groups_total == 1
     assert len(quick.futures) == 3  # each request re-issued once, on the live replica
+
+
+def test_every_deadline_the_pool_reads_is_a_setting_of_the_processes_section():
+    settings = {f.name: f.type for f in dataclasses.fields(Processes)}
+    assert {k: settings.get(k) for k in Deadlines.__annotations__} == dict.fromkeys(
+        Deadlines.__annotations__, "float"
+    )

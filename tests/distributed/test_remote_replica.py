@@ -38,6 +38,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(90)]
 
 PROMPTS = [list(b"the quick brown"), list(b"jax on two cores")]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+REQUEST_S = 60.0  # a generate request's deadline, far past what any test waits for
+PROBE_S = 5.0  # a health probe's
+EXTRA_S = 30.0  # how much longer than its pull a weight update's request may take
 
 
 def listening(pid: int) -> set[tuple[str, int]]:
@@ -52,7 +55,7 @@ def listening(pid: int) -> set[tuple[str, int]]:
 async def _load(client, offer, engine, params, version, timeout_s=30.0, expire_s=None):
     staged = reshard(params, local_layout(engine.param_shardings))
     uuid = offer.offer(staged, expire_s=expire_s)
-    return await client.load_weights(version, uuid, timeout_s)
+    return await client.load_weights(version, uuid, timeout_s, extra_s=EXTRA_S)
 
 
 def test_replica_without_weights_refuses_generate_and_pulls_only_from_its_weight_source(
@@ -67,30 +70,30 @@ def test_replica_without_weights_refuses_generate_and_pulls_only_from_its_weight
     uuid = other.offer(reshard(params[1], local_layout(engine.param_shardings)), expire_s=60)
 
     async def main():
-        client = RemoteEngineClient(url, replica=1)
-        health = await client.health()
+        client = RemoteEngineClient(url, replica=1, timeout_s=REQUEST_S)
+        health = await client.health(PROBE_S)
         # Not ready to serve: the pool treats it as lost until its first update lands.
         with pytest.raises(ReplicaLost, match="503.*holds no weights yet"):
             await client.generate(PROMPTS[0], GREEDY)
         assert client.in_flight == 0
         async with aiohttp.ClientSession(url) as http:
-            body = {"version": 1, "uuid": uuid, "address": other.address}
+            body = {"version": 1, "uuid": uuid, "timeout_s": 1.0, "address": other.address}
             async with http.post("/update_weights", json=body) as r:
                 refused = r.status, (await r.json())["error"]
         with pytest.raises(WeightPullError, match="504") as err:
-            await client.load_weights(1, uuid, timeout_s=0.5)
-        after = await client.health()
+            await client.load_weights(1, uuid, timeout_s=0.5, extra_s=EXTRA_S)
+        after = await client.health(PROBE_S)
         await client.close()
         return health, refused, err.value, after
 
     health, (status, error), err, after = asyncio.run(main())
     want = {"ready": False, "version": -1, "in_flight": 0, "queued": 0, "slots": 4}
-    assert {k: health[k] for k in want} == want
-    assert health["engine_s"] == 0.0 and health["pid"] == proc.pid
+    assert {k: getattr(health, k) for k in want} == want
+    assert health.engine_s == 0.0 and health.pid == proc.pid
     assert status == 400 and error["param"] == "address"
     assert "unknown key 'address'" in error["message"] and "uuid" in error["message"]
     assert offer.address in str(err) and other.address not in str(err)
-    assert {k: after[k] for k in want} == want  # nothing was pulled from the other server
+    assert {k: getattr(after, k) for k in want} == want  # nothing was pulled from the other server
 
 
 def test_pulled_weights_decode_like_the_in_process_engine_and_stamp_their_version(
@@ -100,19 +103,19 @@ def test_pulled_weights_decode_like_the_in_process_engine_and_stamp_their_versio
     want = {v: reference_run(engine, params[v], v, PROMPTS, GREEDY) for v in (1, 2)}
 
     async def main():
-        client = RemoteEngineClient(replica[0], replica=1)
+        client = RemoteEngineClient(replica[0], replica=1, timeout_s=REQUEST_S)
         got, loads = {}, {}
         for v in (1, 2):
             loads[v] = await _load(client, offer, engine, params[v], v)
             got[v] = await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))
-        health = await client.health()
+        health = await client.health(PROBE_S)
         await client.close()
         return got, loads, health
 
     got, loads, health = asyncio.run(main())
     assert offer.address.startswith("127.0.0.2:")  # pulled from the trainer's own address
     for v in (1, 2):
-        assert loads[v]["version"] == v and loads[v]["pull_s"] > 0
+        assert loads[v].version == v and loads[v].pull_s > 0
         for g, w in zip(got[v], want[v], strict=True):
             assert g.token_ids == w.token_ids
             np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-6)
@@ -120,7 +123,7 @@ def test_pulled_weights_decode_like_the_in_process_engine_and_stamp_their_versio
     # The second load really changed the weights (random tiny models repeat the same greedy
     # byte, so compare log-probs), not just the stamp.
     assert not np.allclose(got[1][0].logprobs, got[2][0].logprobs, atol=1e-3)
-    assert health["ready"] and health["version"] == 2
+    assert health.ready and health.version == 2
 
 
 def test_trainer_and_replica_hosts_pull_and_serve_listening_only_on_their_own_addresses(
@@ -132,14 +135,14 @@ def test_trainer_and_replica_hosts_pull_and_serve_listening_only_on_their_own_ad
     fresh = WeightOffer(host=TRAINER_HOST)  # its ports are opened in this test
 
     async def main():
-        client = RemoteEngineClient(url, replica=1)
+        client = RemoteEngineClient(url, replica=1, timeout_s=REQUEST_S)
         loaded = await _load(client, offer, engine, params[1], 4)
         done = await client.generate(PROMPTS[0], GREEDY)
         await client.close()
         return loaded, done
 
     loaded, done = asyncio.run(main())
-    assert loaded["version"] == 4 and done.versions == [4] * len(done.token_ids)
+    assert loaded.version == 4 and done.versions == [4] * len(done.token_ids)
     # The trainer's side: every socket an offerer opens (control port, data ports once a pull
     # came) is on its host, and nothing in this process listens on every interface.
     ours = listening(os.getpid())
@@ -175,15 +178,17 @@ def test_a_sender_with_fewer_devices_names_its_layout_and_the_replica_reshards(
     assert any(any(p is not None for p in sp) for sp in specs)  # some leaves are split on tp
 
     async def main():
-        client = RemoteEngineClient(replica[0], replica=1)
+        client = RemoteEngineClient(replica[0], replica=1, timeout_s=REQUEST_S)
         layout = {"mesh": {"tp": 1}, "specs": specs}
-        loaded = await client.load_weights(3, offer.offer(staged), 30.0, layout)
+        loaded = await client.load_weights(
+            3, offer.offer(staged), 30.0, extra_s=EXTRA_S, layout=layout
+        )
         got = await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))
         await client.close()
         return loaded, got
 
     loaded, got = asyncio.run(main())
-    assert loaded["version"] == 3
+    assert loaded.version == 3
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids and g.versions == [3] * len(g.token_ids)
         np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-6)
@@ -195,21 +200,21 @@ def test_failed_pulls_name_replica_and_version_swap_nothing_in_and_the_replica_k
     engine, params = reference
 
     async def main():
-        client = RemoteEngineClient(replica[0], replica=1)
+        client = RemoteEngineClient(replica[0], replica=1, timeout_s=REQUEST_S)
         # A uuid never offered: the pull's own timeout ends it.
         with pytest.raises(WeightPullError, match="replica 1: loading weights version 7") as err:
-            await client.load_weights(7, 12345, timeout_s=0.75)
+            await client.load_weights(7, 12345, timeout_s=0.75, extra_s=EXTRA_S)
         # An offer past its expiry is dropped: the same failure.
         staged = reshard(params[1], local_layout(engine.param_shardings))
         expired = offer.offer(staged, expire_s=0.1)
         await asyncio.sleep(0.3)
         with pytest.raises(WeightPullError, match="version 8 .*504.*timeout_s=0.5"):
-            await client.load_weights(8, expired, timeout_s=0.5)
+            await client.load_weights(8, expired, timeout_s=0.5, extra_s=EXTRA_S)
         # Weights of the right shapes holding NaN are refused, naming the arrays.
         poisoned = jax.tree.map(lambda a: a * np.float32("nan"), params[1])
         nan_offer = offer.offer(reshard(poisoned, local_layout(engine.param_shardings)))
         with pytest.raises(WeightPullError, match=r"version 8 .*NaN or inf in \["):
-            await client.load_weights(8, nan_offer, timeout_s=5.0)
+            await client.load_weights(8, nan_offer, timeout_s=5.0, extra_s=EXTRA_S)
         # Staged in another dtype than the engine's (its bytes would decode as garbage):
         # refused before any pull, naming both.
         mine = jax.numpy.dtype(engine.param_dtype).name
@@ -218,15 +223,15 @@ def test_failed_pulls_name_replica_and_version_swap_nothing_in_and_the_replica_k
         layout = {"mesh": dict(engine.mesh.shape), "specs": specs, "dtype": other}
         fresh = offer.offer(reshard(params[1], local_layout(engine.param_shardings)))
         with pytest.raises(WeightPullError, match=rf"version 8 .*staged in '{other}'.*'{mine}'"):
-            await client.load_weights(8, fresh, 5.0, layout)
-        after_failures = await client.health()
+            await client.load_weights(8, fresh, 5.0, extra_s=EXTRA_S, layout=layout)
+        after_failures = await client.health(PROBE_S)
         # Still serving: the next offer loads, and its version decodes.
         loaded = await _load(client, offer, engine, params[1], 9)
         done = await client.generate(PROMPTS[0], GREEDY)
         # Never back to an older version (no pull is even tried).
         with pytest.raises(WeightPullError, match="must not go backwards"):
-            await client.load_weights(8, expired, timeout_s=1.0)
-        final = await client.health()
+            await client.load_weights(8, expired, timeout_s=1.0, extra_s=EXTRA_S)
+        final = await client.health(PROBE_S)
         await client.close()
         return err.value, after_failures, loaded, done, final
 
@@ -234,10 +239,10 @@ def test_failed_pulls_name_replica_and_version_swap_nothing_in_and_the_replica_k
     assert (err.replica, err.version) == (1, 7)
     assert "HTTP 504" in str(err) and "uuid=12345" in str(err) and "timeout_s=0.75" in str(err)
     assert offer.address in str(err)  # the one source it pulled from
-    assert after_failures["version"] == -1 and not after_failures["ready"]  # nothing swapped in
-    assert after_failures["in_flight"] == 0 and after_failures["queued"] == 0
-    assert loaded["version"] == 9 and done.versions == [9] * len(done.token_ids)
-    assert final["version"] == 9 and final["ready"]
+    assert after_failures.version == -1 and not after_failures.ready  # nothing swapped in
+    assert after_failures.in_flight == 0 and after_failures.queued == 0
+    assert loaded.version == 9 and done.versions == [9] * len(done.token_ids)
+    assert final.version == 9 and final.ready
 
 
 def test_200_failed_pulls_leave_no_thread_behind_and_sigterm_still_ends_the_replica(
@@ -247,12 +252,12 @@ def test_200_failed_pulls_leave_no_thread_behind_and_sigterm_still_ends_the_repl
     engine, params = reference
 
     async def main():
-        client = RemoteEngineClient(url, replica=1)
+        client = RemoteEngineClient(url, replica=1, timeout_s=REQUEST_S)
         await _load(client, offer, engine, params[1], 1)  # its worker threads exist now
         before = psutil.Process(proc.pid).num_threads()
         for i in range(200):  # offers never made: each pull is abandoned at its deadline
             with pytest.raises(WeightPullError, match="504"):
-                await client.load_weights(2, 10**6 + i, timeout_s=0.02)
+                await client.load_weights(2, 10**6 + i, timeout_s=0.02, extra_s=EXTRA_S)
         after = psutil.Process(proc.pid).num_threads()
         loaded = await _load(client, offer, engine, params[2], 3)  # still takes real weights
         done = await client.generate(PROMPTS[0], GREEDY)
@@ -261,7 +266,7 @@ def test_200_failed_pulls_leave_no_thread_behind_and_sigterm_still_ends_the_repl
 
     before, after, loaded, done = asyncio.run(main())
     assert after - before < 10, (before, after)  # a thread per failed pull would be +200
-    assert loaded["version"] == 3 and done.versions == [3] * len(done.token_ids)
+    assert loaded.version == 3 and done.versions == [3] * len(done.token_ids)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
 
@@ -274,7 +279,7 @@ def test_beyond_max_queued_is_refused_naming_the_bound_and_kill_9_is_replica_los
     sampling = SamplingParams(temperature=1.0, max_tokens=48)
 
     async def main():
-        client = RemoteEngineClient(url, replica=1)
+        client = RemoteEngineClient(url, replica=1, timeout_s=REQUEST_S)
         await _load(client, offer, engine, params[1], 1)
         async with aiohttp.ClientSession(url) as http:
             # Paused (requests held, none decoded), so all 8 meet the bound of 3 together.
@@ -284,14 +289,14 @@ def test_beyond_max_queued_is_refused_naming_the_bound_and_kill_9_is_replica_los
             ]
             while sum(c.done() for c in calls) < 5:
                 await asyncio.sleep(0.02)
-            held = await client.health()
+            held = await client.health(PROBE_S)
             (await http.post("/resume")).raise_for_status()
             out = await asyncio.gather(*calls, return_exceptions=True)
-            health = await client.health()
+            health = await client.health(PROBE_S)
             # Then requests held in flight when the replica dies with SIGKILL.
             (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
         pending = [asyncio.ensure_future(client.generate(PROMPTS[0], sampling)) for _ in range(3)]
-        while (await client.health())["in_flight"] < 3:
+        while (await client.health(PROBE_S)).in_flight < 3:
             await asyncio.sleep(0.02)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -299,20 +304,20 @@ def test_beyond_max_queued_is_refused_naming_the_bound_and_kill_9_is_replica_los
         with pytest.raises(ReplicaLost) as err:
             await client.generate(PROMPTS[0], GREEDY)
         alive_after_loss = client.alive
-        gone = await client.health(timeout_s=1.0)
+        gone = await client.health(1.0)
         await client.close()
         return out, held, health, inflight, err.value, alive_after_loss, gone
 
     out, held, health, inflight, err, alive, gone = asyncio.run(main())
     refused = [r for r in out if isinstance(r, BaseException)]
     done = [r for r in out if not isinstance(r, BaseException)]
-    assert len(done) == 3 and len(refused) == 5 and held["in_flight"] == 3, (out, held)
+    assert len(done) == 3 and len(refused) == 5 and held.in_flight == 3, (out, held)
     for r in refused:
         assert isinstance(r, RuntimeError) and not isinstance(r, ReplicaLost)
         assert "HTTP 429" in str(r) and "max_queued=3" in str(r)
         assert "replica 1" in str(r) and "/inference/v1/generate" in str(r)
     assert all(len(c.token_ids) == 48 and not math.isnan(c.logprobs[0]) for c in done)
-    assert health["in_flight"] == 0 and health["queued"] == 0
+    assert health.in_flight == 0 and health.queued == 0
     assert all(isinstance(r, ReplicaLost) and r.replica == 1 for r in inflight), inflight
     assert (err.replica, err.address) == (1, url)
     assert f"replica 1 at {url} is lost" in str(err)

@@ -168,10 +168,18 @@ CASES = {
         "wait_for_inflight_requests",
     ),
     "weights from an address": (
-        lambda c: c.post("/update_weights", json={"version": 1, "uuid": 1, "address": "h:1"}),
+        lambda c: c.post(
+            "/update_weights", json={"version": 1, "uuid": 1, "timeout_s": 1, "address": "h:1"}
+        ),
         400,
         ["'address'", "allowed keys", "uuid"],
         "address",
+    ),
+    "weights without the pull's deadline": (
+        lambda c: c.post("/update_weights", json={"version": 1, "uuid": 1}),
+        400,
+        ["timeout_s is required"],
+        "timeout_s",
     ),
 }
 

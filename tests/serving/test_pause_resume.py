@@ -143,15 +143,19 @@ def test_weight_update_failures_name_the_cause_and_the_host_keeps_serving(served
     v = served.host.version
     before = served.generate(PROMPT, temperature=0.0, max_tokens=6)["choices"][0]
 
-    back = c.post("/update_weights", json={"version": v - 1, "uuid": OFFER_NEW})
+    back = c.post("/update_weights", json={"version": v - 1, "uuid": OFFER_NEW, "timeout_s": 30})
     assert back.status_code == 400 and "backwards" in back.json()["error"]["message"]
     slow = c.post("/update_weights", json={"version": v + 1, "uuid": OFFER_SLOW, "timeout_s": 2})
     assert slow.status_code == 504, slow.text
     assert "timeout_s=2" in slow.json()["error"]["message"]
-    broken = c.post("/update_weights", json={"version": v + 1, "uuid": OFFER_BROKEN})
+    broken = c.post(
+        "/update_weights", json={"version": v + 1, "uuid": OFFER_BROKEN, "timeout_s": 30}
+    )
     assert broken.status_code == 500, broken.text
     assert "the sender went away mid-transfer" in broken.json()["error"]["message"]
-    address = c.post("/update_weights", json={"version": v + 1, "uuid": 1, "address": "h:1"})
+    address = c.post(
+        "/update_weights", json={"version": v + 1, "uuid": 1, "timeout_s": 30, "address": "h:1"}
+    )
     assert address.status_code == 400 and "'address'" in address.json()["error"]["message"]
 
     assert served.host.version == v
@@ -167,7 +171,8 @@ def test_a_host_without_weights_is_healthy_but_not_ready_until_its_first_update(
         r = s.client.post("/inference/v1/generate", json=_greedy(4))
         assert r.status_code == 503 and "/update_weights" in r.json()["error"]["message"]
         assert s.client.post("/pause", params={"mode": "keep"}).status_code == 503
-        assert s.client.post("/update_weights", json={"version": 0, "uuid": 0}).status_code == 200
+        update = {"version": 0, "uuid": 0, "timeout_s": 30}
+        assert s.client.post("/update_weights", json=update).status_code == 200
         assert s.client.get("/health").json()["ready"] is True
         assert s.generate(PROMPT, temperature=0.0, max_tokens=4)["choices"][0]["policy_versions"]
     finally:

@@ -177,7 +177,7 @@ def test_health_and_metrics_report_the_host(served):
 
 
 def test_a_host_without_a_weight_source_refuses_updates_with_409(served):
-    r = served.client.post("/update_weights", json={"version": 9, "uuid": 1})
+    r = served.client.post("/update_weights", json={"version": 9, "uuid": 1, "timeout_s": 30})
     assert r.status_code == 409, r.text
     assert "weight source" in r.json()["error"]["message"]
     assert served.host.version == 3

@@ -48,12 +48,14 @@ def lora_adapters(rank: int):
 
 
 def main() -> None:
+    from jaxrl_orch.config.runtime import ProcessesSettings as Processes
     from jaxrl_orch.distributed.replica import replica_server, serve_until_signal
+    from jaxrl_orch.serving.contract import MAX_QUEUED
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--weight-source", required=True)
     parser.add_argument("--host", default="127.0.0.1", help="the address this replica binds")
-    parser.add_argument("--max-queued", type=int, default=4096)
+    parser.add_argument("--max-queued", type=int, default=MAX_QUEUED)
     parser.add_argument("--lora-rank", type=int, default=0)
     args = parser.parse_args()
     host, server = replica_server(
@@ -62,6 +64,7 @@ def main() -> None:
         model="tiny-byte",
         bind=(args.host, 0),
         weight_source=args.weight_source,
+        request_timeout_s=Processes().replica_request_timeout_s,  # a run's, by default
         max_queued=args.max_queued,
         lora=lora_adapters(args.lora_rank) if args.lora_rank else None,
     )

@@ -1,29 +1,40 @@
-"""The RL endpoints' request bodies as pydantic models: what a client may send, and nothing else.
+"""The engine replicas' HTTP contract: every route a pool calls, and the bodies both ways.
 
-What it owns: ``GenerateRequest`` (``POST /inference/v1/generate``: ``model``, ``token_ids``,
-``sampling_params``, optional ``request_id`` / ``cache_salt`` / ``priority``), its
-``WireSampling`` (vLLM's sampling keys that this engine honours), ``UpdateWeights``
-(``POST /update_weights``), ``to_samplings`` (one ``types.SamplingParams`` per sample; an
-absent ``max_tokens`` is what the context leaves after the prompt) and ``allowed_keys`` (the
-keys an object of a request may hold, for the error that refuses another).
+What it owns: ``Route`` (method, path, request model, reply model) and the routes a pool
+(``distributed.pool`` through ``distributed.replica_client``) calls on a replica: ``GENERATE``
+(vLLM's token-in/token-out route: ``GenerateRequest`` -> ``GenerateResponse``), ``HEALTH`` (the
+state a pool reads, open without the API key: ``Health``) and ``UPDATE_WEIGHTS`` (pull an offer
+from the one source the server was started with: ``UpdateWeights`` -> ``WeightsLoaded``);
+``MAX_QUEUED``, the samples a replica holds in flight unless told otherwise (past it: 429).
 
-Invariants:
-- Every model forbids unknown keys and is strict (no ``"1"`` for 1, no ``1`` for ``true``): a
-  key this engine would not honour is refused by name, never ignored.
+Both sides import it: the server (``rl_api``, ``ops``, ``guard``, ``host``) serves these paths
+and validates these requests; the client builds its bodies from the request models and reads
+every reply through its reply model. Pydantic only, so the client never imports the server's
+stack.
+
+Requests (what a client may send, and nothing else):
+- Every request model forbids unknown keys and is strict (no ``"1"`` for 1, no ``1`` for
+  ``true``): a key this engine would not honour is refused by name, never ignored.
 - Keys accepted without effect on the tokens, and why: ``skip_special_tokens``,
   ``spaces_between_special_tokens``, ``include_stop_str_in_output`` and ``detokenize`` shape
-  text, which the token endpoint never returns; ``logprobs`` 0 or 1 (the sampled token's
-  log-prob is always returned; alternatives are not); ``routed_experts_prompt_start`` (verifiers
-  sends it on bridged turns; this engine returns no routed experts); ``cache_salt`` (prefixes are
-  shared only between identical prompts of one version, so a salt could only narrow reuse and
-  never changes a result). Penalties and ``min_p`` / ``min_tokens`` are accepted only at their
-  neutral values and ``ignore_eos`` only false; ``priority`` only 0 (requests are served in
-  arrival order), as vLLM answers when priority scheduling is off.
-- Seeds of ``n > 1`` samples follow the driver's rule: sample i of seed s gets ``s + i``.
+  text, which the token route never returns; ``logprobs`` 0 or 1 (the sampled token's log-prob
+  is always returned; alternatives are not); ``routed_experts_prompt_start`` (verifiers sends it
+  on bridged turns; this engine returns no routed experts); ``cache_salt`` (prefixes are shared
+  only between identical prompts of one version, so a salt could only narrow reuse and never
+  changes a result). Penalties and ``min_p`` / ``min_tokens`` are accepted only at their neutral
+  values and ``ignore_eos`` only false; ``priority`` only 0 (requests are served in arrival
+  order), as vLLM answers when priority scheduling is off.
+- ``UpdateWeights`` never names an address, and always its pull's deadline (``timeout_s``).
 
-Who uses it: ``rl_api`` (the routes) and ``app`` (``allowed_keys`` in the validation handler).
-It never touches the engine; limits that need the served model (vocabulary, context) are
-checked by the route.
+Replies:
+- A generate reply holds one choice per sample; a choice holds one log-prob entry and one policy
+  version per token id (``content[j].token == "token_id:<id>"``; a log-prob the engine did not
+  report is null). ``policy_versions`` is ours: a choice without one version per token is
+  refused when read, since the orchestrator bounds staleness by them (DESIGN.md section 3).
+- A reader ignores keys a reply model does not name (another engine may add some); the
+  server's own replies hold exactly these keys, which the tests hold it to.
+
+Limits that need the served model (vocabulary, context) are the server's to check.
 """
 
 from __future__ import annotations
@@ -32,9 +43,9 @@ import dataclasses
 import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxrl_orch.types import SamplingParams
+MAX_QUEUED = 4096
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 _NEUTRAL = {
@@ -178,6 +189,54 @@ class GenerateRequest(BaseModel):
         return v
 
 
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float | None  # None: the engine did not report it
+    bytes: list[int] | None = None
+    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class GenerateChoice(BaseModel):
+    index: int = 0
+    token_ids: list[int]
+    logprobs: ChoiceLogprobs
+    finish_reason: str
+    policy_versions: list[int] | None = None  # None is refused: see ``_one_per_token``
+
+    @model_validator(mode="after")
+    def _one_per_token(self) -> GenerateChoice:
+        n = len(self.token_ids)
+        if len(self.policy_versions or ()) != n:
+            raise ValueError(
+                "the engine's answer has no policy_versions with one version per token; the "
+                "orchestrator bounds staleness by them (DESIGN.md section 3), so an engine "
+                "serving it must report the version of every token it generates"
+            )
+        if len(self.logprobs.content) != n:
+            raise ValueError(
+                f"the engine's answer has {len(self.logprobs.content)} log-prob entries for "
+                f"{n} token ids: one per token"
+            )
+        return self
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class GenerateResponse(BaseModel):
+    request_id: str | None = None
+    choices: list[GenerateChoice] = Field(min_length=1)
+    prompt_logprobs: None = None
+    usage: Usage | None = None
+
+
 class UpdateWeights(BaseModel):
     """An offer to pull from the source the server was started with; never an address.
 
@@ -190,7 +249,7 @@ class UpdateWeights(BaseModel):
     version: int
     uuid: int
     layout: Any = None
-    timeout_s: float = 120.0
+    timeout_s: float
     part: typing.Literal["weights", "base", "adapters"] = "weights"
 
     @field_validator("timeout_s")
@@ -201,40 +260,35 @@ class UpdateWeights(BaseModel):
         return v
 
 
-def to_samplings(sp: WireSampling, max_tokens: int) -> list[SamplingParams]:
-    """One ``SamplingParams`` per sample of ``sp`` (``n`` of them), ``max_tokens`` resolved."""
-    base = SamplingParams(
-        temperature=float(sp.temperature),
-        top_k=int(sp.top_k),
-        top_p=float(sp.top_p),
-        max_tokens=int(max_tokens),
-        stop_token_ids=tuple(int(t) for t in sp.stop_token_ids),
-        seed=sp.seed,
-    )
-    if sp.seed is None:
-        return [base] * sp.n
-    return [dataclasses.replace(base, seed=(sp.seed + i) % 2**31) for i in range(sp.n)]
+class WeightsLoaded(BaseModel):
+    version: int  # served from the next decode step on (a LoRA base: the one still served)
+    pull_s: float
+    swap_s: float
 
 
-def allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
-    """The keys the object at ``loc`` (a pydantic error location below ``model``) may hold, or
-    None when ``loc`` does not lead to a model."""
-    for part in loc:
-        if not isinstance(part, str):
-            continue  # a list index: the item type is found with the field
-        field = model.model_fields.get(part)
-        inner = _model_in(field.annotation) if field is not None else None
-        if inner is None:
-            return None
-        model = inner
-    return list(model.model_fields)
+class Health(BaseModel):
+    status: str
+    model: str
+    ready: bool  # False (and version -1) until the first weight update lands
+    version: int
+    paused: bool
+    in_flight: int
+    queued: int
+    slots: int
+    active_slots: int
+    engine_s: float  # prefill + decode seconds since the process started
+    pid: int
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):  # Optional[M], list[M], M | None ...
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
+@dataclasses.dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    request: type[BaseModel] | None  # None: no body
+    reply: type[BaseModel]
+
+
+GENERATE = Route("POST", "/inference/v1/generate", GenerateRequest, GenerateResponse)
+HEALTH = Route("GET", "/health", None, Health)
+UPDATE_WEIGHTS = Route("POST", "/update_weights", UpdateWeights, WeightsLoaded)
+ROUTES = (GENERATE, HEALTH, UPDATE_WEIGHTS)
