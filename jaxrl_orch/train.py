@@ -3,28 +3,36 @@
     python -m jaxrl_orch.train --gin_file=configs/reverse_text.gin \\
         [--gin_param='RL.steps=40'] [--workdir=runs/reverse_text]
 
-What it owns: reading the gin config (every setting is a ``TrainConfig`` field; an unknown
-binding, an impossible mesh or missing data fails before any work, naming the bad value),
-building the pieces (meshes, tokenizer, environment, data sources, trainer, decoding engine,
-weight publisher) and handing them to the orchestrator, the SFT stage (skipped when its
-checkpoint exists), checkpoints (periodic, taken on the trainer's thread between two steps, and
-a final one after the drain), SIGTERM/Ctrl-C (drain, at most ``drain_timeout_s``, checkpoint,
-exit 0; a second signal exits at once, non-zero), a full disk or a read-only / forbidden
-workdir (one line naming the path, exit 1; the same command resumes once fixed), resume (restore the
-trainer and the orchestrator's state, give the engine the restored weights before any
-rollout), and the outputs: ``config.gin``, ``metrics.jsonl``, TensorBoard events,
-``summary.json`` and the report (``jaxrl_orch.tools.report``).
+What it owns: the command line and the process's life around the run, not the run's parts:
 
-Placement: with one device the engine and trainer share it (colocated); with several, the
-devices are split into a trainer mesh and a decode mesh (``sharding.mesh.make_meshes``), and
-weights move by ``sharding.reshard.reshard`` inside the trainer's publish callback (the params
-it receives are donated by the next step, so they are copied off before it returns).
+- reading the config (``config.load``): every setting is a field of one of ``TrainConfig``'s
+  sections, and a bad file, binding or value is refused before any work, naming it;
+- this process's role (``distributed.group``: the only process, a trainer of a group, or an
+  engine replica, from ``Processes`` and ``--process_index``; a trainer group's
+  ``jax.distributed`` cluster is joined before any JAX computation) and, for the process that
+  writes the workdir, its claim on it (``run.owner``: ``run.lock``);
+- handing over to the stages (``run.stages``): ``prepare`` checks everything and builds the
+  run's parts (``compose.parts.build_run``: meshes, model, environment, data, the engine
+  setting), ``write_config`` writes ``config.gin``, ``run`` takes the stages in order (the
+  warm-up, skipped when its checkpoint is complete; RL, resumed from its newest checkpoint with
+  the engine on the restored weights, or its imitation control; the export) and ``finish``
+  writes ``summary.json`` and the report. Checkpoints (periodic, on the trainer's thread
+  between two steps; a final one after the drain), placement and the weight path belong to
+  those stages and ``compose``;
+- SIGTERM / Ctrl-C: the run drains (at most ``Orchestrator.drain_timeout_s``), checkpoints
+  and exits 0; a second signal exits at once, non-zero (128 + the signal);
+- exit statuses: 2 for a refused config or command line (named on one line); 1 for a run
+  stopped by its storage (a full disk, a read-only or forbidden workdir: one line naming the
+  path; the same command resumes once fixed); and ``cli`` ends the process even when a thread
+  left behind by environment code never returns (``run.ending``).
 
-First contact: ``--help`` shows the documented command; ``--list_config`` prints every setting
-with its default and meaning (``config.listing``, read from ``config.py``'s comments); a bare
-command (no gin file, no binding) does not quietly start a long run of the built-in defaults but
-lists ``configs/*.gin`` and exits 2 (``--defaults`` runs them on purpose); a finished run ends
-with a line naming ``report.md``, the plots, ``export/`` and ``summary.json``.
+First contact: ``--help`` shows the documented command; ``--list_config`` prints every
+setting by section with its type, default, allowed values and meaning, read from each field's
+own declaration (``config.listing``, ``jaxrl_orch.settings``); a bare command (no gin file, no
+binding) does not quietly start a long run of the built-in defaults but lists
+``configs/*.gin`` and exits 2 (``--defaults`` runs them on purpose); a finished run prints a
+JSON line of headline numbers, then a line naming ``report.md``, the plots, ``export/`` and
+``summary.json``.
 """
 
 from __future__ import annotations
@@ -89,7 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run TrainConfig's built-in defaults without a gin file, on purpose",
     )
     roles = p.add_argument_group(
-        "processes (DESIGN.md section 8; python -m jaxrl_orch.distributed.launch_local sets these)",
+        "processes (docs/scale-out.md; python -m jaxrl_orch.distributed.launch_local sets these)",
         "Processes.trainer_processes (P) and engine_replicas (R) name the layout; process K < P "
         "trains (0 also runs the orchestrator), P <= K < P + R serves as replica K - P.",
     )

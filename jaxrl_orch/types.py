@@ -4,7 +4,7 @@ Everything that crosses a component boundary is defined here, and only here: the
 dispatcher emits, the samples a train sink builds, the batches the trainer and the eval sink
 consume, the shared policy-version handle, and the Protocols components are written against.
 
-Facts and their single owners (DESIGN.md section 3):
+Facts and their single owners (docs/design.md section 3):
 - ``token_ids`` are the engine's sampled ids, kept as ids end to end (never re-tokenized).
 - ``logprobs`` are the behavior log-probabilities recorded by the engine at sampling time, per
   token, at the sampling temperature.

@@ -1,12 +1,15 @@
-"""The boundaries of DESIGN.md section 2, enforced: import-linter contracts from pyproject.toml.
+"""The boundaries of docs/design.md section 2, enforced: import-linter contracts from
+pyproject.toml.
 
 Orchestrator components never import each other (only the loop drives them); layers only import
 downwards; sharding/ knows nothing of models or RL; inference/ knows nothing of orchestration;
-algorithms/ are pure.
+algorithms/ are pure. And the repository stands alone: its design notes are docs/design.md, no
+file cites a document outside the repository, and every docs page a file cites exists.
 """
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -153,3 +156,95 @@ def test_no_untyped_experiment_object():
     for path in _sources():
         text = path.read_text()
         assert "exp: Any" not in text and ": Any = exp" not in text, path
+
+
+# The repository stands alone: a clone has nothing beside it, so its files may cite only what it
+# holds. The patterns are spelled so that this file does not match them itself.
+DESIGN_NOTES = ROOT / "docs" / "design.md"
+TEXT_FILES = ("*.py", "*.md", "*.toml", "*.gin", "*.sh", "*.yaml", "*.yml")
+SECTION_HEADING = re.compile(r"^##(#?) (\d+(?:\.\d+)?)\.? \S", re.MULTILINE)
+LEAKS = {
+    "cites the team's guidance outside the repository": re.compile(r"\bDESIGN\b"),
+    "points into the shared folder beside the checkout": re.compile(r"\.\./shared\b"),
+    "names an absolute path of the machine it was written on": re.compile(r"(?<![\w.~-])/w[o]rk/"),
+}
+RELATIVE_PATH = re.compile(r"(?<![\w./])((?:\.\./)+[\w./-]*)")
+DOCS_PAGE = re.compile(r"(?<![\w/.-])docs/([\w.-]+\.md)\b")
+MD_LINK = re.compile(r"\]\(([^)#\s:]+\.md)(?:#[^)]*)?\)")
+DESIGN_SECTION = re.compile(r"design\.md\S{0,2}\s+section\s+(\d+(?:\.\d+)?)")
+
+
+def _text_files() -> list[Path]:
+    """The repository's text files: tracked, plus new ones git does not ignore."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *TEXT_FILES],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+        timeout=60,
+    ).stdout.decode()
+    return [ROOT / p for p in listed.split("\0") if p and (ROOT / p).is_file()]
+
+
+def _leaks(path: Path, text: str) -> list[str]:
+    """Where ``text`` (the file at ``path``) reaches outside the repository, one entry each."""
+    found = []
+    for line_no, line in enumerate(text.splitlines(), 1):
+        where = f"{path.relative_to(ROOT)}:{line_no}"
+        found += [f"{where} {why}: {line.strip()}" for why, p in LEAKS.items() if p.search(line)]
+        for rel in RELATIVE_PATH.findall(line):
+            target = os.path.normpath(path.parent / rel)
+            if os.path.commonpath([ROOT, target]) != str(ROOT):
+                found.append(f"{where} leaves the repository ({rel}): {line.strip()}")
+    return found
+
+
+def test_design_notes_are_in_the_repository_with_numbered_sections():
+    """docs/design.md exists, and its sections are numbered 1, 2, ... so code can cite one."""
+    text = DESIGN_NOTES.read_text()
+    numbers = [int(n) for sub, n in SECTION_HEADING.findall(text) if not sub]
+    assert len(numbers) >= 10, numbers
+    assert numbers == list(range(1, len(numbers) + 1)), numbers
+
+
+def test_nothing_cites_a_document_outside_the_repository():
+    """No text file cites the team's guidance, the folder beside the checkout, an absolute path
+    of the machine or a relative path that climbs out of the repository."""
+    leaks = [leak for path in _text_files() for leak in _leaks(path, path.read_text())]
+    assert not leaks, "\n".join(leaks)
+
+
+def test_the_leak_check_catches_a_planted_citation():
+    """Each kind of leak is found in a planted page (spelled in pieces: see LEAKS)."""
+    planted = "\n".join(
+        [
+            "See " + "../" + "shared/notes.md for the rest.",
+            "The rules are in " + "DES" + "IGN.md section 4.",
+            "Copied from /" + "work/main/README.md.",
+            "[up](" + "../" * 3 + "elsewhere.md), but [here](../README.md) is fine.",
+        ]
+    )
+    leaks = _leaks(ROOT / "docs" / "planted.md", planted)
+    assert [int(leak.split(":")[1].split()[0]) for leak in leaks] == [1, 2, 3, 4], leaks
+    assert not _leaks(ROOT / "tests" / "planted.py", "('../sharding/rules.py', '.../x')")
+
+
+def test_every_cited_docs_page_and_design_section_exists():
+    """Every ``docs/<name>.md`` a file names, every ``.md`` link of a page and every
+    ``design.md section N`` a file cites exists."""
+    sections = {n for _, n in SECTION_HEADING.findall(DESIGN_NOTES.read_text())}
+    missing = []
+    for path in _text_files():
+        text, where = path.read_text(), path.relative_to(ROOT)
+        pages = [ROOT / "docs" / name for name in DOCS_PAGE.findall(text)]
+        if path.suffix == ".md":
+            pages += [path.parent / link for link in MD_LINK.findall(text)]
+        missing += [f"{where}: {page.relative_to(ROOT)}" for page in pages if not page.is_file()]
+        missing += [
+            f"{where}: docs/design.md section {n}"
+            for n in DESIGN_SECTION.findall(text)
+            if n not in sections
+        ]
+    assert not missing, missing

@@ -2,7 +2,7 @@
 
 What it owns: ``build_engine(cfg, model_cfg, mesh, tokenizer)``, the one engine builder: the
 engine's limits from ``engine_limits(cfg)`` (slots, cache length, the prefill limit, decode steps
-per call: the only place they are read from the settings), its dtypes from ``accel``.
+per call: the only place they are read from the settings), its dtypes from ``precision``.
 ``engine_factory(spec)`` resolves ``Engine.kind``: ``"builtin"`` is
 ``inference.engine.DecodeEngine``; ``"package.module:callable"`` names a factory called with
 the same arguments (``model_config`` positionally; ``mesh``, ``limits`` (an ``EngineLimits``),

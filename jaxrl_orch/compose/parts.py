@@ -7,7 +7,7 @@ the API key; empty for one process), the tokenizer and the model config (the run
 attention and remat), the meshes, the environment and its demonstrator, and the data sources.
 Stages read it; nothing writes to it. ``build_run`` validates before any work: the mesh shapes
 against the devices, the environment, the data (every example checked to fit, ``checks``), the
-engine setting, ``warmup_from`` and, for an engine replica, that it may bind its URL
+engine setting, ``Warmup.from_workdir`` and, for an engine replica, that it may bind its URL
 (``replica.check_bind``). What a stage builds later (the engine, a trainer) comes from the
 builders in ``engines`` and ``trainers``, fed from the parts.
 

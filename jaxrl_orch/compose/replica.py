@@ -31,7 +31,7 @@ def serve_replica(
     cfg: TrainConfig, engine: Any, role: Role, replicas: Replicas, adapters: Any = None
 ) -> dict[str, Any]:
     """Serve ``engine`` at this replica's URL until SIGTERM / SIGINT (the launcher's stop).
-    ``adapters``: a LoRA run's adapter tree (``build.run.rl_adapters``), else None."""
+    ``adapters``: a LoRA run's adapter tree (``compose.trainers.rl_adapters``), else None."""
     url = replicas.urls[role.replica]
     host, server = replica_server(
         engine,

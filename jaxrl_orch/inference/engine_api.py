@@ -12,7 +12,7 @@ Column ranges (half-open ``(start, stop)`` pairs):
 - ``tokens_idx``: sampled ids, one column per decode step in the call (``steps`` columns);
 - ``valid_idx``: 1 where that step produced a real token for the slot, else 0;
 - ``length_idx``: one column, tokens generated so far by the slot's current request;
-RL extras (DESIGN.md section 5), absent (``None``) for an engine that cannot provide them:
+RL extras (docs/design.md section 5), absent (``None``) for an engine that cannot provide them:
 - ``logprob_idx``: behavior log-probs, float32 bit-cast into the int32 array;
 - ``version_idx``: params version of the call that produced each token.
 

@@ -32,7 +32,8 @@ from jaxrl_orch.types import SamplingParams
 STOPPED = "InferenceDriver stopped before the request finished"
 ABORTED = "abort"  # the finish reason of requests a pause("abort") ended (vLLM's word)
 PAUSE_MODES = ("keep", "wait", "abort")  # weakest first
-# An engine that reports no log-probs yields NaN: the trainer must recompute them (DESIGN 5).
+# An engine that reports no log-probs yields NaN: the trainer must recompute them
+# (docs/design.md section 5).
 NO_LP = float("nan")
 # Streaming: called with (token_id, logprob, version) as each token of a sample is recorded.
 TokenListener = Callable[[int, float, int], Any]

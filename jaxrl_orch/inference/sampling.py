@@ -3,7 +3,7 @@
 Owns: turning one decode step's logits ``[B, V]`` plus per-slot sampling parameters (arrays,
 so a new request never recompiles anything) into ``(token_ids[B], logprobs[B])``.
 
-Semantics (one rule per fact, DESIGN.md section 3):
+Semantics (one rule per fact, docs/design.md section 3):
 - ``temperature[b] == 0`` is greedy: the token is ``argmax(logits[b])``.
 - Otherwise the token is drawn from ``softmax(logits / T)`` restricted to the top-k tokens
   (``top_k == 0`` disables) and then to the smallest head of the sorted distribution whose

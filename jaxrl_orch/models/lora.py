@@ -14,7 +14,7 @@ Why not qwix's ``apply_lora_to_model``: it finds a projection by intercepting
 runs inside a ``custom_vjp`` (``models.matmul``: the bf16 backward), and ``scan_layers`` calls
 the blocks on stacked, merged copies of their params, so qwix would see neither the weight nor
 the module; the adapters here are the same maths (and qwix's names: ``<weight>_lora_a/_b``,
-``nnx.LoRAParam``), written against this model's projections (DESIGN.md section 11).
+``nnx.LoRAParam``), written against this model's projections (docs/design.md section 11).
 
 No dropout: the RL loss takes the ratio of the trainer's log-probs to the engine's, and a
 dropped-out adapter would make that ratio noisy even on-policy.

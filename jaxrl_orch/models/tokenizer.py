@@ -23,7 +23,7 @@ Both classes share one interface (``Tokenizer``): ``encode``, ``decode``, ``voca
 Invariants: ``encode`` never adds BOS/EOS on its own (the chat template and the caller decide);
 special-token strings inside text encode to their single special id, so
 ``encode(apply_chat_template(...))`` yields the real control ids; ``decode(encode(s)) == s``
-for any string. Token ids are the engine's currency end to end (DESIGN.md section 3): nothing
+for any string. Token ids are the engine's currency end to end (docs/design.md section 3): nothing
 downstream re-tokenizes decoded text, so this module is only used at the edges (prompt in,
 text out for scoring and logs). It never touches the model or devices.
 """

@@ -1,6 +1,6 @@
 """StalenessGate: the admission-side bound on how off-policy training data may get.
 
-Owns three counters and one formula (AReaL's form, DESIGN.md section 4):
+Owns three counters and one formula (AReaL's form, docs/design.md section 4):
 
     capacity = min(max_concurrent - running, (S + version + 1) * B - (accepted + running))
 

@@ -8,7 +8,7 @@ rollouts the ``drop`` policy discarded (``dropped_total``), and shipping. Shippi
 1. drain instead once ``step > max_steps`` (``drain.Drain.after_last_step``);
 2. version hold (prime-rl): wait until ``policy.version >= step - 1 - max_staleness``; a hold
    parked longer than ``stall_timeout_s`` raises ``WatcherStallError``;
-3. observed-age policy (DESIGN.md section 4): ``pace`` routes every landed episode, then waits
+3. observed-age policy (docs/design.md section 4): ``pace`` routes every landed episode, then waits
    while the batch, oldest heads first, could leave any rollout to a step past the bound
    (``ledger.pace_wait``: the one exact test, over what is ready, in flight and waiting);
 4. take the batch from the sink; ``drop`` discards its rollouts past the bound, and a batch

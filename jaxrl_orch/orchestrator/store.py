@@ -7,7 +7,7 @@ rollout with exactly the facts the trainer consumed: ids (``env``, ``group_id``,
 ``live_policy``, and ``branches`` (each further path's token trace) when the trace branches.
 Enough to audit or replay a step without re-tokenizing anything.
 
-Who drives it: the orchestrator's main loop, from ``finalize_train_batch``: after the batch's
+Who drives it: the loop's shipper (``shipping.BatchShipper``, when it ships): after the batch's
 off-policy ages are stamped and *before* the batch ships, ``write(step, rollouts)`` with the
 cohort the train sink trained on. ``write`` blocks on ``fsync``; from the event loop use
 ``await write_async(...)`` (a worker thread).

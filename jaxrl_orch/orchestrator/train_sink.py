@@ -11,7 +11,7 @@ What it owns: everything between "a rollout finished" and "a batch is ready to s
    a smaller one inline, because the thread hop costs the loop more than converting a few
    thousand tokens does. Errored and untrainable rollouts are not tokenized; a rollout whose
    trace is misaligned is turned into an error rollout (``capture_error``), the deliberate
-   fault tolerance DESIGN.md section 7 allows.
+   fault tolerance docs/design.md section 7 allows.
 2. Group. Rollouts are held until all ``group_size`` rollouts of their ``group_id`` (errored
    ones included: the dispatcher emits every rollout it started) have arrived.
 3. Score. Errored/untrainable rollouts are dropped; the survivors' rewards go through the

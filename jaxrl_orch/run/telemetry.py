@@ -2,7 +2,7 @@
 
 Step and eval rows: ``metrics.jsonl``, TensorBoard (``tb/steps``), the console, a progress bar,
 the pre-RL eval record (``history.BeforeRLRecorder``) and, when ``Outputs.wandb_project``
-is set, a Weights & Biases run (``orchestrator.wandb_writer``; the ``wandb`` extra). Gauges:
+is set, a Weights & Biases run (``orchestrator.metrics.wandb``; the ``wandb`` extra). Gauges:
 ``gauges.jsonl`` and ``tb/``, pulled from the components plus the driver and the trainer.
 Rollouts and error records: ``rollouts/``. Every path is under the workdir, local or ``gs://``.
 """

@@ -3,11 +3,11 @@
 What it owns: ``run_warmup(parts, writer, stop)``, the stage before RL. Its checkpoint lives in
 ``WORKDIR/sft`` (one kept). A checkpoint records whether the warm-up was ``complete`` and the
 SFT data cursor; so the same command after a SIGTERM or a crash continues from the last
-checkpoint (one every ``sft_checkpoint_every`` steps, and one at the step a SIGTERM stopped)
+checkpoint (one every ``Warmup.checkpoint_every`` steps, and one at the step a SIGTERM stopped)
 with the same data order (rows past the restored step are trimmed from ``metrics.jsonl``,
 ``history.trim_for_sft``), and a complete warm-up (this run's, or another run's copied via
-``warmup_from``) is restored and skipped. A fresh warm-up starts from the model's initial or
-pretrained weights; a resumed one never reloads them.
+``Warmup.from_workdir``) is restored and skipped. A fresh warm-up starts from the model's
+initial or pretrained weights; a resumed one never reloads them.
 
 Driven by ``stages.run`` on the main thread; the loop body is
 ``trainer/sft.run_sft``. Returns ``(params, info)``; params are None when a stop was requested

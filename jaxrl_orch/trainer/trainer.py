@@ -37,7 +37,7 @@ with ``loop.call_soon_threadsafe``.
 
 Hooks (``StepHooks``): ``around_step()`` is entered around every worker step (the overlap
 schedule pauses a colocated engine there); ``on_batch(arrays)`` gets each packed batch before
-the step (a trainer group's process 0 hands it to its peers, DESIGN.md section 8). A peer takes
+the step (a trainer group's process 0 hands it to its peers, docs/design.md section 8). A peer takes
 the same step with ``follow(arrays)``: same arrays, same RNG stream, so the same params.
 
 Background mode: ``start()`` launches one worker thread; ``submit(batch)`` enqueues and returns
@@ -151,7 +151,7 @@ class Trainer:
             # resumed trainer is rebuilt from the same seed / init_params, so it is rebuilt too.
             self.ref_params = self._copy(self.params)
         self._step_fn = programs.step_fn
-        # A trainer group (several processes, DESIGN.md section 8): every process passes the
+        # A trainer group (several processes, docs/design.md section 8): every process passes the
         # whole batch, placed with the step's shardings.
         self._batch_shardings = step_lib.batch_shardings(mesh, self.step_cfg)
         self._replicated = NamedSharding(mesh, PartitionSpec())

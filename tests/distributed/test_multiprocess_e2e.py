@@ -1,4 +1,4 @@
-"""End-to-end: multi-process runs (DESIGN.md section 8), started by ``jaxrl-launch-local``.
+"""End-to-end: multi-process runs (docs/design.md section 8), started by ``jaxrl-launch-local``.
 
 A trainer group of 2 processes (``jax.distributed`` on 127.0.0.1, 2 fake CPU devices each)
 and 2 engine replicas (own processes, HTTP, weights pulled with ``jax.experimental.transfer``)

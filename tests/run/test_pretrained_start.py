@@ -55,7 +55,7 @@ def test_run_starts_from_an_hf_checkpoint_and_exports_the_trained_policy(tmp_pat
 
     parts = prepare(_cfg(str(tmp_path / "hf")), tmp_path / "run")
     assert parts.model_cfg.d_model == preset.d_model and parts.model_cfg.output_vocab is not None
-    # sft_steps = 0: the RL stage starts from these
+    # Warmup.steps = 0: the RL stage starts from these
     params, _ = warmup(parts, tmp_path / "sft_metrics.jsonl")
     got = _leaves(params)
     assert got.keys() == start.keys()

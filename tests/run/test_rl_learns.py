@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_grpo_raises_a_learnable_reward_from_scratch(tmp_path):
-    # Random init (sft_steps = 0): everything the policy gains here comes from RL.
+    # Random init (Warmup.steps = 0): everything the policy gains here comes from RL.
     cfg = toy_config({"RL.steps": 20, "RL.learning_rate": 3e-3})
     summary = run(prepare(cfg, tmp_path))
     assert summary["rl_steps"] == 20

@@ -1,4 +1,4 @@
-"""verifiers 0.4 environments in the loop (the ``verifiers`` extra; DESIGN.md section 10).
+"""verifiers 0.4 environments in the loop (the ``verifiers`` extra; docs/design.md section 10).
 
 ``env.VerifiersEnv`` loads any verifiers environment from the dict its users write and runs its
 episodes; ``bridge.EngineBridge`` is the engine route verifiers' training client calls;

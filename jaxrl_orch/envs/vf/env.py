@@ -1,4 +1,5 @@
-"""VerifiersEnv: a verifiers 0.4 environment as an environment of the loop (DESIGN.md section 10).
+"""VerifiersEnv: a verifiers 0.4 environment as an environment of the loop (docs/design.md
+section 10; docs/environments.md).
 
 What it owns
 - Loading: the dict a verifiers user writes for ``SingleAgentEnvConfig`` (``Verifiers.env``, the
