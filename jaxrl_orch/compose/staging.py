@@ -1,6 +1,6 @@
 """A LoRA run's engine weights: the base placed on the engine once, the adapters each version.
 
-Decided by measurement (``benchmarks/lora_serving.py``, DESIGN.md section 11): the engine serves
+Decided by measurement (``benchmarks/lora_serving.py``, docs/lora.md): the engine serves
 *merged* weights. Each version's adapters (float32, a few MB) move to the engine's devices and
 are folded into the engine's own copy of the frozen base there (``W + alpha / rank * A @ B`` in
 float32, cast to the engine's weight dtype), so the decode step is the full-weight engine's,

@@ -1,4 +1,4 @@
-"""A run over several processes (DESIGN.md section 8): the process group and its roles
+"""A run over several processes (docs/design.md section 8): the process group and its roles
 (``group``), the engine replicas, each an engine behind the HTTP contract of ``serving``
 (``replica``, with ``source`` its one weight source), the orchestrator's client of them and its
 pool (``client``, ``pool``), cross-process weight transfer (``transfer``), the command line's

@@ -1,4 +1,4 @@
-"""Processes and roles (DESIGN.md section 8): the layout, the trainer group, its command channel.
+"""Processes and roles (docs/scale-out.md): the layout, the trainer group, its command channel.
 
 What it owns
     ``Role``: what one process of a run is, from ``Processes.trainer_processes`` (P),

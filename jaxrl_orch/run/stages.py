@@ -14,7 +14,7 @@ parts before any work (``compose.parts``); ``run`` takes the stages in order: th
 (``warmup``), then RL (``rl``) or its imitation control (``control``); ``finish`` writes the
 summary and the report. Each stage takes the parts and the ``StopFlag`` and returns values.
 
-Several processes (``Role``; DESIGN.md section 8): an engine replica only serves, over HTTP
+Several processes (``Role``; docs/design.md section 8): an engine replica only serves, over HTTP
 (``compose.replica.serve_replica``); a trainer peer runs the same warm-up and then follows process
 0's RL steps; process 0 runs every stage and writes the workdir, with the replicas as its engine.
 """

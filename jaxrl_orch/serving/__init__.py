@@ -1,4 +1,4 @@
-"""The engine behind the field's HTTP contract: vLLM's RL API and OpenAI's (DESIGN.md section 5).
+"""The engine behind the field's HTTP contract: vLLM's RL API and OpenAI's (docs/serving.md).
 
 - ``host``: ``EngineHost``, one engine, its driver, its version, its pause state, its weights.
 - ``app``: ``make_app(host, api_key=...)``, the FastAPI application: the routes below, the API

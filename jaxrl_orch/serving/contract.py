@@ -30,7 +30,7 @@ Replies:
 - A generate reply holds one choice per sample; a choice holds one log-prob entry and one policy
   version per token id (``content[j].token == "token_id:<id>"``; a log-prob the engine did not
   report is null). ``policy_versions`` is ours: a choice without one version per token is
-  refused when read, since the orchestrator bounds staleness by them (DESIGN.md section 3).
+  refused when read, since the orchestrator bounds staleness by them (docs/design.md section 3).
 - A reader ignores keys a reply model does not name (another engine may add some); the
   server's own replies hold exactly these keys, which the tests hold it to.
 
@@ -213,7 +213,7 @@ class GenerateChoice(BaseModel):
         if len(self.policy_versions or ()) != n:
             raise ValueError(
                 "the engine's answer has no policy_versions with one version per token; the "
-                "orchestrator bounds staleness by them (DESIGN.md section 3), so an engine "
+                "orchestrator bounds staleness by them (docs/design.md section 3), so an engine "
                 "serving it must report the version of every token it generates"
             )
         if len(self.logprobs.content) != n:

@@ -1,4 +1,4 @@
-"""EngineHost: one engine and its driver as the HTTP contract sees them (DESIGN.md section 5).
+"""EngineHost: one engine and its driver as the HTTP contract sees them (docs/design.md section 5).
 
 What it owns
     The served model's name and limits (``max_model_len``: prompt plus completion, the engine's
