@@ -24,26 +24,9 @@ from jaxrl_orch.distributed.group import (  # noqa: E402
     join_group,
     resolve_role,
 )
+from support.group_standins import StandinStaging, StandinTrainer  # noqa: E402
 
 REASON = "EmptyBatchError: 81 groups in a row contributed nothing trainable"
-
-
-class StandinTrainer:
-    params: dict = {}
-
-    def __init__(self) -> None:
-        self.batches: list[list[int]] = []
-
-    def follow(self, arrays: dict) -> None:
-        self.batches.append(arrays["tokens"].tolist())
-
-
-class StandinStaging:
-    def first(self, trainer: StandinTrainer) -> None:
-        pass
-
-    def version(self, params: dict) -> None:
-        pass
 
 
 k, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
