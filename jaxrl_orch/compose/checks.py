@@ -58,7 +58,9 @@ def check_fits(
 
 def check_examples(parts: RunParts, max_prefill: int) -> None:
     """See the module docstring (``max_prefill``: the engine's prompt limit)."""
-    cfg, env, data = parts.cfg, parts.env, parts.data
+    cfg = parts.cfg
+    env = parts.env
+    data = parts.data
     text_of = getattr(env, "prompt_text", None)
     if cfg.warmup.steps and parts.demonstrator is not None:
 

@@ -143,7 +143,8 @@ def _check_warmup_from(cfg: TrainConfig) -> None:
 
 
 def _announce_data(parts: RunParts) -> None:
-    cfg, data = parts.cfg, parts.data
+    cfg = parts.cfg
+    data = parts.data
     mix = ", ".join(f"{b} {x:.0%}" for b, x in cfg.warmup.demonstrations) or "always right"
     stage(
         "data",

@@ -45,7 +45,8 @@ def check_mix(
             raise ValueError(
                 f"Warmup.demonstrations entries are (behaviour, share) pairs, got {item!r}"
             )
-        name, share = item[0], float(item[1])
+        name = item[0]
+        share = float(item[1])
         if not known:
             raise ValueError(
                 f"env {env_name!r} offers no worse behaviours for a mixed warm-up, but "
@@ -84,7 +85,8 @@ class MixedDemonstrator:
             )
 
     def behaviour(self, example: dict[str, Any]) -> str:
-        u, edge = example_fraction(example), 0.0
+        u = example_fraction(example)
+        edge = 0.0
         for name, share in self.mix:
             edge += share
             if u < edge:

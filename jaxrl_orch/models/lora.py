@@ -65,7 +65,8 @@ def _add(module: nnx.Module, cfg: LoraConfig, rngs: nnx.Rngs) -> None:
             rngs.params(), (*w.shape[:contract], cfg.rank), jnp.float32, -bound, bound
         )
         b = jnp.zeros((cfg.rank, *w.shape[contract:]), jnp.float32)
-        a_axes, b_axes = (*axes[:contract], RANK_AXIS), (RANK_AXIS, *axes[contract:])
+        a_axes = (*axes[:contract], RANK_AXIS)
+        b_axes = (RANK_AXIS, *axes[contract:])
         setattr(module, f"{weight_name}_lora_a", nnx.LoRAParam(a, logical_axes=a_axes))
         setattr(module, f"{weight_name}_lora_b", nnx.LoRAParam(b, logical_axes=b_axes))
 
@@ -75,7 +76,8 @@ def project(module: nnx.Module, name: str, spec: str, x: jax.Array, cfg: Any) ->
 
     ``spec`` is the projection's ``"<x axes>,<W axes>-><out axes>"``; the adapter path is
     ``x -> [.., rank] -> out`` (two thin matmuls), never the merged ``[in, out]`` delta."""
-    dt, tc = cfg.dtype, cfg.grad_transpose_copy
+    dt = cfg.dtype
+    tc = cfg.grad_transpose_copy
     y = matmul(spec, x, weight(module, name), dt, tc)
     a = getattr(module, f"{name}_lora_a", None) if cfg.lora is not None else None
     if a is None:

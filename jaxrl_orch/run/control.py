@@ -43,7 +43,9 @@ from jaxrl_orch.types import SamplingParams
 
 async def evaluate(parts: RunParts, client: EngineClient) -> dict[str, float]:
     """Greedy and sampled eval of the held-out examples, keyed as the RL run's eval rows."""
-    cfg, env, data = parts.cfg, parts.env, parts.data
+    cfg = parts.cfg
+    env = parts.env
+    data = parts.data
     greedy = SamplingParams(temperature=0.0, max_tokens=cfg.rl.max_new_tokens)
     views = {
         env.name: (env, data.eval),
@@ -109,7 +111,8 @@ def _updates(
     how many updates it took."""
     cfg = parts.cfg
     per_step = cfg.rl.minibatches * cfg.rl.ppo_epochs
-    updates, every = cfg.rl.steps * per_step, cfg.rl.eval_every or cfg.rl.steps
+    updates = cfg.rl.steps * per_step
+    every = cfg.rl.eval_every or cfg.rl.steps
     client = EngineClient(driver)
     console = ConsoleWriter(keys=["eval/*/reward_mean", "eval/*/behaviour/*", "sft/loss"])
     done = 0

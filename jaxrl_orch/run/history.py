@@ -144,7 +144,9 @@ class BeforeRLRecorder:
     ``env`` land, updated as the sampled eval lands too. Other rows are ignored."""
 
     def __init__(self, path: Pathish, env: str, sampled_env: str) -> None:
-        self.path, self.env, self.sampled_env = as_path(path), env, sampled_env
+        self.path = as_path(path)
+        self.env = env
+        self.sampled_env = sampled_env
         self._evals: dict[int, dict[str, float]] = {}
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -166,7 +168,8 @@ def rl_summary(
     the warm-up's eval as first recorded, this attempt's ages, drops and env errors.
     ``env_names``: the greedy and the sampled eval's; ``steps``: the last trained version, this
     attempt's first step and its seconds."""
-    wd, (version, start, secs) = as_path(wd), steps
+    wd = as_path(wd)
+    version, start, secs = steps
     before_path = wd / "eval_before_rl.json"
     before = json.loads(before_path.read_text()) if before_path.exists() else {}
     return {
@@ -188,7 +191,8 @@ def rl_summary(
 def rollout_counts(orch: Any) -> dict[str, int]:
     """This attempt's rollouts: dispatched, handed to the sinks (each exactly once), failed,
     cancelled, and those the train sink saw."""
-    d, s = orch.dispatcher.gauges(), orch.train_sink.gauges()
+    d = orch.dispatcher.gauges()
+    s = orch.train_sink.gauges()
     return {
         "dispatched": int(d["dispatcher/admitted_total"] + d["dispatcher/eval_admitted_total"]),
         "reached_sinks": int(d["dispatcher/emitted_total"]),

@@ -67,7 +67,8 @@ def write_config(parts: RunParts, text: str) -> None:
 
 def run(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
     """Every stage of this process's role, in order; returns the summary's keys."""
-    cfg, role = parts.cfg, parts.role
+    cfg = parts.cfg
+    role = parts.role
     if role.kind == "engine":
         mesh = parts.placement.decode_mesh
         engine = build_engine(cfg, parts.model_cfg, mesh, parts.tokenizer).engine
@@ -87,7 +88,8 @@ def run(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
         stage("imitation control", f"SFT for the {cfg.rl.steps} RL steps' updates instead")
         summary.update(run_imitation(parts, params, stop))
         return summary
-    rl, orch = cfg.rl, cfg.orchestrator
+    rl = cfg.rl
+    orch = cfg.orchestrator
     stage(
         "RL",
         f"{rl.algorithm}, {rl.steps} steps of {rl.prompts_per_step} prompts x {rl.group_size} "

@@ -40,7 +40,8 @@ CONSOLE_KEYS = (
 
 def rl_telemetry(parts: RunParts, engines: Any, trainer: Any, start_step: int) -> Telemetry:
     """``engines``: the driver or the replica pool, whose gauges join the trainer's."""
-    cfg, wd = parts.cfg, parts.workdir
+    cfg = parts.cfg
+    wd = parts.workdir
     writers: list[Any] = [
         JsonlWriter(wd / "metrics.jsonl"),
         # Step and eval rows (rewards, evals, ages, trainer diagnostics) next to the gauges.

@@ -42,7 +42,8 @@ def run_warmup(
     parts: RunParts, writer: JsonlWriter, stop: StopFlag
 ) -> tuple[Any, dict[str, float]]:
     """The warm-up, or its checkpoint: complete (skip), partial (continue), or none."""
-    cfg, own = parts.cfg, parts.workdir / "sft"
+    cfg = parts.cfg
+    own = parts.workdir / "sft"
     if cfg.warmup.from_workdir is not None and not has_steps(own) and parts.role.leader:
         # Start from that run's warm-up: copied, so this workdir stays self-contained.
         if own.exists():

@@ -177,8 +177,10 @@ def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], d
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     model_cfg = accel_model_config(model_config(cfg.model.name, tokenizer), cfg, "tpu")
     placement = build_placement(cfg, len(devices), devices=devices)
-    decode_mesh, trainer_mesh = placement.decode_mesh, placement.trainer_mesh
-    n_tr, n_dec = trainer_mesh.devices.size, decode_mesh.devices.size
+    decode_mesh = placement.decode_mesh
+    trainer_mesh = placement.trainer_mesh
+    n_tr = trainer_mesh.devices.size
+    n_dec = decode_mesh.devices.size
     out: list[Compiled] = []
 
     # The run's own builder, for TPU dtypes: only the engine's shapes and programs are used.

@@ -219,7 +219,8 @@ class Checkpointer:
 
     def set_aside(self, step: int) -> str:
         """Move step ``step``'s directory to ``<directory>.corrupt/<step>``; returns where."""
-        src, dest = as_path(self.directory) / str(step), as_path(self.directory + ".corrupt")
+        src = as_path(self.directory) / str(step)
+        dest = as_path(self.directory + ".corrupt")
         dest = dest / str(step)
         if dest.exists():
             dest.rmtree()
@@ -311,7 +312,8 @@ def restore_trainer(ckpt: Checkpointer, trainer: Any, step: int | None = None) -
     ``step``, the newest checkpoint that restores (``restore_newest_intact``)."""
     abstract = trainer.abstract_state()
     out = restore_newest_intact(ckpt, abstract) if step is None else ckpt.restore(abstract, step)
-    saved, ours = out["meta"].get("base"), trainer.base_fingerprint
+    saved = out["meta"].get("base")
+    ours = trainer.base_fingerprint
     if saved != ours:
         raise CheckpointError(
             f"checkpoint step {out['meta']['version']} in {ckpt.directory} holds LoRA adapters "

@@ -92,7 +92,8 @@ class VerifiersEnv:
             raise ValueError(f"Verifiers.holdout_every must be >= 2, got {holdout_every!r}")
         for name in QUIET:  # a rollout logs at INFO; the run's console has its own lines
             logging.getLogger(name).setLevel(logging.WARNING)
-        self.tokenizer, self.tokenizer_dir = tokenizer, str(tokenizer_dir)
+        self.tokenizer = tokenizer
+        self.tokenizer_dir = str(tokenizer_dir)
         self.vf_env = load_environment(env_config(env))
         self.name = self.vf_env.config.taskset.id or "verifiers"
         self.renderer_config = _renderer_config(renderer)
@@ -118,7 +119,8 @@ class VerifiersEnv:
                 split: list(load_taskset(taskset.config.model_copy(update={"split": split})))
                 for split in ("train", "eval")
             }
-        k, tasks = self.holdout_every, list(taskset)
+        k = self.holdout_every
+        tasks = list(taskset)
         return {
             "train": [t for i, t in enumerate(tasks) if i % k != k - 1],
             "eval": [t for i, t in enumerate(tasks) if i % k == k - 1],

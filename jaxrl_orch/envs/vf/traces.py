@@ -45,8 +45,10 @@ def episode_rollout(episode: Any, replies: Sequence[Completion], rollout: Rollou
     trace = _the_trace(episode)
     paths = trace_paths(trace, replies)
     first, *more = paths
-    rollout.token_ids, rollout.loss_mask = first.token_ids, first.loss_mask
-    rollout.logprobs, rollout.versions = first.logprobs, first.versions
+    rollout.token_ids = first.token_ids
+    rollout.loss_mask = first.loss_mask
+    rollout.logprobs = first.logprobs
+    rollout.versions = first.versions
     rollout.branches = more
     rollout.reward = check_reward(trace.reward, env=rollout.env)
     rollout.num_turns = len(trace.calls)
