@@ -151,11 +151,16 @@ class Trace:
         self.logprobs += [float(x) for x in completion.logprobs[:n]]
         self.versions += [int(v) for v in completion.versions[:n]]
 
-    def fill(self, rollout: Rollout) -> Rollout:
-        rollout.token_ids = list(self.token_ids)
-        rollout.loss_mask = list(self.loss_mask)
-        rollout.logprobs = list(self.logprobs)
-        rollout.versions = list(self.versions)
+    def rollout(self, **fields: Any) -> Rollout:
+        """The finished rollout: this trace and ``fields`` (the rest of ``Rollout``'s), built
+        whole rather than filled in afterwards."""
+        rollout = Rollout(
+            token_ids=list(self.token_ids),
+            loss_mask=list(self.loss_mask),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            **fields,
+        )
         rollout.validate_trace()
         return rollout
 
@@ -235,7 +240,7 @@ class SingleTurnEnv:
         trace.add_model(completion)
         text = self.response_prefix + model_text(self.tokenizer, completion.token_ids)
         reward, metrics = self.score(text, example)
-        rollout = Rollout(
+        return trace.rollout(
             env=self.name,
             group_id=group_id,
             episode_id=episode_id,
@@ -243,11 +248,9 @@ class SingleTurnEnv:
             reward=check_reward(reward, env=self.name),
             num_turns=1,
             temperature=sampling.temperature,
+            metrics={**turn_metrics([completion]), **metrics},
+            trainable=completion.finish_reason != "cancelled",
         )
-        rollout.metrics = {**turn_metrics([completion]), **metrics}
-        if completion.finish_reason == "cancelled":
-            rollout.trainable = False
-        return trace.fill(rollout)
 
 
 async def close_env(env: Any) -> None:

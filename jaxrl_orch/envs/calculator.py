@@ -174,7 +174,9 @@ class CalculatorEnv:
 
         answer = parse_int_answer(final_text) if extract_answer(final_text) is not None else None
         reward = float(answer is not None and answer == truth_int(example))
-        rollout = Rollout(
+        metrics = turn_metrics(completions)
+        metrics["truncated"] = max(metrics["truncated"], float(context_exhausted))
+        return trace.rollout(
             env=self.name,
             group_id=group_id,
             episode_id=episode_id,
@@ -182,16 +184,12 @@ class CalculatorEnv:
             reward=check_reward(reward, env=self.name),
             num_turns=len(completions),
             temperature=sampling.temperature,
+            metrics={
+                **metrics,
+                "format_ok": float(answer is not None),
+                "tool_calls": float(tool_calls),
+                "tool_errors": float(tool_errors),
+                "max_turns_reached": float(not finished and not context_exhausted),
+            },
+            trainable=not metrics["cancelled"],
         )
-        metrics = turn_metrics(completions)
-        metrics["truncated"] = max(metrics["truncated"], float(context_exhausted))
-        rollout.metrics = {
-            **metrics,
-            "format_ok": float(answer is not None),
-            "tool_calls": float(tool_calls),
-            "tool_errors": float(tool_errors),
-            "max_turns_reached": float(not finished and not context_exhausted),
-        }
-        if metrics["cancelled"]:
-            rollout.trainable = False
-        return trace.fill(rollout)

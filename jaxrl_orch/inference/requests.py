@@ -47,6 +47,11 @@ class PrefillGroup:
     prefix_version: int | None = None
     first: tuple[int, float] | None = None  # a token the engine sampled at prefill, if any
 
+    def use_prefix(self, entry: tuple[Any, tuple[int, float] | None], version: int) -> None:
+        """Hold ``entry``, the prompt's prefix and first token computed under ``version``."""
+        self.prefix, self.first = entry
+        self.prefix_version = version
+
 
 @dataclasses.dataclass(eq=False)
 class Seq:

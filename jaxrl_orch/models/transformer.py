@@ -50,7 +50,7 @@ from jaxrl_orch.models.kv_cache import (
     cache_logical_specs,
     init_cache,
 )
-from jaxrl_orch.models.lora import add_adapters, project
+from jaxrl_orch.models.lora import Adaptable, project
 from jaxrl_orch.models.rope import apply_rope as _apply_rope
 from jaxrl_orch.models.rope import rope_inv_freq
 
@@ -102,7 +102,7 @@ class RMSNorm(nnx.Module):
         return (self.weight[...].astype(jnp.float32) * normed).astype(x.dtype)
 
 
-class Attention(nnx.Module):
+class Attention(Adaptable):
     """Grouped-query attention projections; the attention itself is ``attention.attend``."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -124,7 +124,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.norm_eps, pd, rngs=rngs)
             self.k_norm = RMSNorm(hd, cfg.norm_eps, pd, rngs=rngs)
-        add_adapters(self, cfg.lora, rngs)
+        self.add_adapters(cfg.lora, rngs)
 
     def project(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray):
         """``x[B,T,E]`` -> rotated ``q[B,T,H,D]``, ``k[B,T,Hkv,D]`` and ``v[B,T,Hkv,D]``."""
@@ -146,7 +146,7 @@ class Attention(nnx.Module):
         return project(self, "o_proj", "bthd,hde->bte", o, self.cfg)
 
 
-class MLP(nnx.Module):
+class MLP(Adaptable):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -157,7 +157,7 @@ class MLP(nnx.Module):
         self.gate_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
         self.up_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
         self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), pd)
-        add_adapters(self, cfg.lora, rngs)
+        self.add_adapters(cfg.lora, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg

@@ -226,14 +226,15 @@ class VerifiersEnv:
             )
         finally:
             self.bridge.close(session)
-        rollout = Rollout(
+        return episode_rollout(
+            episode,
+            session.replies,
             env=self.name,
             group_id=group_id,
             episode_id=episode_id,
             example=example,
             temperature=sampling.temperature,
         )
-        return episode_rollout(episode, session.replies, rollout)
 
     def _context(self, sampling: SamplingParams) -> Any:
         import verifiers.v1 as vf
