@@ -26,6 +26,8 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+from jaxrl_orch.types import Environment
+
 REFERENCE = "reference"
 
 
@@ -74,7 +76,7 @@ class MixedDemonstrator:
     """Completions for the warm-up: ``env.demonstration(ex, b)`` for the behaviour ``b`` that
     the example's fraction falls into, else ``env.reference_completion(ex)``."""
 
-    def __init__(self, env: Any, mix: Sequence[tuple[str, float]] = ()) -> None:
+    def __init__(self, env: Environment, mix: Sequence[tuple[str, float]] = ()) -> None:
         self.env = env
         known = tuple(getattr(env, "demo_behaviours", ()))
         self.mix = check_mix(mix, known, getattr(env, "name", "env")) if mix else ()

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_orch.inference.engine_api import ResultTokens
+from jaxrl_orch.inference.engine_api import JetStreamEngine, ResultTokens
 from jaxrl_orch.types import SamplingParams
 
 STOPPED = "InferenceDriver stopped before the request finished"
@@ -158,7 +158,7 @@ class RequestLimits:
     vocab: int | None = None  # prompt ids must be in [0, vocab) (None: unknown, e.g. a plug-in)
 
     @classmethod
-    def of(cls, engine: Any) -> RequestLimits:
+    def of(cls, engine: JetStreamEngine) -> RequestLimits:
         vocab = getattr(getattr(engine, "config", None), "vocab_size", None)
         return cls(int(engine.max_prefill_length), getattr(engine, "max_stop_tokens", None), vocab)
 

@@ -32,12 +32,14 @@ from jaxrl_orch.compose.trainers import build_trainer
 from jaxrl_orch.envs.base import AtTemperature, close_env
 from jaxrl_orch.inference.client import EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
+from jaxrl_orch.inference.engine_api import RLEngine
 from jaxrl_orch.orchestrator.eval_sink import eval_metrics
 from jaxrl_orch.orchestrator.metrics.writers import ConsoleWriter, JsonlWriter
 from jaxrl_orch.run.ending import run_coroutine
 from jaxrl_orch.run.stop import StopFlag
 from jaxrl_orch.run.summary import eval_summary
 from jaxrl_orch.trainer.sft import run_sft
+from jaxrl_orch.trainer.trainer import Trainer
 from jaxrl_orch.types import SamplingParams
 
 
@@ -100,9 +102,9 @@ def run_imitation(parts: RunParts, params: Any, stop: StopFlag) -> dict[str, Any
 
 def _updates(
     parts: RunParts,
-    trainer: Any,
+    trainer: Trainer,
     driver: InferenceDriver,
-    engine: Any,
+    engine: RLEngine,
     writer: JsonlWriter,
     evals: dict[int, dict[str, float]],
     stop: StopFlag,

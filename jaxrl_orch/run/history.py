@@ -31,6 +31,8 @@ from typing import Any
 
 from etils import epath
 
+from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.orchestrator.loop import Orchestrator
 from jaxrl_orch.paths import Pathish, as_path, write_atomic
 from jaxrl_orch.run.summary import eval_summary, first_eval, train_reward_ends
 
@@ -162,7 +164,11 @@ class BeforeRLRecorder:
 
 
 def rl_summary(
-    wd: Pathish, cfg: Any, env_names: tuple[str, str], orch: Any, steps: tuple[int, int, float]
+    wd: Pathish,
+    cfg: TrainConfig,
+    env_names: tuple[str, str],
+    orch: Orchestrator,
+    steps: tuple[int, int, float],
 ) -> dict[str, Any]:
     """The RL keys of ``summary.json``: evals and train rewards of every attempt (from disk),
     the warm-up's eval as first recorded, this attempt's ages, drops and env errors.
@@ -188,7 +194,7 @@ def rl_summary(
     }
 
 
-def rollout_counts(orch: Any) -> dict[str, int]:
+def rollout_counts(orch: Orchestrator) -> dict[str, int]:
     """This attempt's rollouts: dispatched, handed to the sinks (each exactly once), failed,
     cancelled, and those the train sink saw."""
     d = orch.dispatcher.gauges()

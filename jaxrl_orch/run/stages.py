@@ -33,6 +33,7 @@ from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas
 from jaxrl_orch.distributed.group import Role
 from jaxrl_orch.orchestrator.metrics.writers import JsonlWriter, stage
+from jaxrl_orch.paths import Pathish
 from jaxrl_orch.run.control import run_imitation
 from jaxrl_orch.run.ending import run_coroutine
 from jaxrl_orch.run.history import check_history
@@ -44,7 +45,7 @@ from jaxrl_orch.tools.report import write_report
 
 
 def prepare(
-    cfg: TrainConfig, workdir: Any, role: Role, engine_addresses: Replicas = Replicas()
+    cfg: TrainConfig, workdir: Pathish, role: Role, engine_addresses: Replicas = Replicas()
 ) -> RunParts:
     """The run's parts, every check done: fails before any work, naming the bad value.
     ``engine_addresses``: where a multi-process run's replicas are (``--engine_addresses``,

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import jax
+from etils import epath
 from jax.experimental import multihost_utils
 
 from jaxrl_orch.compose.model import pretrained_params
@@ -36,6 +37,7 @@ from jaxrl_orch.run.history import trim_for_sft
 from jaxrl_orch.run.stop import StopFlag
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
 from jaxrl_orch.trainer.sft import run_sft
+from jaxrl_orch.trainer.trainer import Trainer
 
 
 def run_warmup(
@@ -89,7 +91,7 @@ def run_warmup(
 
 def _train(
     parts: RunParts,
-    trainer: Any,
+    trainer: Trainer,
     ckpt: Checkpointer,
     writer: JsonlWriter,
     stop: StopFlag,
@@ -136,7 +138,7 @@ def _train(
     return trainer.params, info
 
 
-def has_steps(directory: Any) -> bool:
+def has_steps(directory: epath.Path) -> bool:
     return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
 

@@ -14,9 +14,13 @@ Pure functions of numbers; nothing here compiles or touches devices.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxrl_orch.inference.limits import EngineLimits
+
+if TYPE_CHECKING:  # annotations only: this module imports no JAX
+    from jaxrl_orch.config.train import TrainConfig
+    from jaxrl_orch.models.configs import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +49,7 @@ def _itemsize(dtype: Any) -> int:
 
 
 def model_costs(
-    model_cfg: Any, cfg: Any, rows: int, limits: EngineLimits
+    model_cfg: ModelConfig, cfg: TrainConfig, rows: int, limits: EngineLimits
 ) -> dict[str, dict[str, float]]:
     """Total (all-chip) FLOPs and HBM bytes per program from the model's shapes: the train step
     from ``cfg``'s training settings on ``rows`` rows, prefill and decoding from the engine's

@@ -55,6 +55,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxrl_orch.paths import as_path, copy_tree, is_url
+from jaxrl_orch.trainer.trainer import Trainer
 
 FORMAT_VERSION = 1
 
@@ -274,7 +275,7 @@ def restore_newest_intact(
 
 def save_trainer(
     ckpt: Checkpointer,
-    trainer: Any,
+    trainer: Trainer,
     step: int,
     orchestrator_state: dict[str, Any],
     *,
@@ -307,7 +308,9 @@ def save_trainer(
     )
 
 
-def restore_trainer(ckpt: Checkpointer, trainer: Any, step: int | None = None) -> dict[str, Any]:
+def restore_trainer(
+    ckpt: Checkpointer, trainer: Trainer, step: int | None = None
+) -> dict[str, Any]:
     """Restore onto ``trainer``'s own mesh/shardings; returns the orchestrator's dict. Without
     ``step``, the newest checkpoint that restores (``restore_newest_intact``)."""
     abstract = trainer.abstract_state()

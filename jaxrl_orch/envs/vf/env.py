@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from jaxrl_orch.envs.base import stop_ids_of, with_stop_ids
+from jaxrl_orch.envs.base import EnvTokenizer, stop_ids_of, with_stop_ids
 from jaxrl_orch.envs.vf.bridge import EngineBridge, check_sampling_keys
 from jaxrl_orch.envs.vf.traces import episode_rollout
 from jaxrl_orch.types import InferenceClient, Rollout, SamplingParams
@@ -78,7 +78,7 @@ def env_config(spec: Mapping[str, Any]) -> Any:
 class VerifiersEnv:
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: EnvTokenizer,
         *,
         env: Mapping[str, Any],
         tokenizer_dir: str,
