@@ -107,7 +107,8 @@ class JsonlAppender:
 
 def copy_tree(src: Pathish, dst: Pathish) -> None:
     """Copy the files under ``src`` to the same relative paths under ``dst``."""
-    src, dst = as_path(src), as_path(dst)
+    src = as_path(src)
+    dst = as_path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     for item in src.iterdir():
         if item.is_dir():

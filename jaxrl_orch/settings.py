@@ -25,7 +25,8 @@ import dataclasses
 import math
 from typing import Any
 
-MEANING, ALLOWED = "meaning", "allowed"
+MEANING = "meaning"
+ALLOWED = "allowed"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,8 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import gin
 
@@ -57,6 +58,11 @@ from jaxrl_orch.config.load import load_config
 from jaxrl_orch.config.rl import RLSettings
 from jaxrl_orch.config.train import TrainConfig, WarmupSettings
 from jaxrl_orch.paths import as_path
+
+if TYPE_CHECKING:  # imported where they are used, after the config checks: they bring JAX
+    from jaxrl_orch.compose.parts import RunParts
+    from jaxrl_orch.distributed.addresses import Replicas
+    from jaxrl_orch.run.stop import StopFlag
 
 DEFAULT_COMMAND = (
     "python -m jaxrl_orch.train --gin_file=configs/reverse_text.gin --workdir=runs/reverse_text"
@@ -223,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _prepare(stages: Any, cfg: TrainConfig, args: argparse.Namespace) -> tuple[Any, Any]:
+def _prepare(
+    stages: ModuleType, cfg: TrainConfig, args: argparse.Namespace
+) -> tuple[RunParts, Any]:
     """This process's role (joining the trainer group's cluster first), the workdir claimed
     when this process writes it (``run.owner``), then the run's parts."""
     from jaxrl_orch.distributed.group import join_group, resolve_role
@@ -247,7 +255,7 @@ def _prepare(stages: Any, cfg: TrainConfig, args: argparse.Namespace) -> tuple[A
         raise
 
 
-def _replicas(engine_replicas: int, args: argparse.Namespace) -> Any:
+def _replicas(engine_replicas: int, args: argparse.Namespace) -> Replicas:
     """Where the engine replicas are (``--engine_addresses``, ``--weight_source``,
     ``--api_key_file``), checked against the config's ``engine_replicas``."""
     from jaxrl_orch.distributed.addresses import Replicas, host_port, read_api_key, replica_urls
@@ -268,7 +276,7 @@ def _replicas(engine_replicas: int, args: argparse.Namespace) -> Any:
     return Replicas(urls, args.weight_source, read_api_key(args.api_key_file))
 
 
-def _run(stages: Any, parts: Any, stop: Any) -> dict[str, Any]:
+def _run(stages: ModuleType, parts: RunParts, stop: StopFlag) -> dict[str, Any]:
     stages.write_config(parts, gin.config_str())
     t0 = time.time()
     summary = stages.run(parts, stop)
@@ -279,7 +287,7 @@ def _run(stages: Any, parts: Any, stop: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _signals_stop(stop: Any, drain_timeout_s: float) -> Iterator[None]:
+def _signals_stop(stop: StopFlag, drain_timeout_s: float) -> Iterator[None]:
     """SIGTERM / Ctrl-C set ``stop`` (drain, checkpoint, exit 0); a second one exits at once.
     The previous handlers come back afterwards: ``main`` also runs in-process (tests)."""
 

@@ -191,6 +191,12 @@ class Rollout:
         self.errors.append(f"{type(exc).__name__}: {exc}")
         self.trainable = False
 
+    def flag(self, reason: str) -> None:
+        """Keep this rollout out of every batch, for ``reason`` (reasons accumulate, once each)."""
+        self.filtered = True
+        if reason not in self.filter_reasons:
+            self.filter_reasons.append(reason)
+
     @property
     def num_model_tokens(self) -> int:
         return int(sum(self.loss_mask)) + sum(int(sum(b.loss_mask)) for b in self.branches)

@@ -89,7 +89,8 @@ def make_meshes(
     """
     dshape = _normalize_shape(decode_shape, DECODE_AXES, "decode")
     tshape = _normalize_shape(trainer_shape, TRAINER_AXES, "trainer")
-    n_dec, n_tr = math.prod(dshape.values()), math.prod(tshape.values())
+    n_dec = math.prod(dshape.values())
+    n_tr = math.prod(tshape.values())
     devs = _ordered_devices(devices)
     have = len(devs)
     desc = f"trainer mesh {tshape} ({n_tr} devices) + decode mesh {dshape} ({n_dec} devices)"

@@ -3,17 +3,25 @@ pyproject.toml.
 
 Orchestrator components never import each other (only the loop drives them); layers only import
 downwards; sharding/ knows nothing of models or RL; inference/ knows nothing of orchestration;
-algorithms/ are pure. And the repository stands alone: its design notes are docs/design.md, no
-file cites a document outside the repository, and every docs page a file cites exists.
+algorithms/ are pure. The run's parts are built once, typed: every part a stage or a builder
+takes is annotated with its class or Protocol (never ``Any``), no class name is defined twice,
+and nothing is attached to a part after it is built. And the repository stands alone: its design
+notes are docs/design.md, no file cites a document outside the repository, and every docs page a
+file cites exists.
 """
 
 import ast
+import importlib
+import inspect
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tomllib
+import types
+import typing
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -156,6 +164,293 @@ def test_no_untyped_experiment_object():
     for path in _sources():
         text = path.read_text()
         assert "exp: Any" not in text and ": Any = exp" not in text, path
+
+
+# Parts are built once, typed (docs/design.md section 2.2): a stage or a builder names the class or
+# Protocol of every part it takes, so a reader (and a checker) knows what it may ask of it.
+PART_PARAMS = frozenset(
+    {
+        "trainer",
+        "engine",
+        "env",
+        "envs",
+        "tokenizer",
+        "driver",
+        "side",
+        "pool",
+        "orch",
+        "ckpt",
+        "staging",
+        "schedule",
+        "parts",
+        "placement",
+        "built",
+        "model_cfg",
+        "publisher",
+        "offer",
+        "channel",
+    }
+)
+STAGE_PACKAGES = ("compose", "run")
+
+
+def _is_part(name: str) -> bool:
+    return name in PART_PARAMS or name.removesuffix("s") in PART_PARAMS  # engines, sides
+
+
+def _is_any(annotation: object) -> bool:
+    """``Any``, or ``Any`` as an arm of a union (``Any | None``, ``Optional[Any]``). Under
+    ``from __future__ import annotations`` an annotation is the string it was written as."""
+    if not isinstance(annotation, str):
+        return annotation is typing.Any
+    arms, todo = [], [ast.parse(annotation, mode="eval").body]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+            todo += [node.left, node.right]
+        elif isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith(
+            ("Optional", "Union")
+        ):
+            todo += node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        else:
+            arms.append(ast.unparse(node))
+    return any(arm in ("Any", "typing.Any") for arm in arms)
+
+
+def _own_functions(module: types.ModuleType):
+    """The functions ``module`` defines, and every method of the classes it defines (a
+    dataclass's generated ``__init__`` too)."""
+    for obj in vars(module).values():
+        if getattr(obj, "__module__", None) != module.__name__:
+            continue
+        if inspect.isfunction(obj):
+            yield obj
+        elif inspect.isclass(obj):
+            for attr in vars(obj).values():
+                if isinstance(attr, property):
+                    attr = attr.fget
+                fn = getattr(attr, "__func__", attr)  # staticmethod, classmethod
+                if inspect.isfunction(fn):
+                    yield fn
+
+
+def _untyped_parts(module: types.ModuleType) -> list[str]:
+    """Each parameter named like a part, in ``module``'s own functions and methods, that has no
+    annotation or is annotated ``Any``: read from the annotations, not from the source text."""
+    found = []
+    for fn in _own_functions(module):
+        for name, param in inspect.signature(fn).parameters.items():
+            empty = param.annotation is inspect.Parameter.empty
+            if _is_part(name) and (empty or _is_any(param.annotation)):
+                shown = "unannotated" if empty else param.annotation
+                found.append(f"{module.__name__}.{fn.__qualname__}({name}: {shown})")
+    return found
+
+
+def _stage_modules() -> list[types.ModuleType]:
+    paths = [p for pkg in STAGE_PACKAGES for p in sorted((ROOT / "jaxrl_orch" / pkg).glob("*.py"))]
+    names = [".".join(p.relative_to(ROOT).with_suffix("").parts) for p in paths]
+    return [importlib.import_module(n.removesuffix(".__init__")) for n in names]
+
+
+def test_every_part_a_stage_or_builder_takes_is_typed():
+    """Every function and constructor of compose/ and run/ annotates each parameter named like
+    a part (``PART_PARAMS``) with its class or Protocol, never ``Any``."""
+    modules = _stage_modules()
+    assert len(modules) >= 25, [m.__name__ for m in modules]
+    untyped = [where for module in modules for where in _untyped_parts(module)]
+    assert not untyped, "\n".join(untyped)
+
+
+PLANTED_PARTS = """
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+
+def stage(parts: RunParts, trainer: Any, engine, side: EngineSide | None = None) -> None: ...
+
+
+def publish(publisher: Any | None, offer: Optional[Any], version: int, params: Any) -> None: ...
+
+
+class Built:
+    def __init__(self, pool: InferencePool, ckpt: Any, engines) -> None: ...
+
+    @classmethod
+    def of(cls, driver: InferenceDriver, staging: Any) -> Built: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    tokenizer: Tokenizer
+    env: Any
+"""
+
+
+def test_the_parts_check_catches_a_planted_any(monkeypatch):
+    """A planted module: every part typed ``Any`` (alone or in a union), or not at all, is found
+    in its functions, methods and a dataclass's fields; typed parts and non-parts are not."""
+    module = types.ModuleType("planted_parts")
+    monkeypatch.setitem(sys.modules, module.__name__, module)  # what dataclasses looks up
+    exec(compile(PLANTED_PARTS, "planted_parts.py", "exec"), module.__dict__)
+    found = [where.removeprefix("planted_parts.") for where in _untyped_parts(module)]
+    assert sorted(found) == [
+        "Built.__init__(ckpt: Any)",
+        "Built.__init__(engines: unannotated)",
+        "Built.of(staging: Any)",
+        "Record.__init__(env: Any)",
+        "publish(offer: Optional[Any])",
+        "publish(publisher: Any | None)",
+        "stage(engine: unannotated)",
+        "stage(trainer: Any)",
+    ], found
+
+
+def _class_names(files: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """Where each class name is defined (top level or nested), over ``(where, text)`` pairs."""
+    defined = defaultdict(list)
+    for where, text in files:
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                defined[node.name].append(f"{where}:{node.lineno}")
+    return defined
+
+
+def test_every_class_name_is_defined_once():
+    """One class per name in the package: a reader who meets a class name knows which it is."""
+    files = [(str(p.relative_to(ROOT)), p.read_text()) for p in _sources()]
+    twice = {name: at for name, at in _class_names(files).items() if len(at) > 1}
+    assert not twice, twice
+
+
+def test_the_class_name_check_catches_a_planted_twin():
+    """A name defined in two files, at the top level or nested (in a class, in a function), is
+    found at each place; a name defined once is not."""
+    files = [
+        ("a.py", "class Launcher:\n    class Settings:\n        pass\n"),
+        ("b.py", "def f():\n    class Settings:\n        pass\n\n\nclass Launcher: ...\n"),
+        ("c.py", "class Other: ...\n"),
+    ]
+    twice = {name: at for name, at in _class_names(files).items() if len(at) > 1}
+    assert twice == {"Launcher": ["a.py:1", "b.py:6"], "Settings": ["a.py:2", "b.py:2"]}
+
+
+ATTACHING = re.compile(r"(attach(_\w+)?|set_hooks|set_\w+_hooks?)")
+SETTERS = ("setattr", "object.__setattr__")
+
+
+def _attribute_root(node: ast.expr) -> ast.expr:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node
+
+
+def _patched_after_build(where: str, text: str) -> list[str]:
+    """Each function that writes an attribute onto one of its own parameters other than
+    ``self`` / ``cls`` (``p.x = ...``, ``p.x.y += ...``, ``setattr(p, ...)``), and each one named
+    to attach something to a built object (``attach``, ``set_hooks``, ``set_*_hook``)."""
+    found = []
+    for fn in _functions(ast.parse(text)):
+        at = f"{where}:{fn.lineno} {fn.name}"
+        if ATTACHING.fullmatch(fn.name):
+            found.append(f"{at}: named to attach")
+        a = fn.args
+        params = {p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if p}
+        params -= {"self", "cls"}
+        for node in ast.walk(fn):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in SETTERS and node.args:
+                root = _attribute_root(node.args[0])
+                if isinstance(root, ast.Name) and root.id in params:
+                    found.append(
+                        f"{at}: {ast.unparse(node.func)}({ast.unparse(node.args[0])}, ...)"
+                    )
+            while targets:
+                t = targets.pop(0)
+                if isinstance(t, ast.Tuple | ast.List):
+                    targets += t.elts
+                elif isinstance(t, ast.Starred):
+                    targets.append(t.value)
+                elif isinstance(t, ast.Attribute):
+                    root = _attribute_root(t)
+                    if isinstance(root, ast.Name) and root.id in params:
+                        found.append(f"{at}: writes {ast.unparse(t)}")
+    return found
+
+
+def test_nothing_is_attached_to_a_part_after_it_is_built():
+    """No function writes an attribute onto an object it was handed (only an object's own
+    methods write its attributes), and none is named to attach a hook to a built part: a part
+    gets what it needs in its constructor (docs/design.md section 2.2)."""
+    patched = [
+        finding
+        for path in _sources()
+        for finding in _patched_after_build(str(path.relative_to(ROOT)), path.read_text())
+    ]
+    assert not patched, "\n".join(patched)
+
+
+PLANTED_PATCHES = """
+import dataclasses
+
+
+def build(trainer, hooks):
+    trainer.hooks = hooks
+
+
+def wire(side, *, pool):
+    setattr(side, "pool", pool)
+
+
+def plan(engine, n):
+    def later():
+        engine.config.steps += n
+
+    return later
+
+
+def fill(rollout, trace):
+    rollout.token_ids, rollout.loss_mask = trace
+
+
+class Trainer:
+    def __init__(self, hooks):
+        self.hooks = hooks
+
+    def attach(self, side): ...
+
+    def set_step_hook(self, hook): ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    name: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "name", self.name.strip())
+"""
+
+
+def test_the_attach_check_catches_a_planted_patch():
+    """A planted module: a part patched by assignment, by ``setattr``, from a closure and through
+    a tuple target, and methods named to attach, are found; an object writing its own
+    attributes (``self``, a dataclass normalising its own field) is not."""
+    found = _patched_after_build("planted.py", PLANTED_PATCHES)
+    assert found == [
+        "planted.py:5 build: writes trainer.hooks",
+        "planted.py:9 wire: setattr(side, ...)",
+        "planted.py:13 plan: writes engine.config.steps",
+        "planted.py:20 fill: writes rollout.token_ids",
+        "planted.py:20 fill: writes rollout.loss_mask",
+        "planted.py:28 attach: named to attach",
+        "planted.py:30 set_step_hook: named to attach",
+    ], found
 
 
 # The repository stands alone: a clone has nothing beside it, so its files may cite only what it

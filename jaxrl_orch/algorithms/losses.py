@@ -181,7 +181,8 @@ def policy_loss(
     engine_log_ratio = jnp.where(maskb, trainer_logp - behavior_logp, 0.0)
     # Masked-out tokens leave the policy term as if off the loss mask (GSPO's sequence ratio
     # is over the kept tokens), but keep their loss weight.
-    keep, sums = maskb, {}
+    keep = maskb
+    sums = {}
     if corrections.masks_on(cfg):
         keep, sums = corrections.ratio_masks(cfg, engine_log_ratio, maskb, segment_ids)
     per_token, term_sums = _policy_term(new_logp, log_ratio, adv, keep, cfg, segment_ids)

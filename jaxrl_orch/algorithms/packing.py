@@ -162,7 +162,8 @@ def pack_samples(
     for row, members in enumerate(bins):
         start = 0
         for seg, i in enumerate(members, start=1):
-            s, n = samples[i], lengths[i]
+            s = samples[i]
+            n = lengths[i]
             sl = slice(start, start + n)
             out.tokens[row, sl] = s.token_ids[:n]
             out.positions[row, sl] = np.arange(n, dtype=np.int32)

@@ -19,18 +19,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from jaxrl_orch.data.sources import DatasetSource
+
 if TYPE_CHECKING:
     from jaxrl_orch.compose.parts import RunParts
 
 
-def where(source: Any, i: int) -> str:
+def where(source: DatasetSource, i: int) -> str:
     """Where example ``i`` of ``source`` comes from, for an error message."""
     at = getattr(source, "where", None)
     return at(i) if at is not None else f"example {i} of {getattr(source, 'name', source)}"
 
 
 def check_fits(
-    source: Any,
+    source: DatasetSource,
     *,
     measure: Callable[[dict[str, Any]], int],
     limit: int,
@@ -58,7 +60,9 @@ def check_fits(
 
 def check_examples(parts: RunParts, max_prefill: int) -> None:
     """See the module docstring (``max_prefill``: the engine's prompt limit)."""
-    cfg, env, data = parts.cfg, parts.env, parts.data
+    cfg = parts.cfg
+    env = parts.env
+    data = parts.data
     text_of = getattr(env, "prompt_text", None)
     if cfg.warmup.steps and parts.demonstrator is not None:
 

@@ -7,10 +7,10 @@ tasks (a verifiers taskset); ``first_examples`` is the ``Data.rl_prompt_pool`` p
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.data.sources import DatasetSource, make_source, text_file_path
+from jaxrl_orch.envs.base import RunEnv
 
 
 def first_examples(source: DatasetSource, n: int, seed: int) -> DatasetSource:
@@ -25,13 +25,13 @@ class DataSources:
     """The run's example streams: RL prompts, warm-up examples (their own order), and the
     held-out set twice (greedy eval and eval at the training temperature)."""
 
-    train: Any
-    sft: Any
-    eval: Any
-    sampled_eval: Any
+    train: DatasetSource
+    sft: DatasetSource
+    eval: DatasetSource
+    sampled_eval: DatasetSource
 
 
-def build_data(cfg: TrainConfig, env: Any = None) -> DataSources:
+def build_data(cfg: TrainConfig, env: RunEnv | None = None) -> DataSources:
     """The sources of ``Data.dataset`` / ``eval_dataset``, or of an env that brings its own
     examples (``env.examples(split)``, a verifiers taskset). A text file is split in two
     unless a separate eval set is named: then all of it trains, an eval text file is held out
@@ -65,7 +65,7 @@ def build_data(cfg: TrainConfig, env: Any = None) -> DataSources:
     return DataSources(train, sft, *held_out)
 
 
-def _env_data(cfg: TrainConfig, env: Any) -> DataSources:
+def _env_data(cfg: TrainConfig, env: RunEnv) -> DataSources:
     name = f"{env.name} tasks"
     train = DatasetSource(env.examples("train"), seed=cfg.seed, name=name)
     if cfg.data.rl_prompt_pool is not None:

@@ -25,12 +25,16 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from jax.sharding import Mesh
+
 from jaxrl_orch.compose.precision import engine_model_config
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.inference.engine import DecodeEngine
+from jaxrl_orch.inference.engine_api import RLEngine
 from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.inference.requests import accepts
 from jaxrl_orch.models.configs import ModelConfig
+from jaxrl_orch.models.tokenizer import Tokenizer
 from jaxrl_orch.plugins import load_factory
 from sharding.reshard import reshard
 
@@ -42,7 +46,7 @@ class BuiltEngine:
     """An engine and what the run must know of it: whether it reports behaviour log-probs,
     and so whether the trainer recomputes them (``recompute_old_logprobs``)."""
 
-    engine: Any
+    engine: RLEngine
     logprobs: bool
     recompute: bool
 
@@ -56,7 +60,11 @@ def engine_limits(cfg: TrainConfig) -> EngineLimits:
 
 
 def build_engine(
-    cfg: TrainConfig, model_cfg: ModelConfig, mesh: Any, tokenizer: Any, backend: str | None = None
+    cfg: TrainConfig,
+    model_cfg: ModelConfig,
+    mesh: Mesh,
+    tokenizer: Tokenizer,
+    backend: str | None = None,
 ) -> BuiltEngine:
     """The engine of ``Engine.kind`` on ``mesh`` with the run's limits and dtypes
     (``backend``: the one compiled for, default this process's)."""
@@ -72,7 +80,7 @@ def build_engine(
     return BuiltEngine(engine, logprobs, recompute_old_logprobs(cfg, logprobs))
 
 
-def engine_factory(spec: str) -> Callable[..., Any]:
+def engine_factory(spec: str) -> Callable[..., RLEngine]:
     if spec == "builtin":
         return DecodeEngine
     if ":" not in spec:
@@ -80,7 +88,7 @@ def engine_factory(spec: str) -> Callable[..., Any]:
     return load_factory(spec, "Engine.kind")
 
 
-def check_engine(engine: Any, spec: str) -> Any:
+def check_engine(engine: object, spec: str) -> RLEngine:
     missing = [name for name in REQUIRED if not hasattr(engine, name)]
     if missing:
         raise TypeError(
@@ -90,17 +98,17 @@ def check_engine(engine: Any, spec: str) -> Any:
     return engine
 
 
-def to_engine(params: Any, engine: Any) -> Any:
+def to_engine(params: Any, engine: RLEngine) -> Any:
     """``params`` on the engine's shardings, cast to its weight dtype first (bf16 on TPU/GPU:
     half the bytes to move)."""
     return reshard(params, engine.param_shardings, dtype=getattr(engine, "param_dtype", None))
 
 
-def reports_logprobs(engine: Any) -> bool:
+def reports_logprobs(engine: RLEngine) -> bool:
     return bool(getattr(engine, "reports_logprobs", isinstance(engine, DecodeEngine)))
 
 
-def recompute_old_logprobs(cfg: Any, engine_logprobs: bool) -> bool:
+def recompute_old_logprobs(cfg: TrainConfig, engine_logprobs: bool) -> bool:
     """``RL.recompute_old_logprobs``, or when unset (None) whether the engine reports
     no behaviour log-probs (the trainer's recomputed ones then stand in for them)."""
     setting = cfg.rl.recompute_old_logprobs
@@ -113,7 +121,7 @@ def recompute_old_logprobs(cfg: Any, engine_logprobs: bool) -> bool:
     return (not engine_logprobs) if setting is None else bool(setting)
 
 
-def engine_notes(engine: Any, spec: str, recompute: bool) -> str:
+def engine_notes(engine: RLEngine, spec: str, recompute: bool) -> str:
     """What a plugged-in engine does differently, for the run's console header."""
     notes = [f"{spec} ({type(engine).__name__})"]
     if not reports_logprobs(engine):

@@ -12,16 +12,19 @@ Never: takes weight updates (the trainer's weight path owns them) or binds beyon
 
 from __future__ import annotations
 
-from typing import Any
-
 from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.inference.driver import InferenceDriver
+from jaxrl_orch.inference.engine_api import JetStreamEngine
+from jaxrl_orch.models.tokenizer import Tokenizer
 from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.serving.app import make_app
 from jaxrl_orch.serving.host import EngineHost
 from jaxrl_orch.serving.runner import HttpServer
 
 
-def serve_live_policy(cfg: TrainConfig, engine: Any, driver: Any, tokenizer: Any) -> Any:
+def serve_live_policy(
+    cfg: TrainConfig, engine: JetStreamEngine, driver: InferenceDriver, tokenizer: Tokenizer
+) -> HttpServer | None:
     """The started server, or None when ``Engine.serve_port`` is unset."""
     if cfg.engine.serve_port is None:
         return None

@@ -20,10 +20,10 @@ from jaxrl_orch.compose.precision import accel_model_config
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.models.configs import ModelConfig, get_config
 from jaxrl_orch.models.hf_import import config_from_hf, load_hf_checkpoint
-from jaxrl_orch.models.tokenizer import load_tokenizer
+from jaxrl_orch.models.tokenizer import Tokenizer, load_tokenizer
 
 
-def model_config(name: str, tokenizer: Any) -> ModelConfig:
+def model_config(name: str, tokenizer: Tokenizer) -> ModelConfig:
     """The named model, its logits limited to the ids ``tokenizer`` can produce (engine and
     trainer share this config, so both see the same masked distribution). A tokenizer with
     more ids than the model has rows is a mismatch and fails here, before any work."""
@@ -41,7 +41,7 @@ def model_config(name: str, tokenizer: Any) -> ModelConfig:
     return dataclasses.replace(model_cfg, output_vocab=n) if n < model_cfg.vocab_size else model_cfg
 
 
-def build_model(cfg: TrainConfig) -> tuple[Any, ModelConfig]:
+def build_model(cfg: TrainConfig) -> tuple[Tokenizer, ModelConfig]:
     """The run's tokenizer and its model config (``Model`` section, with the run's precision,
     attention and remat)."""
     tokenizer = load_tokenizer(cfg.model.tokenizer)

@@ -56,7 +56,8 @@ class OverlapSchedule:
         self.mode = "overlapped" if mode == "auto" else mode
         self.engine_may_run = threading.Event()
         self.engine_may_run.set()
-        self._probe, self._settle = probe, settle
+        self._probe = probe
+        self._settle = settle
         self._announce = announce or (lambda _: None)
         self._clock = clock
         self._last_start: float | None = None
@@ -84,7 +85,8 @@ class OverlapSchedule:
         self._seen += 1
         if self.decision is not None:
             return
-        n, p = self._seen - self._settle, self._probe
+        n = self._seen - self._settle
+        p = self._probe
         if n < 1:
             return
         if n <= p:

@@ -35,11 +35,12 @@ from jaxrl_orch.compose.replica import check_bind
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas
 from jaxrl_orch.distributed.group import Role
-from jaxrl_orch.envs.base import make_env
+from jaxrl_orch.envs.base import RunEnv, make_env
 from jaxrl_orch.envs.demonstrator import MixedDemonstrator
 from jaxrl_orch.models.configs import ModelConfig
+from jaxrl_orch.models.tokenizer import Tokenizer
 from jaxrl_orch.orchestrator.metrics.writers import stage
-from jaxrl_orch.paths import as_path
+from jaxrl_orch.paths import Pathish, as_path
 from jaxrl_orch.trainer.sft import sft_sample
 from jaxrl_orch.types import Sample
 
@@ -52,10 +53,10 @@ class RunParts:
     workdir: epath.Path
     role: Role
     engine_addresses: Replicas
-    tokenizer: Any
+    tokenizer: Tokenizer
     model_cfg: ModelConfig
     placement: Placement
-    env: Any
+    env: RunEnv
     demonstrator: MixedDemonstrator | None
     data: DataSources
 
@@ -78,7 +79,7 @@ class RunParts:
 
 
 def build_run(
-    cfg: TrainConfig, workdir: Any, role: Role, engine_addresses: Replicas = Replicas()
+    cfg: TrainConfig, workdir: Pathish, role: Role, engine_addresses: Replicas = Replicas()
 ) -> RunParts:
     """The run's parts, every check done (see the module docstring)."""
     if role.kind == "engine":
@@ -143,7 +144,8 @@ def _check_warmup_from(cfg: TrainConfig) -> None:
 
 
 def _announce_data(parts: RunParts) -> None:
-    cfg, data = parts.cfg, parts.data
+    cfg = parts.cfg
+    data = parts.data
     mix = ", ".join(f"{b} {x:.0%}" for b, x in cfg.warmup.demonstrations) or "always right"
     stage(
         "data",

@@ -54,7 +54,8 @@ def group_placement(cfg: TrainConfig, role: Role) -> Placement:
     size = int(np.prod(list(decode_shape.values())))
     if role.kind == "trainer" and size > len(local):
         # Staged on this host in a smaller layout; replicas reshard it on their own devices.
-        decode_shape, size = {"tp": len(local)}, len(local)
+        decode_shape = {"tp": len(local)}
+        size = len(local)
     # A replica's decode mesh, on this process's devices (a trainer only reads its layout).
     decode, _ = make_meshes(decode_shape, {"fsdp": size}, devices=local, colocated=True)
     if role.kind == "engine":

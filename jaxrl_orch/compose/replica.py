@@ -17,6 +17,7 @@ from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas, bind_of
 from jaxrl_orch.distributed.group import Role
 from jaxrl_orch.distributed.replica import replica_server, serve_until_signal
+from jaxrl_orch.inference.engine_api import ReplicaEngine
 from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.serving.runner import HttpServer
 
@@ -28,7 +29,7 @@ def check_bind(replicas: Replicas, role: Role) -> None:
 
 
 def serve_replica(
-    cfg: TrainConfig, engine: Any, role: Role, replicas: Replicas, adapters: Any = None
+    cfg: TrainConfig, engine: ReplicaEngine, role: Role, replicas: Replicas, adapters: Any = None
 ) -> dict[str, Any]:
     """Serve ``engine`` at this replica's URL until SIGTERM / SIGINT (the launcher's stop).
     ``adapters``: a LoRA run's adapter tree (``compose.trainers.rl_adapters``), else None."""

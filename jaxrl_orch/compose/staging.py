@@ -26,12 +26,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_orch.compose.engines import to_engine
 from jaxrl_orch.distributed.group import EngineStager
 from jaxrl_orch.inference.engine_api import RLEngine
 from jaxrl_orch.models.lora import merge_adapters
+from jaxrl_orch.models.lora_config import LoraConfig
 from jaxrl_orch.models.transformer import ModelConfig, Transformer
 from jaxrl_orch.trainer.trainer import Trainer
 
@@ -43,7 +44,7 @@ def tree_nbytes(tree: Any) -> int:
 class AdapterMerge:
     """See the module docstring. ``frozen``: the trainer's base; ``scale``: ``alpha / rank``."""
 
-    def __init__(self, engine: Any, frozen: Any, scale: float) -> None:
+    def __init__(self, engine: RLEngine, frozen: Any, scale: float) -> None:
         self.base = to_engine(frozen, engine)  # once: it never changes
         mesh = jax.tree.leaves(engine.param_shardings)[0].mesh
         # Adapters are small: replicated on the engine mesh, each device merges its own shard.
@@ -60,7 +61,7 @@ class AdapterMerge:
         return jax.block_until_ready(self._merge(self.base, moved))
 
 
-def lora_line(lora: Any, moved: int, base: Any, where: str) -> str:
+def lora_line(lora: LoraConfig, moved: int, base: Any, where: str) -> str:
     """The console's line on a LoRA run's weights: what moves per version, where the base is."""
     held = "" if lora.quantize is None else f"; the trainer holds it {lora.quantize}"
     return (
@@ -77,7 +78,7 @@ def abstract_adapters(model_cfg: ModelConfig) -> Any:
     return nnx.split(model, nnx.LoRAParam, ...)[1]
 
 
-def final_policy(trainer: Any) -> dict[str, Any]:
+def final_policy(trainer: Trainer) -> dict[str, Any]:
     """What an export writes: every weight (merged, for LoRA) and, for LoRA, the adapters and
     the frozen base. A trainer group gathers it on every process (a collective)."""
     out = {"params": trainer.merged_params()}
@@ -90,7 +91,7 @@ class GroupStaging:
     """See the module docstring. ``engine``: a replica's engine (its decode layout on this
     process's devices); ``adapters``: ``abstract_adapters`` of a LoRA run, else None."""
 
-    def __init__(self, trainer_mesh: Any, engine: Any, adapters: Any = None) -> None:
+    def __init__(self, trainer_mesh: Mesh, engine: RLEngine, adapters: Any = None) -> None:
         self.whole = EngineStager(trainer_mesh, engine.param_shardings, engine.param_dtype)
         self.adapters = None
         if adapters is not None:
@@ -116,7 +117,7 @@ class GroupStaging:
     def base_layout(self) -> dict[str, Any] | None:
         return None if self.adapters is None else self.whole.transfer_layout()
 
-    def first(self, trainer: Any) -> tuple[Any, Any]:
+    def first(self, trainer: Trainer) -> tuple[Any, Any]:
         """``(base, version)`` this process holds for the replicas' first load (base None
         without LoRA): the base staged once, then the trainer's current version."""
         base = None

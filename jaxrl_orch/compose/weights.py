@@ -72,7 +72,8 @@ class StepTimes:
             return None
         m = self._trained.pop(step)
         m["time/generate_s"] = gen_s = self._generated.pop(step, 0.0)
-        train_s, xfer_s = m["time/train_s"], m["time/transfer_s"]
+        train_s = m["time/train_s"]
+        xfer_s = m["time/transfer_s"]
         # Only totals are known, not their overlap: synchronous runs never overlap generation
         # and training, asynchronous ones are assumed to overlap fully.
         busy = gen_s + train_s if self._synchronous else max(gen_s, train_s)
@@ -95,9 +96,12 @@ class WeightPath:
         checkpoint_every: int,
         last_step: int,
     ) -> None:
-        self.side, self.times, self.publisher = side, times, publisher
+        self.side = side
+        self.times = times
+        self.publisher = publisher
         self._checkpoint = checkpoint
-        self.checkpoint_every, self.last_step = checkpoint_every, last_step
+        self.checkpoint_every = checkpoint_every
+        self.last_step = last_step
 
     def on_publish(self, version: int, params: Any, metrics: dict[str, float]) -> None:
         t0 = time.perf_counter()

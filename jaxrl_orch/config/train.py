@@ -177,7 +177,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """The checks that span two sections."""
         check_settings(self)
-        rl, trainer = self.rl, self.trainer
+        rl = self.rl
+        trainer = self.trainer
         require(
             rl.max_new_tokens < trainer.row_len,
             f"RL.max_new_tokens ({rl.max_new_tokens}) must be < Trainer.row_len "
@@ -204,7 +205,8 @@ class TrainConfig:
         _ = self.loop  # the loop's own checks: batch geometry and concurrency
 
     def _check_verifiers(self) -> None:
-        data, vf = self.data, self.verifiers
+        data = self.data
+        vf = self.verifiers
         if data.env != "verifiers":
             return
         require(

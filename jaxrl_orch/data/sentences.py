@@ -21,8 +21,10 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-MIN_CHARS, MAX_CHARS = 20, 47
-DEFAULT_COUNT, DEFAULT_SEED = 4000, 1891
+MIN_CHARS = 20
+MAX_CHARS = 47
+DEFAULT_COUNT = 4000
+DEFAULT_SEED = 1891
 CORPUS_PATH = Path(__file__).parent / "corpus" / "sentences.txt"
 
 SUBJECTS = (
@@ -168,8 +170,11 @@ def _noun_phrase(det: str, *words: str) -> str:
 
 def _sentence(rng: random.Random) -> str:
     year = rng.randint(1500, 2024)
-    subj, verb, obj = rng.choice(SUBJECTS), rng.choice(VERBS), rng.choice(OBJECTS)
-    det, adj = rng.choice(DETERMINERS), rng.choice(ADJECTIVES)
+    subj = rng.choice(SUBJECTS)
+    verb = rng.choice(VERBS)
+    obj = rng.choice(OBJECTS)
+    det = rng.choice(DETERMINERS)
+    adj = rng.choice(ADJECTIVES)
     template = rng.randrange(5)
     if template == 0:
         return f"In {year} the {subj} {verb} {_noun_phrase(det, adj, obj)}"

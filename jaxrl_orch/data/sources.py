@@ -50,7 +50,9 @@ class EpochCursor:
     def __init__(self, size: int, *, seed: int = 0, shuffle: bool = True) -> None:
         if size < 1:
             raise ValueError(f"cannot walk an empty dataset (size={size})")
-        self.size, self.seed, self.shuffle = int(size), int(seed), bool(shuffle)
+        self.size = int(size)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
         self.epoch = 0
         self.index = 0
         self._order: np.ndarray | None = None
@@ -68,7 +70,8 @@ class EpochCursor:
 
     def next_index(self) -> int:
         if self.index >= self.size:
-            self.epoch, self.index = self.epoch + 1, 0
+            self.epoch += 1
+            self.index = 0
         i = int(self._permutation(self.epoch)[self.index])
         self.index += 1
         return i
@@ -93,10 +96,12 @@ class EpochCursor:
                 f"source state was saved for {theirs} but this source has {mine}; "
                 "restore it into a source over the same data with the same seed and shuffle"
             )
-        epoch, index = int(state["epoch"]), int(state["index"])
+        epoch = int(state["epoch"])
+        index = int(state["index"])
         if epoch < 0 or not 0 <= index <= self.size:
             raise ValueError(f"bad cursor in source state: epoch={epoch}, index={index}")
-        self.epoch, self.index = epoch, index
+        self.epoch = epoch
+        self.index = index
 
 
 def _plain(value: Any) -> Any:
@@ -274,7 +279,8 @@ class TextFileSource(DatasetSource):
                     f"1 in {TEXT_EVAL_BUCKETS} distinct lines goes to 'eval'); add lines, or "
                     "name a separate eval file with Data.eval_dataset"
                 )
-        self.path, self.line_numbers = path, [n for n, _ in numbered]
+        self.path = path
+        self.line_numbers = [n for n, _ in numbered]
         records = [{field: s} for _, s in numbered]
         super().__init__(records, seed=seed, shuffle=shuffle, extra=extra, name=f"{path}:{split}")
 

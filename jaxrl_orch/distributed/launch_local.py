@@ -110,7 +110,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
-class Launcher:
+class LocalLauncher:
+    """One local run's processes, its trainer processes and engine replicas: their ports,
+    logs and key, started, supervised and stopped together."""
+
     def __init__(self, args: argparse.Namespace, train_args: list[str]) -> None:
         self.args = args
         self.p = args.trainer_processes
@@ -266,7 +269,7 @@ class Launcher:
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(argv)
-    launcher = Launcher(args, rest)
+    launcher = LocalLauncher(args, rest)
     previous = {s: signal.signal(s, launcher.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         return launcher.run()

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_orch.distributed.source import TransferSource
+from jaxrl_orch.inference.engine_api import ReplicaEngine
 from jaxrl_orch.models.lora import merge_adapters
 from jaxrl_orch.serving.host import UpdateRefused
 
@@ -36,7 +37,13 @@ class LoraSource(TransferSource):
     """See the module docstring. ``scale``: the adapters' ``alpha / rank``."""
 
     def __init__(
-        self, engine: Any, address: str, adapters: Any, scale: float, *, host: str = "127.0.0.1"
+        self,
+        engine: ReplicaEngine,
+        address: str,
+        adapters: Any,
+        scale: float,
+        *,
+        host: str = "127.0.0.1",
     ) -> None:
         super().__init__(engine, address, host=host)
         # Adapters are small: replicated, so each device merges its own shard of every weight.

@@ -27,6 +27,7 @@ from typing import Any
 
 from jaxrl_orch.distributed.lora_source import LoraSource
 from jaxrl_orch.distributed.source import TransferSource
+from jaxrl_orch.inference.engine_api import ReplicaEngine
 from jaxrl_orch.serving.app import make_app
 from jaxrl_orch.serving.contract import MAX_QUEUED, WeightsLoaded
 from jaxrl_orch.serving.guard import Limits
@@ -37,7 +38,7 @@ from jaxrl_orch.serving.runner import HttpServer
 class ReplicaHost(EngineHost):
     """An ``EngineHost`` that logs every weight update it takes (see the module docstring)."""
 
-    def __init__(self, engine: Any, *, replica: int, **kwargs: Any) -> None:
+    def __init__(self, engine: ReplicaEngine, *, replica: int, **kwargs: Any) -> None:
         super().__init__(engine, **kwargs)
         self.replica = int(replica)
 
@@ -50,7 +51,7 @@ class ReplicaHost(EngineHost):
 
 
 def replica_server(
-    engine: Any,
+    engine: ReplicaEngine,
     *,
     replica: int,
     model: str,

@@ -35,11 +35,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_orch.distributed import transfer
 from jaxrl_orch.distributed.addresses import host_port
+from jaxrl_orch.inference.engine_api import ReplicaEngine
 from sharding.reshard import reshard
 
 
 class TransferSource:
-    def __init__(self, engine: Any, address: str, *, host: str = "127.0.0.1") -> None:
+    def __init__(self, engine: ReplicaEngine, address: str, *, host: str = "127.0.0.1") -> None:
         sender, port = host_port(address, "weight source")
         self.engine = engine
         self.host = host

@@ -43,6 +43,7 @@ from jaxrl_orch.plugins import load_factory
 from jaxrl_orch.types import (
     NO_VERSION,
     Completion,
+    Environment,
     InferenceClient,
     NonFiniteReward,
     Rollout,
@@ -67,7 +68,17 @@ class EnvTokenizer(Protocol):
     ) -> str: ...
 
 
-def check_tokenizer(tokenizer: Any) -> EnvTokenizer:
+class RunEnv(Environment, Protocol):
+    """The run's environment: what the orchestrator runs (``types.Environment``) and the ids of
+    an example's prompt, which the warm-up's samples and the prompt-length checks are built
+    from. What some environments add is asked for where it is used: ``prompt_text`` (a cheap
+    length bound), ``examples(split)`` (their own tasks), ``reference_completion`` (warm-up
+    demonstrations)."""
+
+    def prompt_ids(self, example: dict[str, Any]) -> list[int]: ...
+
+
+def check_tokenizer(tokenizer: object) -> EnvTokenizer:
     for attr in ("encode", "decode", "apply_chat_template", "eos_id", "bos_id"):
         if not hasattr(tokenizer, attr):
             raise TypeError(
@@ -151,11 +162,16 @@ class Trace:
         self.logprobs += [float(x) for x in completion.logprobs[:n]]
         self.versions += [int(v) for v in completion.versions[:n]]
 
-    def fill(self, rollout: Rollout) -> Rollout:
-        rollout.token_ids = list(self.token_ids)
-        rollout.loss_mask = list(self.loss_mask)
-        rollout.logprobs = list(self.logprobs)
-        rollout.versions = list(self.versions)
+    def rollout(self, **fields: Any) -> Rollout:
+        """The finished rollout: this trace and ``fields`` (the rest of ``Rollout``'s), built
+        whole rather than filled in afterwards."""
+        rollout = Rollout(
+            token_ids=list(self.token_ids),
+            loss_mask=list(self.loss_mask),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            **fields,
+        )
         rollout.validate_trace()
         return rollout
 
@@ -235,7 +251,7 @@ class SingleTurnEnv:
         trace.add_model(completion)
         text = self.response_prefix + model_text(self.tokenizer, completion.token_ids)
         reward, metrics = self.score(text, example)
-        rollout = Rollout(
+        return trace.rollout(
             env=self.name,
             group_id=group_id,
             episode_id=episode_id,
@@ -243,14 +259,12 @@ class SingleTurnEnv:
             reward=check_reward(reward, env=self.name),
             num_turns=1,
             temperature=sampling.temperature,
+            metrics={**turn_metrics([completion]), **metrics},
+            trainable=completion.finish_reason != "cancelled",
         )
-        rollout.metrics = {**turn_metrics([completion]), **metrics}
-        if completion.finish_reason == "cancelled":
-            rollout.trainable = False
-        return trace.fill(rollout)
 
 
-async def close_env(env: Any) -> None:
+async def close_env(env: Environment) -> None:
     """Release what an env holds open across rollouts (``aclose``: a verifiers env's serving
     context); a no-op for envs that hold nothing. Stages call it on every exit path."""
     aclose = getattr(env, "aclose", None)
@@ -276,7 +290,7 @@ class AtTemperature:
     greedy for the headline number and at the training temperature for the sampled reward.
     Everything but ``run`` is the wrapped env's own."""
 
-    def __init__(self, env: Any, temperature: float) -> None:
+    def __init__(self, env: Environment, temperature: float) -> None:
         ok = isinstance(temperature, int | float) and math.isfinite(temperature)
         if not ok or temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
@@ -288,7 +302,7 @@ class AtTemperature:
             raise AttributeError(name)
         return getattr(self.env, name)
 
-    async def run(self, client: Any, example: dict[str, Any], **kw: Any) -> Rollout:
+    async def run(self, client: InferenceClient, example: dict[str, Any], **kw: Any) -> Rollout:
         kw["sampling"] = dataclasses.replace(kw["sampling"], temperature=self.temperature)
         return await self.env.run(client, example, **kw)
 
@@ -316,7 +330,7 @@ def register_env(name: str, factory: Callable[..., Any]) -> None:
     _USER[name] = factory
 
 
-def make_env(name: str, **kwargs: Any) -> Any:
+def make_env(name: str, **kwargs: Any) -> RunEnv:
     """Build the environment registered as ``name`` with constructor ``kwargs``; or, for a
     ``"package.module:factory"`` name, what that importable factory returns (every process of
     a multi-process run imports it itself: no registering script needed)."""

@@ -47,7 +47,8 @@ from jaxrl_orch.envs.expression import ExpressionError, evaluate, format_value
 from jaxrl_orch.types import Completion, InferenceClient, Rollout, SamplingParams
 
 DEFAULT_INSTRUCTION = "Use <calc>2*3</calc> if needed. Reply <answer></answer>."
-CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
+CALL_OPEN = "<calc>"
+CALL_CLOSE = "</calc>"
 
 
 def find_call(text: str) -> tuple[str, int] | None:
@@ -113,7 +114,8 @@ class CalculatorEnv:
 
         Decoded-prefix length grows monotonically with the token count, so binary search.
         """
-        lo, hi = 1, len(ids)
+        lo = 1
+        hi = len(ids)
         while lo < hi:
             mid = (lo + hi) // 2
             if len(self._decode(ids[:mid])) >= offset:
@@ -151,7 +153,8 @@ class CalculatorEnv:
             call = None if completion.finish_reason == "cancelled" else find_call(text)
             if call is None:
                 trace.add_model(completion)
-                final_text, finished = text, True
+                final_text = text
+                finished = True
                 break
             expression, end = call
             trace.add_model(completion, self._cut_after(completion.token_ids, end))
@@ -171,7 +174,9 @@ class CalculatorEnv:
 
         answer = parse_int_answer(final_text) if extract_answer(final_text) is not None else None
         reward = float(answer is not None and answer == truth_int(example))
-        rollout = Rollout(
+        metrics = turn_metrics(completions)
+        metrics["truncated"] = max(metrics["truncated"], float(context_exhausted))
+        return trace.rollout(
             env=self.name,
             group_id=group_id,
             episode_id=episode_id,
@@ -179,16 +184,12 @@ class CalculatorEnv:
             reward=check_reward(reward, env=self.name),
             num_turns=len(completions),
             temperature=sampling.temperature,
+            metrics={
+                **metrics,
+                "format_ok": float(answer is not None),
+                "tool_calls": float(tool_calls),
+                "tool_errors": float(tool_errors),
+                "max_turns_reached": float(not finished and not context_exhausted),
+            },
+            trainable=not metrics["cancelled"],
         )
-        metrics = turn_metrics(completions)
-        metrics["truncated"] = max(metrics["truncated"], float(context_exhausted))
-        rollout.metrics = {
-            **metrics,
-            "format_ok": float(answer is not None),
-            "tool_calls": float(tool_calls),
-            "tool_errors": float(tool_errors),
-            "max_turns_reached": float(not finished and not context_exhausted),
-        }
-        if metrics["cancelled"]:
-            rollout.trainable = False
-        return trace.fill(rollout)

@@ -26,6 +26,8 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+from jaxrl_orch.types import Environment
+
 REFERENCE = "reference"
 
 
@@ -45,7 +47,8 @@ def check_mix(
             raise ValueError(
                 f"Warmup.demonstrations entries are (behaviour, share) pairs, got {item!r}"
             )
-        name, share = item[0], float(item[1])
+        name = item[0]
+        share = float(item[1])
         if not known:
             raise ValueError(
                 f"env {env_name!r} offers no worse behaviours for a mixed warm-up, but "
@@ -73,7 +76,7 @@ class MixedDemonstrator:
     """Completions for the warm-up: ``env.demonstration(ex, b)`` for the behaviour ``b`` that
     the example's fraction falls into, else ``env.reference_completion(ex)``."""
 
-    def __init__(self, env: Any, mix: Sequence[tuple[str, float]] = ()) -> None:
+    def __init__(self, env: Environment, mix: Sequence[tuple[str, float]] = ()) -> None:
         self.env = env
         known = tuple(getattr(env, "demo_behaviours", ()))
         self.mix = check_mix(mix, known, getattr(env, "name", "env")) if mix else ()
@@ -84,7 +87,8 @@ class MixedDemonstrator:
             )
 
     def behaviour(self, example: dict[str, Any]) -> str:
-        u, edge = example_fraction(example), 0.0
+        u = example_fraction(example)
+        edge = 0.0
         for name, share in self.mix:
             edge += share
             if u < edge:

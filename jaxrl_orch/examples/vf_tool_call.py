@@ -56,7 +56,8 @@ class SumTaskset(vf.Taskset[SumTask, SumConfig]):
     def load(self) -> Iterator[SumTask]:
         rng = random.Random(self.config.seed)
         for i in range(self.config.count):
-            a, b = rng.randrange(100), rng.randrange(100)
+            a = rng.randrange(100)
+            b = rng.randrange(100)
             prompt = f"What is {a} + {b}? Use the add tool."
             yield SumTask(SumData(name=f"sum-{i}", prompt=prompt, a=a, b=b), self.config.task)
 

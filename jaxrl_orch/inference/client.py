@@ -18,13 +18,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxrl_orch.types import Completion, SamplingParams
 
+if TYPE_CHECKING:  # the client only queues on it: importing it would bring JAX
+    from jaxrl_orch.inference.driver import InferenceDriver
+
 
 class EngineClient:
-    def __init__(self, driver: Any) -> None:
+    def __init__(self, driver: InferenceDriver) -> None:
         self.driver = driver
         self.in_flight = 0
 

@@ -68,7 +68,7 @@ from jaxrl_orch.inference import decode_state as dstate  # the JetStream args ar
 from jaxrl_orch.inference.engine_api import ResultTokens
 from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.inference.sampling import row_keys, sample_tokens
-from jaxrl_orch.models.tokenizer import ByteTokenizer
+from jaxrl_orch.models.tokenizer import ByteTokenizer, Tokenizer
 from jaxrl_orch.models.transformer import (
     ModelConfig,
     Transformer,
@@ -91,7 +91,7 @@ class DecodeEngine:
         decode_widths: Sequence[int] | None = None,
         cache_dtype: Any = None,
         param_dtype: Any = None,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         seed: int = 0,
     ) -> None:
         self.limits = limits
@@ -143,7 +143,7 @@ class DecodeEngine:
     steps_per_call = property(lambda self: self.limits.steps_per_call)
     max_stop_tokens = property(lambda self: self.limits.max_stop_tokens)
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Tokenizer:
         if self._tokenizer is None and self.config.vocab_size == ByteTokenizer().vocab_size:
             self._tokenizer = ByteTokenizer()
         if self._tokenizer is None:

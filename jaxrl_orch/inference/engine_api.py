@@ -1,8 +1,9 @@
 """The engine contract the driver drives: JetStream's Engine method shape plus RL extras.
 
 Owns: ``ResultTokens`` / ``SlotData`` (what prefill and generate hand back), the
-``JetStreamEngine`` Protocol (the methods and properties the driver relies on) and ``RLEngine``
-(that plus where its weights live: what the run moves the trainer's weights into). Written from
+``JetStreamEngine`` Protocol (the methods and properties the driver relies on), ``RLEngine``
+(that plus where its weights live: what the run moves the trainer's weights into) and
+``ReplicaEngine`` (that plus what an engine replica pulls weights into). Written from
 JetStream's ``engine_api`` shape (prefill / insert / generate / init_decode_state / load_params
 and the capacity properties); the ``google-jetstream`` package is deliberately not a dependency.
 
@@ -108,3 +109,16 @@ class RLEngine(JetStreamEngine, Protocol):
     where present; the built-in ``DecodeEngine`` has both."""
 
     param_shardings: Any
+
+
+@runtime_checkable
+class ReplicaEngine(RLEngine, Protocol):
+    """An engine an engine replica serves, whose weights it pulls (``distributed.source``):
+    ``RLEngine``'s plus the weights' dtype (what the pulled bytes are), their abstract tree (the
+    pull's targets) and its ``mesh`` (a LoRA replica's adapters are replicated on it). The
+    built-in ``DecodeEngine`` has them."""
+
+    param_dtype: Any
+    mesh: Any
+
+    def abstract_params(self) -> Any: ...

@@ -15,16 +15,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from jaxrl_orch.inference.engine_api import JetStreamEngine
 from jaxrl_orch.inference.prefixes import buckets
 from jaxrl_orch.inference.requests import accepts
 from jaxrl_orch.types import SamplingParams
 
 
-def decode_widths(engine: Any, n_slots: int) -> tuple[int, ...]:
+class NarrowEngine(JetStreamEngine, Protocol):
+    """An engine that decodes narrow: ``generate(..., width=w)`` runs slots ``[0, w)`` of its
+    ``decode_widths``, and ``move_slot`` moves a request between two slots."""
+
+    decode_widths: Sequence[int]
+
+    def move_slot(self, decode_state: Any, src: int, dst: int) -> Any: ...
+
+
+def decode_widths(engine: JetStreamEngine, n_slots: int) -> tuple[int, ...]:
     """The decode widths to use: the engine's ``decode_widths`` when it offers both halves of
     narrow decoding (width-limited ``generate`` and ``move_slot``), else the full width."""
     widths = getattr(engine, "decode_widths", None)
@@ -46,7 +56,9 @@ def pack(slots: Sequence[Any], widths: Sequence[int]) -> tuple[int, list[tuple[i
     return width, [(src, next(free)) for src in running if src >= width]
 
 
-def repack(engine: Any, slots: list[Any], state: Any, widths: Sequence[int]) -> tuple[int, Any]:
+def repack(
+    engine: NarrowEngine, slots: list[Any], state: Any, widths: Sequence[int]
+) -> tuple[int, Any]:
     """``(width, state)``: ``pack``'s moves done on ``slots`` (in place) and on the engine's
     decode ``state``, and the width the next ``generate`` runs at."""
     width, moves = pack(slots, widths)
@@ -57,7 +69,7 @@ def repack(engine: Any, slots: list[Any], state: Any, widths: Sequence[int]) -> 
     return width, state
 
 
-def warm_up(engine: Any, params: Any, version: int, widths: Sequence[int]) -> float:
+def warm_up(engine: JetStreamEngine, params: Any, version: int, widths: Sequence[int]) -> float:
     """Run every program the driver can call once, on a scratch decode state: each prompt
     bucket's prefill and insert, each decode width, a slot move (JetStream's model warm-up),
     so none compiles mid-run. Returns the seconds it took."""

@@ -75,5 +75,4 @@ class Prefixes:
         """Set ``group``'s prefix (and first token) to its prompt's under ``version``."""
         if group.prefix is not None and group.prefix_version == version:
             return
-        group.prefix, group.first = self.get(group.prompt, params, version)
-        group.prefix_version = version
+        group.use_prefix(self.get(group.prompt, params, version), version)

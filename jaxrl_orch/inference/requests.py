@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_orch.inference.engine_api import ResultTokens
+from jaxrl_orch.inference.engine_api import JetStreamEngine, ResultTokens
 from jaxrl_orch.types import SamplingParams
 
 STOPPED = "InferenceDriver stopped before the request finished"
@@ -46,6 +46,11 @@ class PrefillGroup:
     prefix: Any = None
     prefix_version: int | None = None
     first: tuple[int, float] | None = None  # a token the engine sampled at prefill, if any
+
+    def use_prefix(self, entry: tuple[Any, tuple[int, float] | None], version: int) -> None:
+        """Hold ``entry``, the prompt's prefix and first token computed under ``version``."""
+        self.prefix, self.first = entry
+        self.prefix_version = version
 
 
 @dataclasses.dataclass(eq=False)
@@ -153,7 +158,7 @@ class RequestLimits:
     vocab: int | None = None  # prompt ids must be in [0, vocab) (None: unknown, e.g. a plug-in)
 
     @classmethod
-    def of(cls, engine: Any) -> RequestLimits:
+    def of(cls, engine: JetStreamEngine) -> RequestLimits:
         vocab = getattr(getattr(engine, "config", None), "vocab_size", None)
         return cls(int(engine.max_prefill_length), getattr(engine, "max_stop_tokens", None), vocab)
 

@@ -138,7 +138,8 @@ def length_aware_attention(q, k, v, q_index, block: int = 128, kv_heads_first: b
     """Cache attention that reads key blocks only up to the furthest visible index."""
     b, t, h, d = q.shape
     axis = 2 if kv_heads_first else 1  # the keys' position axis
-    s, hkv = k.shape[axis], k.shape[3 - axis]
+    s = k.shape[axis]
+    hkv = k.shape[3 - axis]
     kv = _kv(kv_heads_first)
     g = h // hkv
     block = min(block, s)
@@ -218,7 +219,8 @@ def splash_attention(q, k, v, segment_ids, *, block=512, specs=None, interpret=F
     def local(q, k, v, seg):
         kernel, seg_cls = _splash_kernel(q.shape[2], q.shape[1], block, interpret)
         qh = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)  # [b,H,T,D]
-        kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        kh = jnp.swapaxes(k, 1, 2)
+        vh = jnp.swapaxes(v, 1, 2)
         ids = seg_cls(q=seg, kv=seg)
         out = jax.vmap(kernel)(qh, kh, vh, segment_ids=ids)
         return jnp.swapaxes(out, 1, 2).astype(v.dtype)
@@ -259,14 +261,16 @@ def attend(
     ``self_attention``: ``q_index`` is each query's own row position (packed causal rows).
     ``kv_heads_first``: k / v are ``[B, Hkv, S, D]`` (the KV cache's layout)."""
     check_impl(impl)
-    t, s = q.shape[1], k.shape[2 if kv_heads_first else 1]
+    t = q.shape[1]
+    s = k.shape[2 if kv_heads_first else 1]
     if segment_ids is not None and t != s:
         raise ValueError(f"segment_ids need self-attention (T == S), got T={t}, S={s}")
     if impl == "einsum":
         return einsum_attention(q, k, v, q_index, segment_ids, kv_heads_first)
     if kv_heads_first and ((t % block == 0 and t > block) or self_attention or impl == "xla"):
         # The backends below take [B, S, Hkv, D]; cache reads are long prefills here.
-        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        k = jnp.swapaxes(k, 1, 2)
+        v = jnp.swapaxes(v, 1, 2)
         kv_heads_first = False
     if impl == "xla":
         return xla_attention(q, k, v, q_index, segment_ids)

@@ -34,7 +34,8 @@ def byte_to_char() -> dict[int, str]:
     """GPT-2's reversible map of the 256 bytes to printable characters (what ``ByteLevel``
     uses): printable Latin-1 bytes map to themselves, the rest to code points from 256 on."""
     keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars, extra = {}, 0
+    chars = {}
+    extra = 0
     for b in range(256):
         if b in keep:
             chars[b] = chr(b)

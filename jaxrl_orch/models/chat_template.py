@@ -152,7 +152,8 @@ def _environment():
     class Namespace(jinja2.utils.Namespace):
         # Underscore attributes on a namespace could reach CPython internals.
         def __init__(*args, **kwargs):
-            self, args = args[0], args[1:]
+            self = args[0]
+            args = args[1:]
             attrs = dict(*args, **kwargs)
             for name in attrs:
                 Namespace._check(name)

@@ -152,7 +152,10 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         """Parameter count implied by the shape (no array is built)."""
-        d, h, kv, hd = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
+        d = self.d_model
+        h = self.n_heads
+        kv = self.n_kv_heads
+        hd = self.head_dim
         attn = d * h * hd * 2 + d * kv * hd * 2
         if self.qkv_bias:
             attn += h * hd + 2 * kv * hd

@@ -389,7 +389,8 @@ def export_hf_dir(
 ) -> Path:
     """``params`` as an HF checkpoint in ``workdir/export`` (plus ``tokenizer_json`` if given),
     replaced whole via ``export.tmp``: a crash mid-write never leaves a half-written export."""
-    out, tmp = Path(workdir) / "export", Path(workdir) / "export.tmp"
+    out = Path(workdir) / "export"
+    tmp = Path(workdir) / "export.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf_checkpoint(params, cfg, tmp)
     if tokenizer_json is not None:

@@ -38,22 +38,29 @@ from flax import nnx
 from jaxrl_orch.models.keys import by_names, key_names
 from jaxrl_orch.models.lora_config import TARGETS, LoraConfig
 from jaxrl_orch.models.matmul import matmul
-from jaxrl_orch.models.qlora import quantize_module, weight
+from jaxrl_orch.models.qlora import quantized, weight
 
 _BY_WEIGHT = {path[1]: (name, contract) for name, (path, contract, _) in TARGETS.items()}
 RANK_AXIS = "lora_rank"  # no sharding rule names it: replicated
 
 
-def add_adapters(module: nnx.Module, cfg: LoraConfig | None, rngs: nnx.Rngs) -> None:
-    """Give ``module``'s target projections their adapters, and quantize its base weights for
-    QLoRA (a no-op without ``cfg``)."""
-    if cfg is None:
-        return
-    _add(module, cfg, rngs)
-    quantize_module(module, cfg.quantize)
+class Adaptable(nnx.Module):
+    """A module whose weight projections a LoRA run adapts (the attention and MLP blocks): it
+    adds its own adapters while it is built, so nothing patches it afterwards."""
+
+    def add_adapters(self, cfg: LoraConfig | None, rngs: nnx.Rngs) -> None:
+        """Give this module's target projections their adapters, and quantize its base weights
+        for QLoRA (a no-op without ``cfg``)."""
+        if cfg is None:
+            return
+        variables = {**_adapters(self, cfg, rngs), **quantized(self, cfg.quantize)}
+        for name, variable in variables.items():
+            setattr(self, name, variable)
 
 
-def _add(module: nnx.Module, cfg: LoraConfig, rngs: nnx.Rngs) -> None:
+def _adapters(module: nnx.Module, cfg: LoraConfig, rngs: nnx.Rngs) -> dict[str, nnx.LoRAParam]:
+    """The adapters of ``module``'s target projections, by attribute name."""
+    out: dict[str, nnx.LoRAParam] = {}
     for weight_name, (target, contract) in _BY_WEIGHT.items():
         if target not in cfg.targets or not hasattr(module, weight_name):
             continue
@@ -65,9 +72,11 @@ def _add(module: nnx.Module, cfg: LoraConfig, rngs: nnx.Rngs) -> None:
             rngs.params(), (*w.shape[:contract], cfg.rank), jnp.float32, -bound, bound
         )
         b = jnp.zeros((cfg.rank, *w.shape[contract:]), jnp.float32)
-        a_axes, b_axes = (*axes[:contract], RANK_AXIS), (RANK_AXIS, *axes[contract:])
-        setattr(module, f"{weight_name}_lora_a", nnx.LoRAParam(a, logical_axes=a_axes))
-        setattr(module, f"{weight_name}_lora_b", nnx.LoRAParam(b, logical_axes=b_axes))
+        a_axes = (*axes[:contract], RANK_AXIS)
+        b_axes = (RANK_AXIS, *axes[contract:])
+        out[f"{weight_name}_lora_a"] = nnx.LoRAParam(a, logical_axes=a_axes)
+        out[f"{weight_name}_lora_b"] = nnx.LoRAParam(b, logical_axes=b_axes)
+    return out
 
 
 def project(module: nnx.Module, name: str, spec: str, x: jax.Array, cfg: Any) -> jax.Array:
@@ -75,7 +84,8 @@ def project(module: nnx.Module, name: str, spec: str, x: jax.Array, cfg: Any) ->
 
     ``spec`` is the projection's ``"<x axes>,<W axes>-><out axes>"``; the adapter path is
     ``x -> [.., rank] -> out`` (two thin matmuls), never the merged ``[in, out]`` delta."""
-    dt, tc = cfg.dtype, cfg.grad_transpose_copy
+    dt = cfg.dtype
+    tc = cfg.grad_transpose_copy
     y = matmul(spec, x, weight(module, name), dt, tc)
     a = getattr(module, f"{name}_lora_a", None) if cfg.lora is not None else None
     if a is None:

@@ -42,7 +42,8 @@ import jax.numpy as jnp
 def matmul(spec: str, x: jax.Array, w: jax.Array, dtype: Any, transpose_copy: bool = False):
     """``einsum(spec, x, w)`` in ``dtype`` with float32 accumulation, returned in ``dtype``.
     ``spec`` names every axis (no ``...``) and sums only over axes ``x`` and ``w`` share."""
-    x, w = x.astype(dtype), w.astype(dtype)
+    x = x.astype(dtype)
+    w = w.astype(dtype)
     return matmul_vjp(spec, transpose_copy, x, w).astype(dtype)
 
 

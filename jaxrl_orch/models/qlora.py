@@ -57,18 +57,21 @@ def dequantize(values: jax.Array, scale: jax.Array) -> jax.Array:
     return qwix.dequantize(qwix.QArray(qvalue=values, scale=scale, qtype=values.dtype))
 
 
-def quantize_module(module: nnx.Module, qtype: str | None) -> None:
-    """Replace ``module``'s projection weights by their quantized pairs (a no-op for None)."""
+def quantized(module: nnx.Module, qtype: str | None) -> dict[str, nnx.Param]:
+    """The quantized pairs that replace ``module``'s projection weights, by attribute name
+    (none for None)."""
+    out: dict[str, nnx.Param] = {}
     if qtype is None:
-        return
+        return out
     for name in WEIGHTS:
         if not hasattr(module, name):
             continue
         param = getattr(module, name)
         axes = tuple(param.get_metadata("logical_axes"))
         values, scale = quantize(param[...], name, qtype)
-        setattr(module, name, nnx.Param(values, logical_axes=axes))
-        setattr(module, f"{name}{SCALE}", nnx.Param(scale, logical_axes=axes))
+        out[name] = nnx.Param(values, logical_axes=axes)
+        out[f"{name}{SCALE}"] = nnx.Param(scale, logical_axes=axes)
+    return out
 
 
 def weight(module: nnx.Module, name: str) -> jax.Array:

@@ -88,15 +88,18 @@ def _forward(qh, kh, vh, q_index, seg, lo, block):
     """qh ``[b, kv, g, t, d]``, kh / vh ``[b, kv, t, d]`` -> (out like qh, lse ``[b,kv,g,t]``)."""
     b, hkv, g, t, d = qh.shape
     scale = 1.0 / math.sqrt(d)
-    outs, lses = [], []
+    outs = []
+    lses = []
     for i in range(t // block):
         rows = slice(i * block, (i + 1) * block)
-        qb, qi = qh[:, :, :, rows], q_index[:, rows]
+        qb = qh[:, :, :, rows]
+        qi = q_index[:, rows]
         q_seg = None if seg is None else seg[:, rows]
 
         def tile(carry, qb=qb, qi=qi, q_seg=q_seg):
             j, m, denom, acc = carry
-            kb, vb = _slice(kh, j, block, 2), _slice(vh, j, block, 2)
+            kb = _slice(kh, j, block, 2)
+            vb = _slice(vh, j, block, 2)
             k_seg = None if seg is None else _slice(seg, j, block, 1)
             ok = _visible(qi, q_seg, j * block + jnp.arange(block), k_seg)
             s = jnp.where(ok[:, None, None], _dot(qb, kb, (4,), (3,)) * scale, _NEG)
@@ -131,18 +134,22 @@ def _tiled_bwd(block, res, dout):
     scale = 1.0 / math.sqrt(d)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [b,kv,g,t]
     dq_t = jnp.zeros((b, hkv, d, g, t), jnp.float32)  # dQ with the queries innermost
-    dks, dvs = [], []
+    dks = []
+    dvs = []
     for j in range(t // block):
         keys = slice(j * block, (j + 1) * block)
-        kb, vb = kh[:, :, keys], vh[:, :, keys]
+        kb = kh[:, :, keys]
+        vb = vh[:, :, keys]
         kb_t = jnp.swapaxes(kb, 2, 3)  # [b, kv, d, Bk]: a small copy, for dQ^T += K^T dS^T
         key_pos = j * block + jnp.arange(block)
         k_seg = None if seg is None else seg[:, keys]
 
         def tile(carry, kb=kb, vb=vb, kb_t=kb_t, key_pos=key_pos, k_seg=k_seg):
             i, dk, dv, dq_t = carry
-            qb, dob = _slice(qh, i, block, 3), _slice(dout, i, block, 3)
-            lse_b, delta_b = _slice(lse, i, block, 3), _slice(delta, i, block, 3)
+            qb = _slice(qh, i, block, 3)
+            dob = _slice(dout, i, block, 3)
+            lse_b = _slice(lse, i, block, 3)
+            delta_b = _slice(delta, i, block, 3)
             q_seg = None if seg is None else _slice(seg, i, block, 1)
             ok = jnp.swapaxes(_visible(_slice(q_index, i, block, 1), q_seg, key_pos, k_seg), 1, 2)
             s_t = _dot(kb, qb, (3,), (4,)) * scale  # [b, kv, Bk, g, Bq]
@@ -174,6 +181,7 @@ def tiled_self_attention(q, k, v, q_index, segment_ids, block: int):
         raise ValueError(f"tiled attention needs T ({t}) to be a multiple of block {block}")
     lo, hi = tile_bounds(segment_ids, t, block)
     qh = q.reshape(b, t, hkv, h // hkv, d).transpose(0, 2, 3, 1, 4)
-    kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    kh = jnp.swapaxes(k, 1, 2)
+    vh = jnp.swapaxes(v, 1, 2)
     out = _tiled(qh, kh, vh, q_index.astype(jnp.int32), segment_ids, lo, hi, block)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)

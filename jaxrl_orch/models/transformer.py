@@ -50,7 +50,7 @@ from jaxrl_orch.models.kv_cache import (
     cache_logical_specs,
     init_cache,
 )
-from jaxrl_orch.models.lora import add_adapters, project
+from jaxrl_orch.models.lora import Adaptable, project
 from jaxrl_orch.models.rope import apply_rope as _apply_rope
 from jaxrl_orch.models.rope import rope_inv_freq
 
@@ -102,11 +102,15 @@ class RMSNorm(nnx.Module):
         return (self.weight[...].astype(jnp.float32) * normed).astype(x.dtype)
 
 
-class Attention(nnx.Module):
+class Attention(Adaptable):
     """Grouped-query attention projections; the attention itself is ``attention.attend``."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, h, kv, hd, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
+        d = cfg.d_model
+        h = cfg.n_heads
+        kv = cfg.n_kv_heads
+        hd = cfg.head_dim
+        pd = cfg.param_dtype
         self.cfg = cfg
         self.q_proj = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pd)
         self.k_proj = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
@@ -120,11 +124,12 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.norm_eps, pd, rngs=rngs)
             self.k_norm = RMSNorm(hd, cfg.norm_eps, pd, rngs=rngs)
-        add_adapters(self, cfg.lora, rngs)
+        self.add_adapters(cfg.lora, rngs)
 
     def project(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray):
         """``x[B,T,E]`` -> rotated ``q[B,T,H,D]``, ``k[B,T,Hkv,D]`` and ``v[B,T,Hkv,D]``."""
-        cfg, dt = self.cfg, self.cfg.dtype
+        cfg = self.cfg
+        dt = self.cfg.dtype
         q = project(self, "q_proj", "bte,ehd->bthd", x, cfg)
         k = project(self, "k_proj", "bte,ehd->bthd", x, cfg)
         v = project(self, "v_proj", "bte,ehd->bthd", x, cfg)
@@ -133,23 +138,26 @@ class Attention(nnx.Module):
             k = k + self.k_bias[...].astype(dt)
             v = v + self.v_bias[...].astype(dt)
         if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
+            k = self.k_norm(k)
         return _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq), v
 
     def output(self, o: jax.Array) -> jax.Array:
         return project(self, "o_proj", "bthd,hde->bte", o, self.cfg)
 
 
-class MLP(nnx.Module):
+class MLP(Adaptable):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
+        d = cfg.d_model
+        f = cfg.d_ff
+        pd = cfg.param_dtype
         self.cfg = cfg
         self.gate_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
         self.up_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
         self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), pd)
-        add_adapters(self, cfg.lora, rngs)
+        self.add_adapters(cfg.lora, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
@@ -295,7 +303,8 @@ class Transformer(nnx.Module):
         index = position; positions at or beyond the cache length are dropped (never attended).
         """
         _check_tokens(tokens, positions)
-        ck, cv = cache["k"], cache["v"]
+        ck = cache["k"]
+        cv = cache["v"]
         stacked = not isinstance(ck, (list, tuple))
         n_layers, b = ck.shape[:2] if stacked else (len(ck), ck[0].shape[0])
         if n_layers != self.config.n_layers or b != tokens.shape[0]:
@@ -341,7 +350,8 @@ class Transformer(nnx.Module):
 
             x, (ck, cv) = jax.lax.scan(body, x, (stacked_params, ck, cv))
         else:
-            ck, cv = list(ck), list(cv)
+            ck = list(ck)
+            cv = list(cv)
             # A per-layer cache runs the layers unrolled (a scan_layers model too: its params
             # are stored per layer), each against its own arrays.
             for i, layer in enumerate(self.layers):

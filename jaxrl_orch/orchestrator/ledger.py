@@ -42,9 +42,9 @@ def stamp_ages(rollouts: Sequence[Rollout], step: int, now: float) -> None:
             s.off_policy_steps = r.off_policy_steps
 
 
-def drop_stale(batch: TrainBatch, step: int, bound: int) -> int:
-    """The ``drop`` policy: remove live rollouts whose head age at ``step`` exceeds ``bound``
-    from the batch (and their samples); returns how many."""
+def drop_stale(batch: TrainBatch, step: int, bound: int) -> tuple[TrainBatch, int]:
+    """The ``drop`` policy: ``batch`` without the live rollouts whose head age at ``step``
+    exceeds ``bound`` (nor their samples), and how many those were."""
     keep = []
     dropped = 0
     for r, head in zip(batch.trained, head_versions(batch.trained), strict=True):
@@ -52,11 +52,11 @@ def drop_stale(batch: TrainBatch, step: int, bound: int) -> int:
             dropped += 1
         else:
             keep.append(r)
-    if dropped:
-        batch.trained = keep
-        batch.samples = [s for r in keep for s in r.samples]
-    batch.metrics["orch/dropped"] = float(dropped)
-    return dropped
+    metrics = {**batch.metrics, "orch/dropped": float(dropped)}
+    if not dropped:
+        return dataclasses.replace(batch, metrics=metrics), 0
+    samples = [s for r in keep for s in r.samples]
+    return dataclasses.replace(batch, trained=keep, samples=samples, metrics=metrics), dropped
 
 
 def pace_wait(

@@ -138,7 +138,8 @@ class BatchShipper:
             if batch is None:
                 return
             if cfg.age_policy == "drop":
-                self.dropped_total += drop_stale(batch, self.step, cfg.max_staleness)
+                batch, dropped = drop_stale(batch, self.step, cfg.max_staleness)
+                self.dropped_total += dropped
             if not batch.samples:
                 self._count_empty_batch()
                 continue
@@ -166,7 +167,7 @@ class BatchShipper:
     async def _ship(self, batch: TrainBatch) -> None:
         step = self.step
         now = self.clock()
-        batch.step = step
+        batch = dataclasses.replace(batch, step=step)  # the step it ships at: the loop's
         stamp_ages(batch.trained, step, now)
         if self.parts.store is not None:
             await self.parts.store.write_async(step, batch.trained)

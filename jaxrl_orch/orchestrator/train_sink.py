@@ -216,10 +216,8 @@ class TrainSink:
         return arrays
 
     def _flag(self, r: Rollout, reason: str) -> None:
-        """Keep ``r`` out of the batch with ``reason`` (reasons accumulate, no duplicates)."""
-        r.filtered = True
-        if reason not in r.filter_reasons:
-            r.filter_reasons.append(reason)
+        """Keep ``r`` out of the batch with ``reason`` (``Rollout.flag``), and count it."""
+        r.flag(reason)
         self._window_counts[reason] += 1
 
     def _process_group(

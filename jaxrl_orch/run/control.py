@@ -32,18 +32,22 @@ from jaxrl_orch.compose.trainers import build_trainer
 from jaxrl_orch.envs.base import AtTemperature, close_env
 from jaxrl_orch.inference.client import EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
+from jaxrl_orch.inference.engine_api import RLEngine
 from jaxrl_orch.orchestrator.eval_sink import eval_metrics
 from jaxrl_orch.orchestrator.metrics.writers import ConsoleWriter, JsonlWriter
 from jaxrl_orch.run.ending import run_coroutine
 from jaxrl_orch.run.stop import StopFlag
 from jaxrl_orch.run.summary import eval_summary
 from jaxrl_orch.trainer.sft import run_sft
+from jaxrl_orch.trainer.trainer import Trainer
 from jaxrl_orch.types import SamplingParams
 
 
 async def evaluate(parts: RunParts, client: EngineClient) -> dict[str, float]:
     """Greedy and sampled eval of the held-out examples, keyed as the RL run's eval rows."""
-    cfg, env, data = parts.cfg, parts.env, parts.data
+    cfg = parts.cfg
+    env = parts.env
+    data = parts.data
     greedy = SamplingParams(temperature=0.0, max_tokens=cfg.rl.max_new_tokens)
     views = {
         env.name: (env, data.eval),
@@ -98,9 +102,9 @@ def run_imitation(parts: RunParts, params: Any, stop: StopFlag) -> dict[str, Any
 
 def _updates(
     parts: RunParts,
-    trainer: Any,
+    trainer: Trainer,
     driver: InferenceDriver,
-    engine: Any,
+    engine: RLEngine,
     writer: JsonlWriter,
     evals: dict[int, dict[str, float]],
     stop: StopFlag,
@@ -109,7 +113,8 @@ def _updates(
     how many updates it took."""
     cfg = parts.cfg
     per_step = cfg.rl.minibatches * cfg.rl.ppo_epochs
-    updates, every = cfg.rl.steps * per_step, cfg.rl.eval_every or cfg.rl.steps
+    updates = cfg.rl.steps * per_step
+    every = cfg.rl.eval_every or cfg.rl.steps
     client = EngineClient(driver)
     console = ConsoleWriter(keys=["eval/*/reward_mean", "eval/*/behaviour/*", "sft/loss"])
     done = 0

@@ -83,7 +83,8 @@ def _checkpoint_base(parts: RunParts, base: Any) -> Path | None:
     """The HF checkpoint directory the RL base is exactly, or None (a warm-up changed it, QLoRA
     trained over its dequantized weights, or the model is a preset, initialised at random): then
     ``base`` is exported and must be given."""
-    warmup, name = parts.cfg.warmup, parts.cfg.model.name
+    warmup = parts.cfg.warmup
+    name = parts.cfg.model.name
     path = Path(name)
     exact = not (warmup.steps or warmup.from_workdir) and parts.cfg.lora.quantize is None
     if exact and (path / "config.json").is_file():

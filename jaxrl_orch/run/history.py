@@ -31,6 +31,8 @@ from typing import Any
 
 from etils import epath
 
+from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.orchestrator.loop import Orchestrator
 from jaxrl_orch.paths import Pathish, as_path, write_atomic
 from jaxrl_orch.run.summary import eval_summary, first_eval, train_reward_ends
 
@@ -144,7 +146,9 @@ class BeforeRLRecorder:
     ``env`` land, updated as the sampled eval lands too. Other rows are ignored."""
 
     def __init__(self, path: Pathish, env: str, sampled_env: str) -> None:
-        self.path, self.env, self.sampled_env = as_path(path), env, sampled_env
+        self.path = as_path(path)
+        self.env = env
+        self.sampled_env = sampled_env
         self._evals: dict[int, dict[str, float]] = {}
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -160,13 +164,18 @@ class BeforeRLRecorder:
 
 
 def rl_summary(
-    wd: Pathish, cfg: Any, env_names: tuple[str, str], orch: Any, steps: tuple[int, int, float]
+    wd: Pathish,
+    cfg: TrainConfig,
+    env_names: tuple[str, str],
+    orch: Orchestrator,
+    steps: tuple[int, int, float],
 ) -> dict[str, Any]:
     """The RL keys of ``summary.json``: evals and train rewards of every attempt (from disk),
     the warm-up's eval as first recorded, this attempt's ages, drops and env errors.
     ``env_names``: the greedy and the sampled eval's; ``steps``: the last trained version, this
     attempt's first step and its seconds."""
-    wd, (version, start, secs) = as_path(wd), steps
+    wd = as_path(wd)
+    version, start, secs = steps
     before_path = wd / "eval_before_rl.json"
     before = json.loads(before_path.read_text()) if before_path.exists() else {}
     return {
@@ -185,10 +194,11 @@ def rl_summary(
     }
 
 
-def rollout_counts(orch: Any) -> dict[str, int]:
+def rollout_counts(orch: Orchestrator) -> dict[str, int]:
     """This attempt's rollouts: dispatched, handed to the sinks (each exactly once), failed,
     cancelled, and those the train sink saw."""
-    d, s = orch.dispatcher.gauges(), orch.train_sink.gauges()
+    d = orch.dispatcher.gauges()
+    s = orch.train_sink.gauges()
     return {
         "dispatched": int(d["dispatcher/admitted_total"] + d["dispatcher/eval_admitted_total"]),
         "reached_sinks": int(d["dispatcher/emitted_total"]),

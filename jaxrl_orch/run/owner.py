@@ -87,7 +87,8 @@ class _LocalClaim:
 
 class _ObjectClaim:
     def __init__(self, workdir: Any, clock: Any = time.time) -> None:
-        self._path, self._clock = workdir / LOCK_NAME, clock
+        self._path = workdir / LOCK_NAME
+        self._clock = clock
         if _reach(workdir, self._path.exists):
             owner = _read_json(self._path.read_bytes())
             age = clock() - float(owner.get("refreshed", owner.get("since", 0)))

@@ -80,7 +80,8 @@ async def run_rl(parts: RunParts, sft_params: Any, stop: StopFlag) -> dict[str, 
 
 
 def _trainer(parts: RunParts, built: BuiltEngine, sft_params: Any, hooks: StepHooks) -> Trainer:
-    lr, recompute = parts.cfg.rl.learning_rate, built.recompute
+    lr = parts.cfg.rl.learning_rate
+    recompute = built.recompute
     return build_trainer(parts, "rl", lr, recompute=recompute, init_params=sft_params, hooks=hooks)
 
 
@@ -158,7 +159,8 @@ def _weight_path(
         save_trainer(ckpt, trainer, version, state, between_steps=True)
         ckpt.wait()  # the next step donates these arrays: the copy to disk must finish first
 
-    every, last = parts.cfg.outputs.checkpoint_every, parts.cfg.rl.steps
+    every = parts.cfg.outputs.checkpoint_every
+    last = parts.cfg.rl.steps
     return WeightPath(side, times, publisher, checkpoint, checkpoint_every=every, last_step=last)
 
 
@@ -187,7 +189,8 @@ def _orchestrator(
     publisher: InProcessPublisher,
     times: StepTimes,
 ) -> Orchestrator:
-    cfg, env = parts.cfg, parts.env
+    cfg = parts.cfg
+    env = parts.env
     sampling = SamplingParams(temperature=cfg.rl.temperature, max_tokens=cfg.rl.max_new_tokens)
     greedy = SamplingParams(temperature=0.0, max_tokens=cfg.rl.max_new_tokens)
     views = {env.name: env, parts.sampled_eval: AtTemperature(env, cfg.rl.temperature)}

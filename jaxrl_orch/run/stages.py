@@ -33,6 +33,7 @@ from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas
 from jaxrl_orch.distributed.group import Role
 from jaxrl_orch.orchestrator.metrics.writers import JsonlWriter, stage
+from jaxrl_orch.paths import Pathish
 from jaxrl_orch.run.control import run_imitation
 from jaxrl_orch.run.ending import run_coroutine
 from jaxrl_orch.run.history import check_history
@@ -44,7 +45,7 @@ from jaxrl_orch.tools.report import write_report
 
 
 def prepare(
-    cfg: TrainConfig, workdir: Any, role: Role, engine_addresses: Replicas = Replicas()
+    cfg: TrainConfig, workdir: Pathish, role: Role, engine_addresses: Replicas = Replicas()
 ) -> RunParts:
     """The run's parts, every check done: fails before any work, naming the bad value.
     ``engine_addresses``: where a multi-process run's replicas are (``--engine_addresses``,
@@ -67,7 +68,8 @@ def write_config(parts: RunParts, text: str) -> None:
 
 def run(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
     """Every stage of this process's role, in order; returns the summary's keys."""
-    cfg, role = parts.cfg, parts.role
+    cfg = parts.cfg
+    role = parts.role
     if role.kind == "engine":
         mesh = parts.placement.decode_mesh
         engine = build_engine(cfg, parts.model_cfg, mesh, parts.tokenizer).engine
@@ -87,7 +89,8 @@ def run(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
         stage("imitation control", f"SFT for the {cfg.rl.steps} RL steps' updates instead")
         summary.update(run_imitation(parts, params, stop))
         return summary
-    rl, orch = cfg.rl, cfg.orchestrator
+    rl = cfg.rl
+    orch = cfg.orchestrator
     stage(
         "RL",
         f"{rl.algorithm}, {rl.steps} steps of {rl.prompts_per_step} prompts x {rl.group_size} "

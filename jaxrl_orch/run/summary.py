@@ -84,7 +84,8 @@ def eval_summary(
 ) -> dict[str, Any]:
     """The eval keys of ``summary.json`` (see the module docstring)."""
     before = before or {}
-    greedy, sampled = eval_curve(evals, env), eval_curve(evals, sampled_env)
+    greedy = eval_curve(evals, env)
+    sampled = eval_curve(evals, sampled_env)
     behaviour = shares_both(evals, env, sampled_env)
     for kind, shares in before.get("behaviour", {}).items():
         behaviour[kind] = {"0": shares, **behaviour[kind]}

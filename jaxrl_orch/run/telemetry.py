@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
 from jaxrl_orch.compose.orchestrator import Telemetry
 from jaxrl_orch.compose.parts import RunParts
+from jaxrl_orch.compose.sides import EngineSide
 from jaxrl_orch.orchestrator.metrics.writers import (
     ConsoleWriter,
     JsonlWriter,
@@ -23,6 +23,8 @@ from jaxrl_orch.orchestrator.metrics.writers import (
 )
 from jaxrl_orch.paths import is_url
 from jaxrl_orch.run.history import BeforeRLRecorder
+from jaxrl_orch.trainer.trainer import Trainer
+from jaxrl_orch.types import MetricsWriter
 
 CONSOLE_KEYS = (
     "train/reward_mean",
@@ -38,10 +40,12 @@ CONSOLE_KEYS = (
 )
 
 
-def rl_telemetry(parts: RunParts, engines: Any, trainer: Any, start_step: int) -> Telemetry:
-    """``engines``: the driver or the replica pool, whose gauges join the trainer's."""
-    cfg, wd = parts.cfg, parts.workdir
-    writers: list[Any] = [
+def rl_telemetry(parts: RunParts, side: EngineSide, trainer: Trainer, start_step: int) -> Telemetry:
+    """``side``: the engine's side, whose gauges (its driver's, or its replicas') join the
+    trainer's."""
+    cfg = parts.cfg
+    wd = parts.workdir
+    writers: list[MetricsWriter] = [
         JsonlWriter(wd / "metrics.jsonl"),
         # Step and eval rows (rewards, evals, ages, trainer diagnostics) next to the gauges.
         TensorBoardWriter(wd / "tb" / "steps"),
@@ -68,7 +72,7 @@ def rl_telemetry(parts: RunParts, engines: Any, trainer: Any, start_step: int) -
     return Telemetry(
         writers=writers,
         gauge_writers=[JsonlWriter(wd / "gauges.jsonl"), TensorBoardWriter(wd / "tb")],
-        gauge_sources=[engines, trainer],
+        gauge_sources=[side, trainer],
         log_interval_s=cfg.outputs.log_interval_s,
         store_dir=os.fspath(wd / "rollouts"),
     )

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import jax
+from etils import epath
 from jax.experimental import multihost_utils
 
 from jaxrl_orch.compose.model import pretrained_params
@@ -36,13 +37,15 @@ from jaxrl_orch.run.history import trim_for_sft
 from jaxrl_orch.run.stop import StopFlag
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
 from jaxrl_orch.trainer.sft import run_sft
+from jaxrl_orch.trainer.trainer import Trainer
 
 
 def run_warmup(
     parts: RunParts, writer: JsonlWriter, stop: StopFlag
 ) -> tuple[Any, dict[str, float]]:
     """The warm-up, or its checkpoint: complete (skip), partial (continue), or none."""
-    cfg, own = parts.cfg, parts.workdir / "sft"
+    cfg = parts.cfg
+    own = parts.workdir / "sft"
     if cfg.warmup.from_workdir is not None and not has_steps(own) and parts.role.leader:
         # Start from that run's warm-up: copied, so this workdir stays self-contained.
         if own.exists():
@@ -88,7 +91,7 @@ def run_warmup(
 
 def _train(
     parts: RunParts,
-    trainer: Any,
+    trainer: Trainer,
     ckpt: Checkpointer,
     writer: JsonlWriter,
     stop: StopFlag,
@@ -135,7 +138,7 @@ def _train(
     return trainer.params, info
 
 
-def has_steps(directory: Any) -> bool:
+def has_steps(directory: epath.Path) -> bool:
     return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
 

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 from jaxrl_orch.serving.errors import ApiError, error_body
 from jaxrl_orch.serving.fastjson import BodyInvalid
 from jaxrl_orch.serving.guard import Guard, Limits
-from jaxrl_orch.serving.host import Busy, NotReady, NoWeightSource, UpdateRefused
+from jaxrl_orch.serving.host import Busy, EngineHost, NotReady, NoWeightSource, UpdateRefused
 from jaxrl_orch.serving.openai_api import openai_routes
 from jaxrl_orch.serving.ops import Counting, Metrics, ops_routes
 from jaxrl_orch.serving.rl_api import rl_routes
@@ -42,7 +42,7 @@ _MAX_SHOWN = 200  # characters of a refused value quoted back in an error messag
 _NO_TELEMETRY = {"tracing": False, "metrics": False, "operation_spans": False, "logs": False}
 
 
-def make_app(host: Any, *, api_key: str | None = None, limits: Limits = Limits()) -> FastAPI:
+def make_app(host: EngineHost, *, api_key: str | None = None, limits: Limits = Limits()) -> FastAPI:
     if api_key is not None and (not api_key or api_key != api_key.strip()):
         raise ValueError("api_key must be a non-empty string without surrounding whitespace")
     app = FastAPI(

@@ -19,13 +19,16 @@ Pure host code on the server's event loop; it never sees the engine or the drive
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: this module imports no JAX
+    from jaxrl_orch.models.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []
@@ -55,6 +58,6 @@ class IncrementalDetokenizer:
         return text[len(released) :]
 
 
-def token_text(tokenizer: Any, token_id: int) -> str:
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     """One id's own text, special tokens spelled out (a log-prob entry's ``token``)."""
     return tokenizer.decode([int(token_id)], skip_special_tokens=False)

@@ -27,11 +27,15 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxrl_orch.serving.detokenize import IncrementalDetokenizer
 from jaxrl_orch.serving.stops import StopStrings
 from jaxrl_orch.types import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: this module imports no JAX
+    from jaxrl_orch.models.tokenizer import Tokenizer
+    from jaxrl_orch.serving.host import EngineHost
 
 
 class Choice:
@@ -39,7 +43,7 @@ class Choice:
         self,
         index: int,
         future: Any,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         sampling: SamplingParams,
         *,
         stops: Sequence[str] = (),
@@ -116,7 +120,7 @@ class Choice:
 class Generation:
     def __init__(
         self,
-        host: Any,
+        host: EngineHost,
         prompt_ids: Sequence[int],
         samplings: Sequence[SamplingParams],
         *,

@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxrl_orch.inference.driver import InferenceDriver
+from jaxrl_orch.inference.engine_api import JetStreamEngine
+from jaxrl_orch.models.tokenizer import Tokenizer
 from jaxrl_orch.serving.contract import MAX_QUEUED, UPDATE_WEIGHTS, WeightsLoaded
 from jaxrl_orch.types import SamplingParams
 
@@ -58,10 +60,10 @@ class Busy(RuntimeError):
 class EngineHost:
     def __init__(
         self,
-        engine: Any,
+        engine: JetStreamEngine,
         *,
         model: str,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         driver: InferenceDriver | None = None,
         params: Any = None,
         version: int = 0,

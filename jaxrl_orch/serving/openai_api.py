@@ -37,7 +37,7 @@ import dataclasses
 import json
 import weakref
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -50,17 +50,21 @@ from jaxrl_orch.serving.openai_shapes import Reply, sse
 from jaxrl_orch.serving.waiting import await_completions
 from jaxrl_orch.types import SamplingParams
 
+if TYPE_CHECKING:  # annotations only: this module imports no JAX
+    from jaxrl_orch.models.tokenizer import Tokenizer
+    from jaxrl_orch.serving.host import EngineHost
+
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
-def openai_routes(host: Any, *, timeout_s: float) -> APIRouter:
+def openai_routes(host: EngineHost, *, timeout_s: float) -> APIRouter:
     router = APIRouter()
 
     @router.post(COMPLETIONS)
     async def completions(request: Request) -> Any:
         req = parse_request(CompletionRequest, await _body(request), COMPLETIONS)
         prompt = _completion_prompt(host, req)
-        reply = Reply(False, host.model, host.tokenizer, req.logprobs, req.return_token_ids)
+        reply = Reply(False, host.model, _tokenizer(host), req.logprobs, req.return_token_ids)
         return await _answer(request, host, req, prompt, req.max_tokens or 16, reply, timeout_s)
 
     @router.post(CHAT)
@@ -69,7 +73,7 @@ def openai_routes(host: Any, *, timeout_s: float) -> APIRouter:
         prompt = _chat_prompt(host, req)
         max_tokens = req.completion_limit or max(host.max_model_len - len(prompt), 1)
         logprobs = 1 if req.logprobs else None
-        reply = Reply(True, host.model, host.tokenizer, logprobs, req.return_token_ids)
+        reply = Reply(True, host.model, _tokenizer(host), logprobs, req.return_token_ids)
         return await _answer(request, host, req, prompt, max_tokens, reply, timeout_s)
 
     return router
@@ -82,7 +86,7 @@ async def _body(request: Request) -> Any:
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
 
 
-def _tokenizer(host: Any) -> Any:
+def _tokenizer(host: EngineHost) -> Tokenizer:
     if host.tokenizer is None:
         raise ApiError(
             400,
@@ -92,7 +96,7 @@ def _tokenizer(host: Any) -> Any:
     return host.tokenizer
 
 
-def _check_model(host: Any, req: Any) -> None:
+def _check_model(host: EngineHost, req: Any) -> None:
     if req.model is not None and req.model != host.model:
         raise ApiError(
             404,
@@ -101,7 +105,7 @@ def _check_model(host: Any, req: Any) -> None:
         )
 
 
-def _completion_prompt(host: Any, req: CompletionRequest) -> list[int]:
+def _completion_prompt(host: EngineHost, req: CompletionRequest) -> list[int]:
     _check_model(host, req)
     tokenizer = _tokenizer(host)
     if isinstance(req.prompt, str):
@@ -117,7 +121,7 @@ def _completion_prompt(host: Any, req: CompletionRequest) -> list[int]:
     return list(req.prompt)
 
 
-def _chat_prompt(host: Any, req: ChatRequest) -> list[int]:
+def _chat_prompt(host: EngineHost, req: ChatRequest) -> list[int]:
     _check_model(host, req)
     tokenizer = _tokenizer(host)
     try:
@@ -127,7 +131,7 @@ def _chat_prompt(host: Any, req: ChatRequest) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-def _check_lengths(host: Any, n_prompt: int, max_tokens: int) -> None:
+def _check_lengths(host: EngineHost, n_prompt: int, max_tokens: int) -> None:
     if n_prompt == 0:
         raise ApiError(400, "the prompt is empty: give at least one token", param="prompt")
     if n_prompt > host.max_prompt_len:
@@ -147,8 +151,8 @@ def _check_lengths(host: Any, n_prompt: int, max_tokens: int) -> None:
         )
 
 
-def _samplings(host: Any, req: Any, max_tokens: int) -> list[SamplingParams]:
-    stop_ids = [] if req.ignore_eos else list(host.tokenizer.stop_ids)
+def _samplings(host: EngineHost, req: Any, max_tokens: int) -> list[SamplingParams]:
+    stop_ids = [] if req.ignore_eos else list(_tokenizer(host).stop_ids)
     stop_ids += [i for i in req.stop_token_ids if i not in stop_ids]
     limit = getattr(host.engine, "max_stop_tokens", None)
     if limit is not None and len(stop_ids) > limit:
@@ -171,7 +175,7 @@ def _samplings(host: Any, req: Any, max_tokens: int) -> list[SamplingParams]:
 
 async def _answer(
     request: Request,
-    host: Any,
+    host: EngineHost,
     req: Any,
     prompt: list[int],
     max_tokens: int,

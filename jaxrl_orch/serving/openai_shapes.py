@@ -25,17 +25,20 @@ import json
 import math
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxrl_orch.serving.detokenize import token_text
 from jaxrl_orch.serving.generation import Choice, Generation
+
+if TYPE_CHECKING:  # annotations only: this module imports no JAX
+    from jaxrl_orch.models.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass
 class Reply:
     chat: bool
     model: str
-    tokenizer: Any
+    tokenizer: Tokenizer
     logprobs: int | None  # completions: 0 / 1; chat: 1 when asked, else None
     token_ids: bool = False  # vLLM's return_token_ids
     id: str = ""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter
 from fastapi.responses import Response
@@ -30,6 +30,9 @@ from prometheus_client import (
 
 from jaxrl_orch.serving.contract import HEALTH, Health
 
+if TYPE_CHECKING:  # annotations only: this module imports no JAX
+    from jaxrl_orch.serving.host import EngineHost
+
 _GAUGES = {  # metric name -> (help, driver gauge key)
     "jaxrl_engine_queue_depth": ("samples queued for a slot", "inference/queue_depth"),
     "jaxrl_engine_active_slots": ("slots decoding a sample", "inference/active_slots"),
@@ -40,7 +43,7 @@ _GAUGES = {  # metric name -> (help, driver gauge key)
 
 
 class Metrics:
-    def __init__(self, host: Any) -> None:
+    def __init__(self, host: EngineHost) -> None:
         self.host = host
         self.registry = CollectorRegistry(auto_describe=True)
         gauge = lambda name, doc: Gauge(name, doc, registry=self.registry)
@@ -100,7 +103,7 @@ class Counting:
             raise
 
 
-def ops_routes(host: Any, metrics: Metrics) -> APIRouter:
+def ops_routes(host: EngineHost, metrics: Metrics) -> APIRouter:
     router = APIRouter()
     created = int(time.time())
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import uuid as uuidlib
-from typing import Any
 
 from fastapi import APIRouter, Request
 
@@ -43,13 +42,13 @@ from jaxrl_orch.serving.contract import (
 from jaxrl_orch.serving.errors import ApiError
 from jaxrl_orch.serving.fastjson import JsonBytes, parse_body
 from jaxrl_orch.serving.guard import Limits
-from jaxrl_orch.serving.host import UpdateRefused
+from jaxrl_orch.serving.host import EngineHost, UpdateRefused
 from jaxrl_orch.serving.ops import Metrics
 from jaxrl_orch.serving.waiting import await_completions
 from jaxrl_orch.types import Completion, SamplingParams
 
 
-def rl_routes(host: Any, limits: Limits, metrics: Metrics) -> APIRouter:
+def rl_routes(host: EngineHost, limits: Limits, metrics: Metrics) -> APIRouter:
     router = APIRouter()
 
     async def generate(request: Request) -> JsonBytes:
@@ -134,7 +133,7 @@ def to_samplings(sp: WireSampling, max_tokens: int) -> list[SamplingParams]:
     return [dataclasses.replace(base, seed=(sp.seed + i) % 2**31) for i in range(sp.n)]
 
 
-def check_generate(host: Any, body: GenerateRequest) -> int:
+def check_generate(host: EngineHost, body: GenerateRequest) -> int:
     """The request's ``max_tokens`` (resolved); raises ``ApiError`` naming what is out of
     bounds for the served model."""
     if body.model is not None and body.model != host.model:
@@ -174,7 +173,7 @@ def check_generate(host: Any, body: GenerateRequest) -> int:
     return max_tokens
 
 
-def _check_ids(host: Any, ids: list[int], param: str) -> None:
+def _check_ids(host: EngineHost, ids: list[int], param: str) -> None:
     vocab = host.vocab_size
     for i, t in enumerate(ids):
         if t < 0 or (vocab is not None and t >= vocab):

@@ -43,6 +43,8 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.typing import DTypeLike  # noqa: E402
 
 from jaxrl_orch.compose.engines import build_engine  # noqa: E402
 from jaxrl_orch.compose.model import model_config  # noqa: E402
@@ -51,6 +53,7 @@ from jaxrl_orch.compose.precision import accel_model_config  # noqa: E402
 from jaxrl_orch.compose.trainers import optim_config, rl_model, step_config  # noqa: E402
 from jaxrl_orch.config.load import load_config  # noqa: E402
 from jaxrl_orch.config.train import TrainConfig  # noqa: E402
+from jaxrl_orch.models.configs import ModelConfig  # noqa: E402
 from jaxrl_orch.models.lora import merge_adapters  # noqa: E402
 from jaxrl_orch.models.tokenizer import load_tokenizer  # noqa: E402
 from jaxrl_orch.models.transformer import Transformer  # noqa: E402
@@ -155,13 +158,13 @@ def per_chip_bytes(tree: Any) -> int:
     return total
 
 
-def _moved_bytes(leaves: list[Any], engine_dtype: Any, lora: bool) -> int:
+def _moved_bytes(leaves: list[Any], engine_dtype: DTypeLike, lora: bool) -> int:
     """Bytes per version off the trainer: adapters as they are, full weights cast first."""
     size = lambda x: x.size * (x.dtype.itemsize if lora else jnp.dtype(engine_dtype).itemsize)
     return sum(size(x) for x in leaves)
 
 
-def compile_lora_merge(model_cfg: Any, eparams: Any, mesh: Any) -> Any:
+def compile_lora_merge(model_cfg: ModelConfig, eparams: Any, mesh: Mesh) -> jax.stages.Compiled:
     """The engine folding one version's adapters (float32, replicated) into its base."""
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     _, adapters, _ = nnx.split(abstract, nnx.LoRAParam, ...)
@@ -177,8 +180,10 @@ def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], d
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     model_cfg = accel_model_config(model_config(cfg.model.name, tokenizer), cfg, "tpu")
     placement = build_placement(cfg, len(devices), devices=devices)
-    decode_mesh, trainer_mesh = placement.decode_mesh, placement.trainer_mesh
-    n_tr, n_dec = trainer_mesh.devices.size, decode_mesh.devices.size
+    decode_mesh = placement.decode_mesh
+    trainer_mesh = placement.trainer_mesh
+    n_tr = trainer_mesh.devices.size
+    n_dec = decode_mesh.devices.size
     out: list[Compiled] = []
 
     # The run's own builder, for TPU dtypes: only the engine's shapes and programs are used.

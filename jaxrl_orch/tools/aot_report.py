@@ -14,9 +14,13 @@ Pure functions of numbers; nothing here compiles or touches devices.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxrl_orch.inference.limits import EngineLimits
+
+if TYPE_CHECKING:  # annotations only: this module imports no JAX
+    from jaxrl_orch.config.train import TrainConfig
+    from jaxrl_orch.models.configs import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +49,7 @@ def _itemsize(dtype: Any) -> int:
 
 
 def model_costs(
-    model_cfg: Any, cfg: Any, rows: int, limits: EngineLimits
+    model_cfg: ModelConfig, cfg: TrainConfig, rows: int, limits: EngineLimits
 ) -> dict[str, dict[str, float]]:
     """Total (all-chip) FLOPs and HBM bytes per program from the model's shapes: the train step
     from ``cfg``'s training settings on ``rows`` rows, prefill and decoding from the engine's
@@ -60,12 +64,15 @@ def model_costs(
     up to the longest live sequence).
     """
     c = model_cfg
-    d, v, nl = c.d_model, c.vocab_size, c.n_layers
+    d = c.d_model
+    v = c.vocab_size
+    nl = c.n_layers
     n_total = c.num_params
     n_mat = n_total - v * d + d * v  # the embedding's rows count once, as the head's matmul
     hd = c.n_heads * c.head_dim
     kv_row = nl * 2 * c.n_kv_heads * c.head_dim  # cache entries per position
-    pbytes, mbytes = _itemsize(c.dtype), _itemsize(c.param_dtype)
+    pbytes = _itemsize(c.dtype)
+    mbytes = _itemsize(c.param_dtype)
     t = cfg.trainer.row_len
     tokens = rows * t
     fwd = 2 * n_mat * tokens + 2 * hd * t * t * rows * nl
@@ -80,7 +87,8 @@ def model_costs(
         "flops": 2 * n_mat * lp + 2 * hd * lp * lp * nl,
         "bytes": n_total * pbytes + lp * kv_row * pbytes,
     }
-    s, k = limits.max_target_length, limits.steps_per_call
+    s = limits.max_target_length
+    k = limits.steps_per_call
     slots = limits.max_concurrent_decodes
     decode = {
         "flops": k * (2 * n_mat * slots + 4 * hd * s * slots * nl),
@@ -150,8 +158,10 @@ def build_report(
             mem["resident_bytes"] = p.resident
             mem["bytes_per_chip"] += p.resident
         xf, xb = _xla_costs(p.compiled)
-        mf, mb = p.model["flops"] / p.chips, p.model["bytes"] / p.chips
-        flops, nbytes = max(xf, mf), max(xb, mb)
+        mf = p.model["flops"] / p.chips
+        mb = p.model["bytes"] / p.chips
+        flops = max(xf, mf)
+        nbytes = max(xb, mb)
         est = max(flops / chip.peak_flops, nbytes / chip.hbm_bandwidth)
         entry = {
             **mem,
@@ -182,7 +192,9 @@ def build_report(
     report["fits"] = not report["shortfalls"]
     dec = report["programs"].get("decode_step")
     if dec is not None:
-        k, slots, n = info["steps_per_call"], info["decode_slots"], dec["chips"]
+        k = info["steps_per_call"]
+        slots = info["decode_slots"]
+        n = dec["chips"]
         step_s = dec["est_seconds"] / k
         min_bytes = next(p.model["min_bytes_per_step"] for p in programs if p.name == "decode_step")
         roofline_s = min_bytes / n / chip.hbm_bandwidth

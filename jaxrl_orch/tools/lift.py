@@ -118,8 +118,10 @@ def table_rows(runs: dict[str, Path]) -> list[dict[str, Any]]:
         if not path.is_file():
             continue
         s = json.loads(path.read_text())
-        g0, g1 = s.get("eval_reward_before_rl"), s.get("eval_reward_final")
-        t0, t1 = s.get("eval_sampled_reward_before_rl"), s.get("eval_sampled_reward_final")
+        g0 = s.get("eval_reward_before_rl")
+        g1 = s.get("eval_reward_final")
+        t0 = s.get("eval_sampled_reward_before_rl")
+        t1 = s.get("eval_sampled_reward_final")
         steps = sorted(s.get("behaviour", {}).get("greedy", {}), key=int)
         first, last = (steps[0], steps[-1]) if steps else ("0", "0")
         rows.append(
@@ -155,7 +157,8 @@ def comparison_markdown(rows: list[dict[str, Any]], commands: dict[str, list[str
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        w, f = r["word_order"], r["full"]
+        w = r["word_order"]
+        f = r["full"]
         out.append(
             f"| {r['run']} | {_num(r['greedy_before'])} -> {_num(r['greedy_after'])} "
             f"({_num(r['greedy_lift'], True)}) | {_num(r['sampled_before'])} -> "

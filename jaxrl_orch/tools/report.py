@@ -73,13 +73,16 @@ def _age_lines(summary: dict, train: Sequence[dict]) -> list[str]:
         ages = np.repeat(np.array(sorted(hist), np.float64), [hist[a] for a in sorted(hist)])
         if ages.size == 0:
             return ["- off-policy age: histogram is empty (no live-policy rollouts trained)"]
-        age_max, age_p99 = float(ages.max()), float(np.percentile(ages, 99))
+        age_max = float(ages.max())
+        age_p99 = float(np.percentile(ages, 99))
         source = f"over {ages.size} trained rollouts (summary histogram)"
     else:
-        maxes, p99s = series(train, "orch/age_max")[1], series(train, "orch/age_p99")[1]
+        maxes = series(train, "orch/age_max")[1]
+        p99s = series(train, "orch/age_p99")[1]
         if not maxes:
             return ["- off-policy age: not reported (no `age_histogram`, no `orch/age_max`)"]
-        age_max, age_p99 = max(maxes), max(p99s) if p99s else float("nan")
+        age_max = max(maxes)
+        age_p99 = max(p99s) if p99s else float("nan")
         source = "from per-step gauges; p99 is the worst step's p99"
     verdict = ""
     if bound is not None:
@@ -124,7 +127,8 @@ def _env_score_lines(summary: dict) -> list[str]:
     if not isinstance(scores, dict) or not scores:
         return []
     steps = sorted(scores, key=int)
-    first, last = steps[0], steps[-1]
+    first = steps[0]
+    last = steps[-1]
     names = sorted({k for by in scores.values() for k in by})
     out = ["", "## Environment scores", "", f"| name | eval step {first} | eval step {last} |"]
     out.append("|---|---:|---:|")
@@ -142,7 +146,8 @@ def _markdown(
     written: dict[str, Path],
     skipped: dict[str, str],
 ) -> str:
-    steps, steps_note = summary.get("rl_steps"), ""
+    steps = summary.get("rl_steps")
+    steps_note = ""
     if steps is None:
         steps = len({r["step"] for r in train if num(r.get("step")) is not None})
         steps_note = " (counted from metrics.jsonl)"
@@ -197,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         expected = "expected a finished run directory holding summary.json and metrics.jsonl"
         print(f"{p.prog}: error: {e}; {expected}", file=sys.stderr)
         raise SystemExit(2) from None
-    done, skipped = result["written"].values(), result["skipped"].items()
+    done = result["written"].values()
+    skipped = result["skipped"].items()
     print("\n".join([*(f"wrote {p}" for p in done), *(f"skipped {n}: {w}" for n, w in skipped)]))
 
 

@@ -83,7 +83,8 @@ def series(records: Sequence[dict], key: str, x_key: str = "step") -> tuple[list
 def split_records(records: Sequence[dict]) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
     """``(sft, rest, evals, train)``; ``rest`` is every line that is not SFT."""
     is_kind = lambda r, kind, by_keys: r["kind"] == kind if r.get("kind") is not None else by_keys
-    sft, rest = [], []
+    sft = []
+    rest = []
     for r in records:
         (sft if r.get("kind") == "sft" or "sft/loss" in r else rest).append(r)
     # Without a kind, one line may carry both a step's training gauges and its eval results.

@@ -58,7 +58,8 @@ def calibrate(rows: Sequence[dict]) -> tuple[str | None, float | None]:
     """``(latency spec, train seconds)`` from a run's step rows; None for what they lack."""
     pairs = []
     for r in rows:
-        p50, p95 = num(r.get("orch/in_flight_s_p50")), num(r.get("orch/in_flight_s_p95"))
+        p50 = num(r.get("orch/in_flight_s_p50"))
+        p95 = num(r.get("orch/in_flight_s_p95"))
         if p50 is not None and p95 is not None and p50 > 0 and p95 >= p50:
             pairs.append((p50, p95))
     latency = None
@@ -92,12 +93,16 @@ def model(args: argparse.Namespace, runs: Sequence[Any]) -> tuple[str, float, st
     if args.sim_latency is None or args.sim_train_time is None:
         found = _calibration(args, runs)
     src = f"calibrated from {found[2]}" if found else "the simulator's default"
-    latency, lat_src = args.sim_latency, "--sim_latency"
+    latency = args.sim_latency
+    lat_src = "--sim_latency"
     if latency is None:
-        latency, lat_src = (found[0] if found else _DEFAULT.latency), src
-    train, train_src = args.sim_train_time, "--sim_train_time"
+        latency = found[0] if found else _DEFAULT.latency
+        lat_src = src
+    train = args.sim_train_time
+    train_src = "--sim_train_time"
     if train is None:
-        train, train_src = (found[1] if found else _DEFAULT.train_time), src
+        train = found[1] if found else _DEFAULT.train_time
+        train_src = src
     if not train > 0:
         raise ValueError(f"--sim_train_time must be > 0 seconds, got {train}")
     simulate.parse_latency(latency)  # a bad spec fails naming the allowed forms
@@ -108,7 +113,9 @@ def model(args: argparse.Namespace, runs: Sequence[Any]) -> tuple[str, float, st
 def predict(args: argparse.Namespace, cfg: Any, runs: Sequence[Any]) -> int:
     """Print the predicted table for every ``--staleness`` value; returns the exit status."""
     latency, train, where = model(args, runs)
-    batch, group, steps = cfg.rl.batch_size, cfg.rl.group_size, cfg.rl.steps
+    batch = cfg.rl.batch_size
+    group = cfg.rl.group_size
+    steps = cfg.rl.steps
     print(
         f"[staleness] simulated: batch {batch} ({group} per group), (S + 1) x batch in flight, "
         f"{steps} steps, age policy admit; {where}"

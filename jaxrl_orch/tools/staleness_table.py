@@ -108,7 +108,8 @@ def _steps_per_s(rows: Sequence[dict], summary: Mapping[str, Any]) -> float | No
     total = sum(num(r["orch/step_s"]) for r in rows)
     if rows and total > 0:
         return len(rows) / total
-    steps, secs = num(summary.get("rl_steps_this_run")), num(summary.get("rl_seconds"))
+    steps = num(summary.get("rl_steps_this_run"))
+    secs = num(summary.get("rl_seconds"))
     return steps / secs if steps and secs else None
 
 

@@ -55,6 +55,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxrl_orch.paths import as_path, copy_tree, is_url
+from jaxrl_orch.trainer.trainer import Trainer
 
 FORMAT_VERSION = 1
 
@@ -219,7 +220,8 @@ class Checkpointer:
 
     def set_aside(self, step: int) -> str:
         """Move step ``step``'s directory to ``<directory>.corrupt/<step>``; returns where."""
-        src, dest = as_path(self.directory) / str(step), as_path(self.directory + ".corrupt")
+        src = as_path(self.directory) / str(step)
+        dest = as_path(self.directory + ".corrupt")
         dest = dest / str(step)
         if dest.exists():
             dest.rmtree()
@@ -273,7 +275,7 @@ def restore_newest_intact(
 
 def save_trainer(
     ckpt: Checkpointer,
-    trainer: Any,
+    trainer: Trainer,
     step: int,
     orchestrator_state: dict[str, Any],
     *,
@@ -306,12 +308,15 @@ def save_trainer(
     )
 
 
-def restore_trainer(ckpt: Checkpointer, trainer: Any, step: int | None = None) -> dict[str, Any]:
+def restore_trainer(
+    ckpt: Checkpointer, trainer: Trainer, step: int | None = None
+) -> dict[str, Any]:
     """Restore onto ``trainer``'s own mesh/shardings; returns the orchestrator's dict. Without
     ``step``, the newest checkpoint that restores (``restore_newest_intact``)."""
     abstract = trainer.abstract_state()
     out = restore_newest_intact(ckpt, abstract) if step is None else ckpt.restore(abstract, step)
-    saved, ours = out["meta"].get("base"), trainer.base_fingerprint
+    saved = out["meta"].get("base")
+    ours = trainer.base_fingerprint
     if saved != ours:
         raise CheckpointError(
             f"checkpoint step {out['meta']['version']} in {ckpt.directory} holds LoRA adapters "

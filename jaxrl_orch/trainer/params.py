@@ -68,7 +68,8 @@ class BaseWeights:
     weights the engine holds and the export writes) and merged with adapters (``merged``)."""
 
     def __init__(self, programs: TrainPrograms, lora: LoraConfig) -> None:
-        target, shardings = programs.abstract_base, programs.base_shardings
+        target = programs.abstract_base
+        shardings = programs.base_shardings
         dense = lambda f: f if lora.quantize is None else dequantize_base(f, target)
         # Unquantized, the base is already dense: no copy of it (an 8B base is 16 GB).
         self.dense = dense if lora.quantize is None else jax.jit(dense, out_shardings=shardings)
@@ -94,7 +95,8 @@ def _check_same_shapes(params: Any, abstract: Any) -> None:
     got = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(params)}
     want = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(abstract)}
     if got.keys() != want.keys():
-        extra, missing = sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys())
+        extra = sorted(got.keys() - want.keys())
+        missing = sorted(want.keys() - got.keys())
         raise ValueError(
             f"init_params do not match the model config: missing {missing[:3]}, "
             f"unexpected {extra[:3]}"

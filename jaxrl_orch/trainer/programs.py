@@ -77,7 +77,8 @@ def build_programs(
     else:
         graphdef, abstract_state, frozen = nnx.split(abstract, nnx.LoRAParam, ...)
         frozen_shardings = resolve_shardings(logical_specs(frozen), mesh, rules, shapes=frozen)
-        base, base_shardings = frozen, frozen_shardings
+        base = frozen
+        base_shardings = frozen_shardings
         if model_config.lora.quantize is not None:
             plain = dataclasses.replace(model_config, lora=None)
             base = nnx.split(nnx.eval_shape(lambda: Transformer(plain, rngs=nnx.Rngs(seed))))[1]

@@ -126,7 +126,8 @@ def build_train_step(
     rows_spec = PartitionSpec(row_axis) if row_axis and cfg.chunk_rows % row_size == 0 else None
     program = _StepProgram(graphdef, optimizer, cfg, mesh, rows_spec, splash_specs)
     use_ref = cfg.kind == "rl" and cfg.loss.kl_beta > 0
-    ref_sh, batch_sh = (param_shardings if use_ref else None), batch_shardings(mesh, cfg, row_axis)
+    ref_sh = param_shardings if use_ref else None
+    batch_sh = batch_shardings(mesh, cfg, row_axis)
     return jax.jit(
         program.step,
         in_shardings=(
@@ -180,7 +181,8 @@ class _StepProgram:
     def stats(self, params, frozen, chunk: dict[str, jax.Array], temps: jax.Array, entropy: bool):
         """Chunked path: (logp, entropy) [C, L-1] from hidden states, no full logits."""
         model = self.model(params, frozen)
-        hidden, head = self.hidden(model, chunk)[:, :-1], model.logits_from_hidden
+        hidden = self.hidden(model, chunk)[:, :-1]
+        head = model.logits_from_hidden
         lp_chunk = self.cfg.logprob_chunk
         return token_stats(head, hidden, chunk["targets"], temps, lp_chunk, entropy=entropy)
 
@@ -200,7 +202,8 @@ class _StepProgram:
 
     def chunk_loss(self, params: Any, chunk: dict[str, jax.Array], frozen: Any):
         """``(loss, metric sums)`` of one row-chunk, weighted by its minibatch's loss weights."""
-        cfg, chunk = self.cfg, self.constrain_rows(chunk)
+        cfg = self.cfg
+        chunk = self.constrain_rows(chunk)
         if cfg.logprob_chunk:
             if cfg.kind == "sft":
                 ones = jnp.ones(chunk["targets"].shape, jnp.float32)

@@ -179,7 +179,8 @@ class Trainer:
         if not batch.samples:
             raise ValueError(f"TrainBatch step {batch.step} has no samples; nothing to train on")
         truncate = self.step_cfg.kind == "rl"
-        row_len, pad_id = self.rows.row_len, self.rows.pad_id
+        row_len = self.rows.row_len
+        pad_id = self.rows.pad_id
         packed = pack_samples(
             batch.samples, row_len, num_rows=self.rows.num_rows, pad_id=pad_id, truncate=truncate
         )
@@ -260,7 +261,8 @@ class Trainer:
         """Launch the worker; ``publish`` is called after every step (module docstring)."""
         if self._worker is not None:
             raise RuntimeError("Trainer.start() called twice")
-        self._publish, self._copy_params = publish, copy_params
+        self._publish = publish
+        self._copy_params = copy_params
         self._worker = threading.Thread(target=self._run, name="trainer", daemon=True)
         self._worker.start()
 

@@ -42,7 +42,7 @@ def test_launcher_passes_the_layout_and_addresses_to_every_process(tmp_path):
     args, rest = launch_local.parse_args(
         ["--trainer_processes=2", "--engine_replicas=3", f"--workdir={tmp_path}", "--gin_param=x"]
     )
-    launcher = launch_local.Launcher(args, rest)
+    launcher = launch_local.LocalLauncher(args, rest)
     assert rest == ["--gin_param=x"]
     assert len(set(launcher.addresses)) == 3 and launcher.coordinator.startswith("127.0.0.1:")
     assert all(a.startswith("http://127.0.0.1:") for a in launcher.addresses)
@@ -65,7 +65,7 @@ def test_each_launch_gives_its_replicas_a_fresh_key_only_its_user_can_read(tmp_p
         args, rest = launch_local.parse_args(
             ["--engine_replicas=1", f"--workdir={tmp_path}", "--gin_param=x", *extra]
         )
-        return launch_local.Launcher(args, rest)
+        return launch_local.LocalLauncher(args, rest)
 
     key_file = tmp_path / "logs" / "engine.key"
     first = launch()

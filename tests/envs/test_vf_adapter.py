@@ -194,18 +194,18 @@ def test_a_span_that_is_no_reply_of_its_session_is_an_error_naming_it(
 
     inner, env = byte_engine[1], reverse_env
     seen = []
-    monkeypatch.setattr(vf_env, "episode_rollout", lambda *a: seen.append(a) or episode_rollout(*a))
-    (r,) = _run(env, inner, env.examples("eval")[:1])
-    episode, replies, _ = seen[0]
+    monkeypatch.setattr(
+        vf_env, "episode_rollout", lambda *a, **kw: seen.append(a) or episode_rollout(*a, **kw)
+    )
+    _run(env, inner, env.examples("eval")[:1])
+    episode, replies = seen[0]
     (reply,) = replies
     other_lps = dataclasses.replace(reply, logprobs=[x + 0.5 for x in reply.logprobs])
     with pytest.raises(TraceMismatch, match="has the ids of engine reply 0 but other log-probs"):
-        episode_rollout(
-            episode, [other_lps], type(r)(env="e", group_id=0, episode_id=0, example={})
-        )
+        episode_rollout(episode, [other_lps], env="e", group_id=0, episode_id=0, example={})
     shifted = dataclasses.replace(reply, token_ids=[*reply.token_ids[1:], 0])
     with pytest.raises(TraceMismatch, match=r"equals no engine reply of the session \(1 replies"):
-        episode_rollout(episode, [shifted], type(r)(env="e", group_id=0, episode_id=0, example={}))
+        episode_rollout(episode, [shifted], env="e", group_id=0, episode_id=0, example={})
 
 
 def test_sampling_keys_the_engine_does_not_take_are_refused_at_start(byte_engine):

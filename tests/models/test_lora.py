@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from support.trainer_batches import TINY
 
-from jaxrl_orch.models.lora import add_adapters, merge_adapters, project
+from jaxrl_orch.models.lora import Adaptable, merge_adapters, project
 from jaxrl_orch.models.lora_config import LoraConfig
 from jaxrl_orch.models.transformer import ModelConfig, Transformer
 
@@ -101,7 +101,7 @@ def test_merge_matches_a_pure_dict_base_to_state_adapters():
     assert changed == len(LORA.targets) * cfg.n_layers
 
 
-class _Proj(nnx.Module):
+class _Proj(Adaptable):
     """One adapted projection, as the MLP's ``gate`` holds it."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -109,7 +109,7 @@ class _Proj(nnx.Module):
         self.gate_proj = nnx.Param(
             jax.random.normal(rngs.params(), (5, 7)), logical_axes=("a", "b")
         )
-        add_adapters(self, cfg.lora, rngs)
+        self.add_adapters(cfg.lora, rngs)
 
     def __call__(self, x):
         return project(self, "gate_proj", "bte,ef->btf", x, self.cfg)

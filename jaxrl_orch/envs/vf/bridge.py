@@ -149,7 +149,8 @@ def reply_json(request_id: str, prompt_len: int, c: Completion) -> dict[str, Any
 
 class EngineBridge:
     def __init__(self, model: str, max_model_len: int) -> None:
-        self.model, self.max_model_len = model, int(max_model_len)
+        self.model = model
+        self.max_model_len = int(max_model_len)
         self._sessions: dict[str, Session] = {}
         self._runner: web.AppRunner | None = None
         self.base_url: str | None = None

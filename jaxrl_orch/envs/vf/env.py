@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from jaxrl_orch.envs.base import stop_ids_of, with_stop_ids
+from jaxrl_orch.envs.base import EnvTokenizer, stop_ids_of, with_stop_ids
 from jaxrl_orch.envs.vf.bridge import EngineBridge, check_sampling_keys
 from jaxrl_orch.envs.vf.traces import episode_rollout
 from jaxrl_orch.types import InferenceClient, Rollout, SamplingParams
@@ -78,7 +78,7 @@ def env_config(spec: Mapping[str, Any]) -> Any:
 class VerifiersEnv:
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: EnvTokenizer,
         *,
         env: Mapping[str, Any],
         tokenizer_dir: str,
@@ -92,7 +92,8 @@ class VerifiersEnv:
             raise ValueError(f"Verifiers.holdout_every must be >= 2, got {holdout_every!r}")
         for name in QUIET:  # a rollout logs at INFO; the run's console has its own lines
             logging.getLogger(name).setLevel(logging.WARNING)
-        self.tokenizer, self.tokenizer_dir = tokenizer, str(tokenizer_dir)
+        self.tokenizer = tokenizer
+        self.tokenizer_dir = str(tokenizer_dir)
         self.vf_env = load_environment(env_config(env))
         self.name = self.vf_env.config.taskset.id or "verifiers"
         self.renderer_config = _renderer_config(renderer)
@@ -118,7 +119,8 @@ class VerifiersEnv:
                 split: list(load_taskset(taskset.config.model_copy(update={"split": split})))
                 for split in ("train", "eval")
             }
-        k, tasks = self.holdout_every, list(taskset)
+        k = self.holdout_every
+        tasks = list(taskset)
         return {
             "train": [t for i, t in enumerate(tasks) if i % k != k - 1],
             "eval": [t for i, t in enumerate(tasks) if i % k == k - 1],
@@ -224,14 +226,15 @@ class VerifiersEnv:
             )
         finally:
             self.bridge.close(session)
-        rollout = Rollout(
+        return episode_rollout(
+            episode,
+            session.replies,
             env=self.name,
             group_id=group_id,
             episode_id=episode_id,
             example=example,
             temperature=sampling.temperature,
         )
-        return episode_rollout(episode, session.replies, rollout)
 
     def _context(self, sampling: SamplingParams) -> Any:
         import verifiers.v1 as vf

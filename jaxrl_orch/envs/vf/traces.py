@@ -1,6 +1,6 @@
 """A finished verifiers episode -> one ``Rollout``, exactly, or an error naming what is off.
 
-What it owns: ``episode_rollout(episode, replies, rollout)``. A verifiers trace is a graph of
+What it owns: ``episode_rollout(episode, replies, **fields)``. A verifiers trace is a graph of
 message nodes; each root-to-leaf ``Branch`` is one training sequence (``token_ids``, the sampled
 ``mask``, the sampled tokens' log-probs per node). Here:
 
@@ -39,18 +39,23 @@ class EpisodeFailed(RuntimeError):
     """A verifiers episode that ended in an error, a timeout or without a trainable trace."""
 
 
-def episode_rollout(episode: Any, replies: Sequence[Completion], rollout: Rollout) -> Rollout:
-    """Fill ``rollout`` (ids and sampling already set) from ``episode`` and the session's
-    ``replies``; see the module docstring."""
+def episode_rollout(episode: Any, replies: Sequence[Completion], **fields: Any) -> Rollout:
+    """The rollout of ``episode`` and the session's ``replies`` (see the module docstring),
+    built whole; ``fields``: the rest of ``Rollout``'s (its env, ids and sampling)."""
     trace = _the_trace(episode)
     paths = trace_paths(trace, replies)
     first, *more = paths
-    rollout.token_ids, rollout.loss_mask = first.token_ids, first.loss_mask
-    rollout.logprobs, rollout.versions = first.logprobs, first.versions
-    rollout.branches = more
-    rollout.reward = check_reward(trace.reward, env=rollout.env)
-    rollout.num_turns = len(trace.calls)
-    rollout.metrics = {**turn_metrics(replies), **_trace_metrics(trace)}
+    rollout = Rollout(
+        token_ids=first.token_ids,
+        loss_mask=first.loss_mask,
+        logprobs=first.logprobs,
+        versions=first.versions,
+        branches=more,
+        reward=check_reward(trace.reward, env=fields["env"]),
+        num_turns=len(trace.calls),
+        metrics={**turn_metrics(replies), **_trace_metrics(trace)},
+        **fields,
+    )
     rollout.validate_trace()
     return rollout
 

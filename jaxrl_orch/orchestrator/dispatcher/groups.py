@@ -73,6 +73,20 @@ class GroupInFlight:
     running: int = 0
     position: tuple[Any, ...] = ()  # where it sits in the run (its rollouts' sampling seeds)
 
+    def start(self, n: int, select: Callable[[], InferenceClient]) -> int:
+        """``n`` of its unscheduled rollouts start, on the client the group is pinned to
+        (``select``'s pick when its first one starts); returns the index of the first."""
+        if self.client is None:
+            self.client = select()
+        first = self.size - self.unscheduled
+        self.unscheduled -= n
+        self.running += n
+        return first
+
+    def end(self, n: int) -> None:
+        """``n`` of its running rollouts ended."""
+        self.running -= n
+
 
 @dataclasses.dataclass(eq=False)
 class Flight:

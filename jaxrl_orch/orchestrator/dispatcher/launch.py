@@ -93,14 +93,10 @@ class Launcher:
         else:
             self.on_admit(n)  # first: if the gate callback raises, nothing has started
             self.admitted_total += n
-        if g.client is None:
-            g.client = self.pool.select()
         env = (self.eval_envs if g.is_eval else self.envs)[g.env]
         ids = self._episode_ids(n)
-        first = g.size - g.unscheduled  # the index in the group of the first one starting now
+        first = g.start(n, self.pool.select)  # the index in the group of the first one starting
         self.permits -= n
-        g.unscheduled -= n
-        g.running += n
         now = self.clock()
         done_ids: list[int] = []
         done: list[Rollout] = []
@@ -118,7 +114,7 @@ class Launcher:
         """``n`` started rollouts of ``g`` ended: their permits come back; a group with nothing
         left to start or running closes."""
         self.permits += n
-        g.running -= n
+        g.end(n)
         if g.unscheduled == 0 and g.running == 0:
             (self.eval_groups if g.is_eval else self.groups).pop(g.group_id, None)
 
