@@ -301,6 +301,12 @@ def test_lost_trainer_stops_the_run_sigterm_drains_and_the_same_command_resumes(
     assert steps == list(range(1, 9)), steps
 
 
+def _history(workdir: Path) -> dict[str, bytes]:
+    names = ["metrics.jsonl", "gauges.jsonl", "summary.json", "config.gin", "run_identity.json"]
+    files = [workdir / n for n in names] + sorted((workdir / "rollouts").glob("*.jsonl"))
+    return {f.name: f.read_bytes() for f in files}
+
+
 def test_a_second_launcher_on_a_running_run_is_refused_and_the_run_completes(tmp_path):
     workdir = tmp_path / "owned"
     run = ["RL.steps = 4"]
@@ -332,3 +338,8 @@ def test_a_second_launcher_on_a_running_run_is_refused_and_the_run_completes(tmp
         raise
     assert proc.returncode == 0 and "exited with" not in out, out[-3000:] + _logs(workdir)
     assert sorted(_rl_rows(workdir)) == [1, 2, 3, 4]
+    # The same launch again on the finished run: nothing is run and no history file is written.
+    history = _history(workdir)
+    out = _finish(_launch(workdir, *run, replicas=1, trainers=1), timeout=300)
+    assert f"== finished: workdir {workdir} holds a complete run of 4 RL steps" in out, out
+    assert _history(workdir) == history
