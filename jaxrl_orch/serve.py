@@ -18,7 +18,8 @@ offers from that transfer server (the trainer's); without it the server refuses 
 request never names where to pull from.
 
 Safety: loopback by default; any other ``--host`` refuses to start without ``--api_key_file``
-(a file holding the key, so it stays out of the process list and shell history).
+(a file holding the key, so it stays out of the process list and shell history; one its group
+or others may read or write is refused, naming its mode and the fix).
 """
 
 from __future__ import annotations

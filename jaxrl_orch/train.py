@@ -10,8 +10,11 @@ What it owns: the command line and the process's life around the run, not the ru
 - this process's role (``distributed.group``: the only process, a trainer of a group, or an
   engine replica, from ``Processes`` and ``--process_index``; a trainer group's
   ``jax.distributed`` cluster is joined before any JAX computation) and, for the process that
-  writes the workdir, its claim on it (``run.owner``: ``run.lock``);
-- handing over to the stages (``run.stages``): ``prepare`` checks everything and builds the
+  writes the workdir, its claim on it (``owner``: ``run.lock``; a launcher's claim handed on
+  to trainer process 0 is adopted);
+- handing over to the stages (``run.stages``): ``finished`` first (a workdir that holds the
+  run complete for this command is left untouched: nothing is built or written, the closing
+  lines are printed again), then ``prepare`` checks everything and builds the
   run's parts (``compose.parts.build_run``: meshes, model, environment, data, the engine
   setting), ``write_config`` writes ``config.gin``, ``run`` takes the stages in order (the
   warm-up, skipped when its checkpoint is complete; RL, resumed from its newest checkpoint with
@@ -207,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if isinstance(parts, dict):  # the workdir's run is complete: nothing to run or write
+        if claim is None:
+            return 0  # a peer: the leader, which holds the claim, reports it
+        claim.release()
+        return _report_finished(args.workdir, parts)
     from jaxrl_orch.run.stop import StopFlag
 
     stop = StopFlag(parts.role)
@@ -229,26 +237,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _report_finished(workdir: str, summary: dict[str, Any]) -> int:
+    from jaxrl_orch.run.finished import finished_line
+
+    print(finished_line(workdir, summary))
+    print(json.dumps({k: summary[k] for k in _HEADLINE if k in summary}))
+    print(outputs_line(workdir))
+    return 0
+
+
 def _prepare(
     stages: ModuleType, cfg: TrainConfig, args: argparse.Namespace
-) -> tuple[RunParts, Any]:
+) -> tuple[RunParts | dict[str, Any], Any]:
     """This process's role (joining the trainer group's cluster first), the workdir claimed
-    when this process writes it (``run.owner``), then the run's parts."""
+    when this process writes it (``owner``; a launcher's claim is adopted), then the run's
+    parts, or the summary of a run the workdir holds complete (``stages.finished``)."""
     from jaxrl_orch.distributed.group import join_group, resolve_role
-    from jaxrl_orch.run.owner import claim_workdir
+    from jaxrl_orch.owner import claim_workdir, handed_fd_from_env
 
     role = resolve_role(
         cfg.processes.trainer_processes, cfg.processes.engine_replicas, args.process_index
     )
     replicas = _replicas(cfg.processes.engine_replicas, args)
-    claim = claim_workdir(args.workdir) if role.leader else None
+    handed = handed_fd_from_env()
+    claim = claim_workdir(args.workdir, handed) if role.leader else None
     try:
         role = join_group(role, args.coordinator_address)  # before any JAX computation
         if claim is None and role.leader:  # on a TPU slice the index is known only now
-            claim = claim_workdir(args.workdir)
+            claim = claim_workdir(args.workdir, handed)
         if role.kind != "single":
             print(f"[process {role.process_index}] {role.describe()}", flush=True)
-        return stages.prepare(cfg, as_path(args.workdir), role, replicas), claim  # gs:// a URL
+        workdir = as_path(args.workdir)  # gs:// a URL
+        done = stages.finished(cfg, workdir, role)
+        if done is not None:
+            return done, claim
+        return stages.prepare(cfg, workdir, role, replicas), claim
     except BaseException:
         if claim is not None:
             claim.release()

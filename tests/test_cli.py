@@ -213,9 +213,11 @@ class _FakeParts:
 
 
 def _fake_stages(run: Any = None) -> types.ModuleType:
-    """The stages module's four functions, recording what ``prepare`` was given."""
+    """The stages module's five functions, recording what ``prepare`` was given; no workdir
+    holds a finished run."""
     module = types.ModuleType("jaxrl_orch.run.stages")
     module.made = []
+    module.finished = lambda cfg, workdir, role: None
 
     def prepare(cfg, workdir, role, engine_addresses=()):
         module.made.append(_FakeParts(cfg, workdir, role))

@@ -491,7 +491,10 @@ def test_launch_starts_engines_then_every_trainer_worker_with_their_roles(gcloud
     for command in commands:
         assert subprocess.run(["bash", "-n", "-c", command]).returncode == 0
         assert command.startswith("cd jaxrl-orch && . .venv/bin/activate")
-        assert "umask 077" in command
+        assert "umask 077 && rm -f logs/engine.key" in command
+        # A host already running refuses the launch before the key is written: its run keeps
+        # the key its replicas hold.
+        assert command.index("training already running") < command.index("> logs/engine.key")
         assert "2>&1 < /dev/null &" in command
     assert " > logs/engine-0-" in commands[0] and " > logs/engine-1-" in commands[1]
     assert " > logs/trainer-$wid-" in commands[2]

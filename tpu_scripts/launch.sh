@@ -11,7 +11,8 @@
 # --process_index and, when R > 0, --engine_addresses=http://<engine 0>:PORT,... (the replicas'
 # HTTP API), --weight_source=<trainer worker 0>:WEIGHT_PORT (the only address replicas pull
 # weights from) and --api_key_file=logs/engine.key: replicas bind their VM's address, which
-# needs a key; a fresh random one is written (mode 600) on every host of the run.
+# needs a key; a fresh random one is written (mode 600) on every host of the run, after the
+# host's pid check, so a launch refused there leaves a running run's key alone.
 # Arguments after `--` are passed to every process unchanged (for example --gin_param=...).
 # Refuses to start on a host where the pid recorded by a previous launch is alive.
 #
@@ -107,13 +108,16 @@ if ((R > 0)); then
   common+=("--engine_addresses=$joined_addrs" "--weight_source=${trainer_ips[0]}:$WEIGHT_PORT"
     "--api_key_file=logs/engine.key")
   key="$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')"
-  keyfile=" && (umask 077 && printf '%s' '$key' > logs/engine.key)"
+  # Written only once the host's pid check passed (a running run keeps its key), and afresh:
+  # an older file of another mode would keep that mode, and the run refuses a key its group or
+  # others may read.
+  keyfile="(umask 077 && rm -f logs/engine.key && printf '%s' '$key' > logs/engine.key) || exit 1; "
 fi
 extra="$(quote_all ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})"
 
 dir="$(quote "$REMOTE_DIR")"
 stamp="$(date -u +%Y%m%dT%H%M%SZ)"
-prelude="cd $dir && . .venv/bin/activate && mkdir -p logs$keyfile || exit 1"
+prelude="cd $dir && . .venv/bin/activate && mkdir -p logs || exit 1"
 pidcheck="if [ -f logs/train.pid ] && kill -0 \"\$(cat logs/train.pid)\" 2>/dev/null; then \
 echo \"\$(hostname): training already running (pid \$(cat logs/train.pid))\" >&2; exit 1; fi"
 
@@ -128,7 +132,7 @@ echo \$! > logs/train.pid; echo \"\$(hostname): started $role pid \$!, log $REMO
 
 # Engine replicas first: the orchestrator on trainer process 0 connects to them.
 for ((i = 0; i < R; i++)); do
-  remote "$prelude; $pidcheck; $(start_line "engine replica $i" "$((P + i))" "logs/engine-$i-$stamp.log")" \
+  remote "$prelude; $pidcheck; $keyfile$(start_line "engine replica $i" "$((P + i))" "logs/engine-$i-$stamp.log")" \
     "$(engine_name "$i")" 0 ||
     die "starting engine replica $i on $(engine_name "$i") failed (see above); engines started before it keep running (README.md: stopping a run)"
 done
@@ -141,7 +145,7 @@ http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-wor
 case \"\$wid\" in \"\"|*[!0-9]*) echo \"\$(hostname): cannot tell this TPU worker's id \
 (TPU_WORKER_ID unset, metadata agent-worker-number unreadable)\" >&2; exit 1;; esac; \
 if [ \"\$wid\" -ge $P ]; then echo \"\$(hostname): worker id \$wid is not below the $P trainer processes\" >&2; exit 1; fi"
-remote "$prelude; $worker_id; $pidcheck; $(start_line "trainer process \$wid" "\"\$wid\"" "logs/trainer-\$wid-$stamp.log")" \
+remote "$prelude; $worker_id; $pidcheck; $keyfile$(start_line "trainer process \$wid" "\"\$wid\"" "logs/trainer-\$wid-$stamp.log")" \
   "$NAME" all ||
   die "starting the trainer processes on $NAME failed on some worker (see above); what started keeps running (README.md: stopping a run)"
 

@@ -5,7 +5,8 @@ What it owns: ``Replicas`` (the three below together, as the run's parts carry t
 order; a replica binds the host and port of its own URL, the pool sends requests to it),
 ``host_port`` (``--weight_source``: the ``HOST:PORT`` where the trainer leader's transfer server
 listens and every replica pulls from), ``bind_of`` (a URL's host and port) and ``read_api_key``
-(``--api_key_file``: the key replicas require and the pool sends).
+(``--api_key_file``: the key replicas require and the pool sends, from a file only its owner
+may read or write).
 
 Every refusal names the flag, the bad value and the form wanted. No sockets, no jax: the train
 command calls these before it imports anything heavy.
@@ -14,6 +15,9 @@ command calls these before it imports anything heavy.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shlex
+import stat
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -75,13 +79,20 @@ def bind_of(url: str, flag: str = "--engine_addresses") -> tuple[str, int]:
 
 def read_api_key(path: str | None, flag: str = "--api_key_file") -> str | None:
     """The key in file ``path`` (surrounding whitespace dropped), or None without a path. A file
-    keeps the key out of the process list and the shell history."""
+    keeps the key out of the process list and the shell history; one its group or others may
+    read or write (mode & 0o077) is refused: they could read the key, or put theirs in."""
     if path is None:
         return None
     try:
         key = Path(path).read_text().strip()
+        mode = stat.S_IMODE(os.stat(path).st_mode)
     except OSError as exc:
         raise ValueError(f"{flag}={path!r} cannot be read: {exc.strerror or exc}") from None
+    if mode & 0o077:
+        raise ValueError(
+            f"{flag}={path!r} has mode {mode:04o}: its group or others may read or write the "
+            f"key; only its owner may: chmod 600 {shlex.quote(path)}"
+        )
     if not key:
         raise ValueError(f"{flag}={path!r} is empty; put the API key in it")
     return key

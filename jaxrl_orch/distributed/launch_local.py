@@ -12,10 +12,17 @@ CPU devices (``XLA_FLAGS``) unless told to leave the devices alone, and starts `
 jaxrl_orch.train`` once per process with the layout bound (``Processes.trainer_processes`` /
 ``engine_replicas``) and that process's ``--process_index``: 0..P-1 train (0 also runs the
 orchestrator), P..P+R-1 serve. Other flags go to every process; without ``--api_key_file``
-the replicas get a fresh key of this launch (``WORKDIR/logs/engine.key``, mode 0600). Each
-process's output goes to ``WORKDIR/logs/process_<K>_<role>.log``; process 0's is also echoed
-here. The workdir gets the same outputs as the single-process command (``summary.json``,
-``metrics.jsonl``, checkpoints, report, export).
+the replicas get a fresh key of this launch (``WORKDIR/logs/engine.key``, mode 0600); a key
+file of the user's that its group or others may read or write is refused. Each process's
+output goes to ``WORKDIR/logs/process_<K>_<role>.log``; process 0's is also echoed here. The
+workdir (a local path: every process runs here) gets the same outputs as the single-process
+command (``summary.json``, ``metrics.jsonl``, checkpoints, report, export).
+
+Ownership: the launcher claims the workdir (``owner``: ``run.lock``) before it writes anything
+there, its key and its logs included, and hands the held claim to trainer process 0 (the
+descriptor inherited, its number in ``owner.HANDOFF_ENV``), which adopts it instead of
+claiming: one lock from the launch to the launcher's exit. A workdir in use is refused (exit
+2) naming its owner, with nothing written.
 
 Supervision
     - The run ends when the trainer processes have exited: exit status 0 when all did,
@@ -23,7 +30,8 @@ Supervision
     - A trainer process that dies stops the whole run at once (the others would block in a
       collective), naming it and its log; the same command resumes from the last checkpoint.
     - A replica that dies is restarted (``--restart_replicas``, on by default) on the same
-      port; it pulls the current weights before it serves again.
+      port; it pulls the current weights before it serves again. One that exits the same way
+      twice in a row (``replica_exits``) stops the run with its last line and its log's path.
     - Every process dies with the launcher (Linux ``PR_SET_PDEATHSIG``), even a kill -9 of it.
     - SIGTERM / SIGINT here: passed to trainer process 0, which drains (at most
       ``drain_timeout_s``), checkpoints and tells its peers to stop; past the deadline
@@ -45,6 +53,13 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from jaxrl_orch.distributed.addresses import read_api_key
+from jaxrl_orch.distributed.replica_exits import ExitWatch
+from jaxrl_orch.owner import HANDOFF_ENV, WorkdirClaim, claim_workdir
+from jaxrl_orch.paths import is_url
+
+TRAIN = (sys.executable, "-m", "jaxrl_orch.train")
 
 # Set per process by the launcher; a user's would point the processes at the wrong places.
 LAUNCHER_FLAGS = (
@@ -110,12 +125,42 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
-class LocalLauncher:
-    """One local run's processes, its trainer processes and engine replicas: their ports,
-    logs and key, started, supervised and stopped together."""
+def check_inputs(args: argparse.Namespace, rest: list[str]) -> None:
+    """What the launcher is given, checked before it claims or writes anything."""
+    if is_url(args.workdir):
+        raise ValueError(
+            f"--workdir={args.workdir!r}: jaxrl-launch-local starts every process on this "
+            "machine and keeps their logs in the workdir; give a local path"
+        )
+    key_file = flag_value(rest, "--api_key_file")
+    if key_file is not None:
+        read_api_key(key_file)
 
-    def __init__(self, args: argparse.Namespace, train_args: list[str]) -> None:
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in ``argv`` (``--flag=V`` or ``--flag V``; the last one wins)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"{flag}="):
+            value = arg.split("=", 1)[1]
+        elif arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
+class LocalLauncher:
+    """The processes of one run; built once the workdir's ``claim`` is held (``main``)."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        train_args: list[str],
+        claim: WorkdirClaim,
+        program: tuple[str, ...] = TRAIN,
+    ) -> None:
         self.args = args
+        self.claim = claim
+        self.program = program
         self.p = args.trainer_processes
         self.r = args.engine_replicas
         ports = free_ports(2 + self.r)
@@ -136,6 +181,7 @@ class LocalLauncher:
         if self.r and not any(a.startswith("--api_key_file") for a in train_args):
             self.train_args.append(f"--api_key_file={self._new_key()}")
         self.procs: dict[int, subprocess.Popen] = {}
+        self.exits = ExitWatch()
         self.restarts = 0
         self.stop_at: float | None = None
 
@@ -160,15 +206,21 @@ class LocalLauncher:
             n = self.args.devices_per_process
             env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
             env.setdefault("JAX_PLATFORMS", "cpu")
-        log = open(self.logs / f"process_{k}_{self.role(k)}.log", "ab")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "jaxrl_orch.train", *self.train_args, f"--process_index={k}"]
+        handed: tuple[int, ...] = ()
+        if k == 0:  # the process that writes the workdir runs under the launcher's claim
+            handed = (self.claim.fd,)
+            env[HANDOFF_ENV] = str(self.claim.fd)
+        path = self.logs / f"process_{k}_{self.role(k)}.log"
+        self.exits.started(k, path)
+        log = open(path, "ab")  # noqa: SIM115
         self.procs[k] = subprocess.Popen(
-            cmd,
+            [*self.program, *self.train_args, f"--process_index={k}"],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_die_with_parent,
+            pass_fds=handed,
         )
         log.close()
 
@@ -235,26 +287,43 @@ class LocalLauncher:
             for k in range(self.p, self.p + self.r):
                 code = self.procs[k].poll()
                 if code is not None and self.args.restart_replicas and self.stop_at is None:
-                    if self.restarts >= self.args.max_restarts:
-                        print(
-                            f"launch_local: engine replica {k - self.p} exited with {code} after "
-                            f"{self.restarts} restarts (--max_restarts); stopping the run",
-                            flush=True,
-                        )
+                    stopped = self._replica_exited(k, code)
+                    if stopped is not None:
                         self.kill_all()
-                        return 1
-                    self.restarts += 1
-                    print(
-                        f"launch_local: engine replica {k - self.p} exited with {code}; "
-                        f"restarting it (restart {self.restarts})",
-                        flush=True,
-                    )
-                    self.start(k)
+                        return stopped
             if self.stop_at is not None and time.monotonic() > self.stop_at:
                 print("launch_local: the stop deadline passed; killing every process", flush=True)
                 self.kill_all()
                 return 124
             time.sleep(0.2)
+
+    def _replica_exited(self, k: int, code: int) -> int | None:
+        """Restart replica ``k``, or stop the run (its exit status) when it exited as it did
+        last time (``replica_exits``) or the restarts are spent."""
+        name, log = f"engine replica {k - self.p}", self.logs / f"process_{k}_engine.log"
+        repeated = self.exits.exited(k, code)
+        if repeated is not None:
+            print(
+                f"launch_local: {name} exited with {code} twice in a row, the same way: "
+                f"{repeated or '(no output)'}\nlaunch_local: its log: {log}; stopping the run "
+                "(a restart would fail again: fix the cause, then run the same command)",
+                flush=True,
+            )
+            return code
+        if self.restarts >= self.args.max_restarts:
+            print(
+                f"launch_local: {name} exited with {code} after {self.restarts} restarts "
+                f"(--max_restarts; its log: {log}); stopping the run",
+                flush=True,
+            )
+            return 1
+        self.restarts += 1
+        print(
+            f"launch_local: {name} exited with {code}; restarting it (restart {self.restarts})",
+            flush=True,
+        )
+        self.start(k)
+        return None
 
     def stop_replicas(self, timeout_s: float = 10.0) -> None:
         for k in range(self.p, self.p + self.r):
@@ -269,13 +338,23 @@ class LocalLauncher:
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(argv)
-    launcher = LocalLauncher(args, rest)
-    previous = {s: signal.signal(s, launcher.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return launcher.run()
+        check_inputs(args, rest)
+        claim = claim_workdir(args.workdir)  # before anything is written there
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        launcher = LocalLauncher(args, rest, claim)
+        sigs = (signal.SIGTERM, signal.SIGINT)
+        previous = {s: signal.signal(s, launcher.on_signal) for s in sigs}
+        try:
+            return launcher.run()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        claim.release()
 
 
 if __name__ == "__main__":

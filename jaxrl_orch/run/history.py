@@ -9,8 +9,9 @@ What it owns
   (``rollouts/step_*.jsonl``) of steps ``>= start_step``. A run killed after step 5 and
   restored from step 3 so reads steps 1..3 once, then 4, 5, ... once each.
 - ``trim_for_sft(workdir, done)``: the same for warm-up rows past the restored SFT step.
-- ``check_history(workdir)``: those files read once at start, so a damaged line fails the
-  command before any work, naming the file and the line.
+- ``check_history(workdir)``: those files read once at start, so a damaged line (not UTF-8,
+  not JSON, or not a row: an object with an integer ``step``) fails the command before any
+  work, naming the file, the line and what is wrong.
 - ``BeforeRLRecorder``: a metrics writer that records ``eval_before_rl.json`` as soon as the
   step-0 eval lands (not at the end of the run), so a crash later keeps it.
 - ``rl_evals(workdir)`` / ``rl_step_rows(workdir)``: the eval metrics per step and the step
@@ -26,6 +27,7 @@ before anything of this attempt is written.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,28 +42,61 @@ Row = dict[str, Any]
 
 
 def read_rows(path: Pathish) -> list[Row]:
-    """The JSON rows of ``path`` (none if it does not exist); a torn last line is dropped, a
-    torn line elsewhere is an error naming the file and line."""
+    """The rows of ``path`` (none if it does not exist), each a JSON object with an integer
+    ``step``. A torn last line (a write cut short by a crash: no newline after it, and not
+    UTF-8 or not JSON) is dropped; any other bad line is an error naming the file, the line and
+    what is wrong with it."""
     path = as_path(path)
     if not path.exists():
         return []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = path.read_bytes().split(b"\n")
+    # Each row is written whole with its newline: only a last line without one can be torn.
+    torn = len(lines) - 1 if lines[-1].strip() else None
     rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
+    for i, raw in enumerate(lines):
+        if not raw.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            if i == len(lines) - 1:
-                break  # a write cut short by a crash
-            raise ValueError(f"{path} line {i + 1} is not JSON ({exc}); fix or delete it") from exc
+            rows.append(json.loads(raw.decode("utf-8")))
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError alike
+            if i == torn:
+                break
+            what = _unreadable(raw, exc)
+            raise ValueError(f"{path} line {i + 1} {what}; fix or delete the line") from None
+        wrong = _not_a_row(rows[-1])
+        if wrong:
+            raise ValueError(f"{path} line {i + 1} {wrong}; fix or delete the line")
     return rows
 
 
+def _unreadable(raw: bytes, exc: ValueError) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return f"is not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+    return f"is not JSON ({exc})"
+
+
+_JSON_TYPES = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+ROW = 'a row is an object with an integer "step"'
+
+
+def _not_a_row(value: Any) -> str:
+    """What keeps ``value`` from being a row ('' when it is one)."""
+    if not isinstance(value, dict):
+        kind = _JSON_TYPES.get(type(value), "a number")
+        return f"is {kind}, not a row ({ROW})"
+    if "step" not in value:
+        return f'has no "step" ({ROW})'
+    step = value["step"]
+    number = isinstance(step, int | float) and not isinstance(step, bool)
+    if not (number and math.isfinite(step) and step == int(step)):
+        return f'has "step": {json.dumps(step)} ({ROW})'
+    return ""
+
+
 def check_history(workdir: Pathish) -> None:
-    """Read the workdir's row files a resume will trim (``ValueError`` naming the file and the
-    line that is not JSON), so a damaged file fails the command at start, not the RL stage."""
+    """Read the workdir's row files a resume will trim (``ValueError`` naming the file, the
+    line and what is wrong with it), so a damaged file fails the command at start, not the RL
+    stage."""
     for name in ("metrics.jsonl", "gauges.jsonl"):
         read_rows(as_path(workdir) / name)
 

@@ -13,6 +13,8 @@ The workdir is local or a ``gs://`` URL (``paths``). ``prepare`` builds and chec
 parts before any work (``compose.parts``); ``run`` takes the stages in order: the warm-up
 (``warmup``), then RL (``rl``) or its imitation control (``control``); ``finish`` writes the
 summary and the report. Each stage takes the parts and the ``StopFlag`` and returns values.
+``finished`` is asked first: a workdir whose run is complete for this command is left as it
+is (``run.finished``).
 
 Several processes (``Role``; docs/design.md section 8): an engine replica only serves, over HTTP
 (``compose.replica.serve_replica``); a trainer peer runs the same warm-up and then follows process
@@ -36,12 +38,24 @@ from jaxrl_orch.orchestrator.metrics.writers import JsonlWriter, stage
 from jaxrl_orch.paths import Pathish
 from jaxrl_orch.run.control import run_imitation
 from jaxrl_orch.run.ending import run_coroutine
+from jaxrl_orch.run.finished import finished_summary
 from jaxrl_orch.run.history import check_history
 from jaxrl_orch.run.identity import check_resume, record_identity
 from jaxrl_orch.run.rl import run_rl
 from jaxrl_orch.run.stop import StopFlag
 from jaxrl_orch.run.warmup import run_warmup
 from jaxrl_orch.tools.report import write_report
+
+
+def finished(cfg: TrainConfig, workdir: Any, role: Role) -> dict[str, Any] | None:
+    """The summary of the workdir's run when this command would only repeat it
+    (``run.finished``): a trainer process then leaves without building or writing anything.
+    A command describing another run is refused first (``identity``)."""
+    if role.kind == "engine":
+        return None
+    if role.leader:
+        check_resume(workdir, cfg)
+    return finished_summary(workdir, cfg)
 
 
 def prepare(

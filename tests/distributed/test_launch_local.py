@@ -1,14 +1,22 @@
 """``jaxrl-launch-local`` and the train command's process flags: bad input is
-refused before anything starts, naming the bad value (the runs are in test_multiprocess_e2e)."""
+refused before anything starts, naming the bad value; the launcher owns the workdir before it
+writes there and hands its claim to trainer process 0; a replica failing twice the same way
+stops the run (stand-in processes, ``support.launch_standin``; the real runs are in
+test_multiprocess_e2e)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import stat
+import threading
+import time
 
 import pytest
+from support.checkout import helper_cmd, subprocess_env
 
-from jaxrl_orch import train
+from jaxrl_orch import serve, train
 from jaxrl_orch.compose.replica import check_bind
 from jaxrl_orch.distributed import launch_local
 from jaxrl_orch.distributed.addresses import (
@@ -19,6 +27,7 @@ from jaxrl_orch.distributed.addresses import (
     replica_urls,
 )
 from jaxrl_orch.distributed.group import Role
+from jaxrl_orch.owner import claim_workdir
 
 
 @pytest.mark.parametrize(
@@ -38,12 +47,23 @@ def test_launcher_refuses_bad_flags(argv, match, capsys):
     assert re.search(match, capsys.readouterr().err)
 
 
+@contextlib.contextmanager
+def _launcher(*argv: str, program: tuple[str, ...] = launch_local.TRAIN):
+    """A launcher on its claimed workdir, as ``launch_local.main`` builds it."""
+    args, rest = launch_local.parse_args(list(argv))
+    claim = claim_workdir(args.workdir)
+    try:
+        yield launch_local.LocalLauncher(args, rest, claim, program=program)
+    finally:
+        claim.release()
+
+
 def test_launcher_passes_the_layout_and_addresses_to_every_process(tmp_path):
-    args, rest = launch_local.parse_args(
-        ["--trainer_processes=2", "--engine_replicas=3", f"--workdir={tmp_path}", "--gin_param=x"]
-    )
-    launcher = launch_local.LocalLauncher(args, rest)
-    assert rest == ["--gin_param=x"]
+    with _launcher(
+        "--trainer_processes=2", "--engine_replicas=3", f"--workdir={tmp_path}", "--gin_param=x"
+    ) as launcher:
+        pass
+    assert launcher.train_args[0] == "--gin_param=x"
     assert len(set(launcher.addresses)) == 3 and launcher.coordinator.startswith("127.0.0.1:")
     assert all(a.startswith("http://127.0.0.1:") for a in launcher.addresses)
     ports = {a.rsplit(":", 1)[1] for a in launcher.addresses}
@@ -62,14 +82,13 @@ def test_launcher_passes_the_layout_and_addresses_to_every_process(tmp_path):
 
 def test_each_launch_gives_its_replicas_a_fresh_key_only_its_user_can_read(tmp_path):
     def launch(*extra):
-        args, rest = launch_local.parse_args(
-            ["--engine_replicas=1", f"--workdir={tmp_path}", "--gin_param=x", *extra]
-        )
-        return launch_local.LocalLauncher(args, rest)
+        with _launcher(
+            "--engine_replicas=1", f"--workdir={tmp_path}", "--gin_param=x", *extra
+        ) as launcher:
+            return launcher.train_args
 
     key_file = tmp_path / "logs" / "engine.key"
-    first = launch()
-    assert f"--api_key_file={key_file}" in first.train_args
+    assert f"--api_key_file={key_file}" in launch()
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     key = read_api_key(str(key_file))
     assert len(key) >= 32
@@ -78,7 +97,117 @@ def test_each_launch_gives_its_replicas_a_fresh_key_only_its_user_can_read(tmp_p
     own = tmp_path / "mine.key"
     own.write_text("the-user-key")
     kept = launch(f"--api_key_file={own}")
-    assert [a for a in kept.train_args if "api_key_file" in a] == [f"--api_key_file={own}"]
+    assert [a for a in kept if "api_key_file" in a] == [f"--api_key_file={own}"]
+
+
+def _standin(mode: str) -> tuple[str, ...]:
+    return tuple(helper_cmd("launch_standin", mode))
+
+
+def _files(workdir) -> dict[str, bytes]:
+    return {str(f.relative_to(workdir)): f.read_bytes() for f in workdir.rglob("*") if f.is_file()}
+
+
+def _wait_for(path, text: str, running: threading.Thread, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and text in path.read_text()):
+        said = path.read_text() if path.exists() else "nothing"
+        assert running.is_alive(), f"the run ended; {path} said {said}"
+        assert time.monotonic() < deadline, f"{path} never said {text!r}: {said}"
+        time.sleep(0.05)
+
+
+def test_a_second_launcher_on_a_running_run_is_refused_and_writes_nothing(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])  # support.launch_standin
+    wd = tmp_path / "run"
+    argv = ["--trainer_processes=1", "--engine_replicas=1", "--devices_per_process=0"]
+    argv += [f"--workdir={wd}", "--gin_param=x"]
+    rc: list[int] = []
+    with _launcher(*argv, program=_standin("serve")) as first:
+        thread = threading.Thread(target=lambda: rc.append(first.run()))
+        thread.start()
+        try:
+            # Trainer process 0 adopted the launcher's claim, and a fresh claim was refused
+            # beside it: one lock, held from the launch on (support.launch_standin).
+            logs = wd / "logs"
+            _wait_for(logs / "process_0_trainer.log", "ADOPTED: a fresh claim is refused", thread)
+            _wait_for(logs / "process_1_engine.log", "serving", thread)
+            before = _files(wd)
+            assert launch_local.main(argv) == 2
+            err = capsys.readouterr().err
+            assert f"workdir {wd} is in use by another run: pid {os.getpid()}" in err
+            # The first run's key, logs and lock record as they were; no file added.
+            assert _files(wd) == before
+        finally:
+            (wd / "go").write_text("")
+            thread.join(60)
+    assert rc == [0]
+
+
+def test_a_replica_failing_twice_the_same_way_stops_the_run_with_its_error(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])
+    wd = tmp_path / "run"
+    argv = ["--trainer_processes=1", "--engine_replicas=1", "--devices_per_process=0"]
+    argv += [f"--workdir={wd}", "--gin_param=x"]
+    with _launcher(*argv, program=_standin("same")) as launcher:
+        assert launcher.run() == 2
+    out = capsys.readouterr().out
+    log = wd / "logs" / "process_1_engine.log"
+    assert (
+        "engine replica 0 exited with 2 twice in a row, the same way: "
+        "error: Engine.slots must be >= 1, got 0\n"
+    ) in out
+    assert f"its log: {log}; stopping the run" in out
+    assert log.read_text().count("replica 1 starting") == 2  # not the 11 starts of before
+
+
+def test_a_replica_failing_differently_each_time_is_restarted_until_the_limit(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])
+    wd = tmp_path / "run"
+    argv = ["--trainer_processes=1", "--engine_replicas=1", "--devices_per_process=0"]
+    argv += ["--max_restarts=2", f"--workdir={wd}", "--gin_param=x"]
+    with _launcher(*argv, program=_standin("differs")) as launcher:
+        assert launcher.run() == 1
+    out = capsys.readouterr().out
+    assert "engine replica 0 exited with 2 after 2 restarts (--max_restarts" in out
+    assert "twice in a row" not in out
+    assert (wd / "logs" / "process_1_engine.log").read_text().count("replica 1 starting") == 3
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o620, 0o604], ids=lambda m: f"{m:04o}")
+def test_every_command_refuses_a_key_file_others_may_read_or_write(mode, tmp_path, capsys):
+    key = tmp_path / "engine.key"
+    key.write_text("s3cr3t")
+    key.chmod(mode)
+    wd = tmp_path / "run"
+    wanted = f"--api_key_file={str(key)!r} has mode {mode:04o}"
+    fix = f"only its owner may: chmod 600 {key}"
+    # Each command is also given a bad value it checks after the key, so that without the key's
+    # check it fails fast instead of starting a run or a server.
+    replica_flags = ["--engine_addresses=http://127.0.0.1:1", "--weight_source=127.0.0.1:2"]
+    bad_model = "--gin_param=Model.name = '/no/such/model_dir'"
+    train_argv = [f"--workdir={wd}", "--gin_param=Processes.engine_replicas = 1", bad_model]
+    assert train.main([*train_argv, "--process_index=0", *replica_flags, f"--api_key_file={key}"])
+    assert serve.main([f"--api_key_file={key}", "--checkpoint=/no/such/checkpoint"]) == 2
+    assert launch_local.main([f"--workdir={wd}", "--gin_param=x", "--api_key_file", str(key)])
+    err = capsys.readouterr().err
+    assert err.count(wanted) == 3 and err.count(fix) == 3, err
+    assert not wd.exists()  # refused before the workdir was claimed or written
+    key.chmod(0o600)
+    assert read_api_key(str(key)) == "s3cr3t"
+
+
+def test_the_launcher_keeps_its_logs_on_this_machine(capsys):
+    assert launch_local.main(["--workdir=gs://bucket/run", "--gin_param=x"]) == 2
+    assert "--workdir='gs://bucket/run': jaxrl-launch-local starts every process on this" in (
+        capsys.readouterr().err
+    )
 
 
 def test_free_ports_are_distinct():
@@ -122,6 +251,7 @@ def test_train_refuses_a_bad_process_layout(flags, match, capsys, tmp_path):
 def test_train_refuses_an_unreadable_or_empty_api_key_file(capsys, tmp_path):
     empty = tmp_path / "key"
     empty.write_text("  \n")
+    empty.chmod(0o600)
     flags = [
         "--process_index=0",
         "--engine_addresses=http://127.0.0.1:1,http://127.0.0.1:2",

@@ -299,3 +299,47 @@ def test_lost_trainer_stops_the_run_sigterm_drains_and_the_same_command_resumes(
     lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in lines if "train/reward_mean" in r]
     assert steps == list(range(1, 9)), steps
+
+
+def _history(workdir: Path) -> dict[str, bytes]:
+    names = ["metrics.jsonl", "gauges.jsonl", "summary.json", "config.gin", "run_identity.json"]
+    files = [workdir / n for n in names] + sorted((workdir / "rollouts").glob("*.jsonl"))
+    return {f.name: f.read_bytes() for f in files}
+
+
+def test_a_second_launcher_on_a_running_run_is_refused_and_the_run_completes(tmp_path):
+    workdir = tmp_path / "owned"
+    run = ["RL.steps = 4"]
+    proc = _launch(workdir, *run, replicas=1, trainers=1, start_new_session=True)
+    logs = workdir / "logs"
+    try:
+        # Trainer process 0 has written its config: the run is under way (warm-up, compiles).
+        deadline = time.monotonic() + 600
+        while not (workdir / "run_identity.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, _logs(workdir)
+            time.sleep(0.2)
+        kept = {n: (workdir / n).read_bytes() for n in ("config.gin", "run_identity.json")}
+        key = (logs / "engine.key").read_bytes()
+        before = {p.name: p.read_bytes() for p in logs.iterdir()}
+        # Another layout: its logs would have other names (process_1_trainer, process_3_engine).
+        second = _launch(workdir, *run, replicas=2, trainers=2)
+        out = _finish(second, timeout=120)
+        assert second.returncode == 2, out[-3000:]
+        assert f"workdir {workdir} is in use by another run: pid {proc.pid} on host" in out
+        assert (logs / "engine.key").read_bytes() == key  # the first run's replicas keep it
+        assert {n: (workdir / n).read_bytes() for n in kept} == kept
+        assert sorted(p.name for p in logs.iterdir()) == sorted(before)
+        for name, prefix in before.items():
+            assert (logs / name).read_bytes().startswith(prefix), name  # nothing appended
+        assert "in use by another run" not in "".join(p.read_text() for p in logs.glob("*.log"))
+        out = _finish(proc)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0 and "exited with" not in out, out[-3000:] + _logs(workdir)
+    assert sorted(_rl_rows(workdir)) == [1, 2, 3, 4]
+    # The same launch again on the finished run: nothing is run and no history file is written.
+    history = _history(workdir)
+    out = _finish(_launch(workdir, *run, replicas=1, trainers=1), timeout=300)
+    assert f"== finished: workdir {workdir} holds a complete run of 4 RL steps" in out, out
+    assert _history(workdir) == history

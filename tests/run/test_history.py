@@ -1,13 +1,17 @@
-"""The run's history on disk after a crash: trimmed on resume, read back whole."""
+"""The run's history on disk after a crash: trimmed on resume, read back whole; a damaged line
+refused at start in one line naming the file, the line and what is wrong."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from jaxrl_orch import train
 from jaxrl_orch.run.history import (
     BeforeRLRecorder,
+    check_history,
     read_rows,
     rl_evals,
     rl_step_rows,
@@ -75,6 +79,49 @@ def test_a_torn_line_inside_the_file_is_an_error_naming_it(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"ste\n{"step": 2}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl line 2 is not JSON"):
         read_rows(tmp_path / "metrics.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("line", "what"),
+    [
+        (b'{"step": 2, "x": "\xff\xfe"}', "is not UTF-8 text (byte 0xff at column 19)"),
+        (b"[2, 3]", 'is an array, not a row (a row is an object with an integer "step")'),
+        (b'"row"', "is a string, not a row"),
+        (b'{"train/reward_mean": 1.0}', 'has no "step" (a row is an object'),
+        (b'{"step": "2"}', 'has "step": "2" (a row is an object'),
+        (b'{"step": 2.5}', 'has "step": 2.5 (a row'),
+        (b'{"step": null}', 'has "step": null (a row'),
+    ],
+)
+@pytest.mark.parametrize("name", ["metrics.jsonl", "gauges.jsonl"])
+def test_a_line_that_is_not_a_row_is_an_error_naming_file_line_and_what(tmp_path, name, line, what):
+    (tmp_path / name).write_bytes(b'{"step": 1}\n' + line + b'\n{"step": 3.0}\n')
+    with pytest.raises(ValueError) as exc:
+        check_history(tmp_path)
+    assert str(exc.value).startswith(f"{tmp_path / name} line 2 {what}")
+    assert "\n" not in str(exc.value)
+    # The last line, ended by its newline: written whole, so the same error, not a torn write.
+    (tmp_path / name).write_bytes(b'{"step": 1}\n' + line + b"\n")
+    with pytest.raises(ValueError, match=f"line 2 {re.escape(what)}"):
+        check_history(tmp_path)
+
+
+def test_a_last_line_cut_inside_a_character_is_a_torn_write(tmp_path):
+    (tmp_path / "gauges.jsonl").write_bytes('{"step": 1}\n{"step": 2, "x": "\u00e9'.encode()[:-1])
+    assert [r["step"] for r in read_rows(tmp_path / "gauges.jsonl")] == [1]
+
+
+def test_the_train_command_refuses_damaged_history_in_one_line_before_any_work(tmp_path, capsys):
+    (tmp_path / "gauges.jsonl").write_bytes(b'{"step": 1}\n{"step": 2, "x": "\xff"}\n')
+    # A model that cannot load: were the line let through, the command would fail on it instead
+    # of starting a run.
+    bad_model = "--gin_param=Model.name = '/no/such/model_dir'"
+    assert train.main([f"--workdir={tmp_path}", "--gin_param=RL.steps = 1", bad_model]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {tmp_path / 'gauges.jsonl'} line 2 is not UTF-8 text " + (
+        "(byte 0xff at column 19); fix or delete the line\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gauges.jsonl", "run.lock"]
 
 
 def test_the_pre_rl_eval_is_recorded_as_soon_as_it_lands(tmp_path):

@@ -179,6 +179,17 @@ def test_kill9_then_resume_continues_without_repeating_or_skipping(tmp_path):
     assert summary["eval_reward_before_rl"] is not None
     assert summary["train_reward_first"] == rl_rows(wd)[0]["train/reward_mean"]  # from step 1
 
+    # The same command once more, on the finished run: nothing runs, and every file (metrics,
+    # gauges, rollouts, TensorBoard, summary, report, export) stays as it was, so each step
+    # and eval is still in the history once. Only the owner record names the new claim.
+    files = {p: p.read_bytes() for p in sorted(wd.rglob("*")) if p.is_file()}
+    res = run_train(wd, *steps)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"== finished: workdir {wd} holds a complete run of 8 RL steps" in res.stdout
+    after = {p: p.read_bytes() for p in sorted(wd.rglob("*")) if p.is_file()}
+    assert after.pop(wd / "run.lock") != files.pop(wd / "run.lock")
+    assert after == files
+
 
 def test_a_lora_run_moves_adapters_only_resumes_after_kill9_and_exports_peft(tmp_path):
     wd = tmp_path / "lora"

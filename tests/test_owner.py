@@ -1,5 +1,7 @@
-"""One run per workdir (``run.owner``): a second command on a workdir in use is refused at start,
-naming the owner, and writes nothing; a run killed with SIGKILL leaves no stale claim."""
+"""One run per workdir (``owner``): a second command on a workdir in use is refused at start,
+naming the owner, and writes nothing; a run killed with SIGKILL leaves no stale claim; a claim
+handed to a child (the launcher's, to trainer process 0) is one lock, adopted only when it is
+the workdir's and held."""
 
 from __future__ import annotations
 
@@ -14,12 +16,11 @@ import time
 import pytest
 from support.checkout import subprocess_env
 
-from jaxrl_orch import train
-from jaxrl_orch.run import owner
-from jaxrl_orch.run.owner import WorkdirBusy, claim_workdir
+from jaxrl_orch import owner, train
+from jaxrl_orch.owner import WorkdirBusy, claim_workdir
 
 HOLD = (
-    "import sys, time; from jaxrl_orch.run.owner import claim_workdir; "
+    "import sys, time; from jaxrl_orch.owner import claim_workdir; "
     "claim_workdir(sys.argv[1]); print('HELD', flush=True); time.sleep(600)"
 )
 
@@ -56,6 +57,65 @@ def test_a_second_command_on_a_workdir_in_use_is_refused_before_any_work(tmp_pat
         claim_workdir(workdir)  # another claim, even from this process, is refused
     claim.release()
     claim_workdir(workdir).release()
+
+
+ADOPT = """
+import sys
+from jaxrl_orch.owner import WorkdirBusy, claim_workdir, handed_fd_from_env
+claim_workdir(sys.argv[1], handed_fd_from_env())
+try:
+    claim_workdir(sys.argv[1])
+except WorkdirBusy:
+    print("ONE LOCK")
+"""
+
+
+def test_a_claim_handed_to_a_child_is_one_lock_held_until_both_let_go(tmp_path):
+    workdir = tmp_path / "run"
+    claim = claim_workdir(workdir)
+    record = (workdir / "run.lock").read_bytes()
+    env = subprocess_env(**{owner.HANDOFF_ENV: str(claim.fd)})
+    child = subprocess.run(
+        [sys.executable, "-c", ADOPT, str(workdir)],
+        pass_fds=(claim.fd,),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # The child adopted the claim, and a fresh claim beside it was refused.
+    assert child.returncode == 0 and child.stdout.strip() == "ONE LOCK", child.stderr
+    assert (workdir / "run.lock").read_bytes() == record  # it still names the launcher
+    with pytest.raises(WorkdirBusy, match=f"pid {os.getpid()}"):
+        claim_workdir(workdir)  # the child is gone; the launcher holds on
+    claim.release()
+    claim_workdir(workdir).release()
+
+
+def test_a_handed_descriptor_is_adopted_only_as_the_workdirs_held_lock(tmp_path, monkeypatch):
+    workdir = tmp_path / "run"
+    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o600)
+    claim = claim_workdir(workdir)
+    try:
+        with pytest.raises(ValueError, match=rf"{owner.HANDOFF_ENV}={other} is not .*run.lock"):
+            claim_workdir(workdir, handed_fd=other)
+        # The workdir's lock file, but not the launcher's open file: it holds nothing.
+        stray = os.open(workdir / "run.lock", os.O_RDWR)
+        with pytest.raises(WorkdirBusy, match=f"pid {os.getpid()}"):
+            claim_workdir(workdir, handed_fd=stray)
+        with pytest.raises(OSError):
+            os.fstat(stray)  # closed: it never holds the lock later
+        with pytest.raises(ValueError, match="was not handed on"):
+            claim_workdir(workdir, handed_fd=stray)
+    finally:
+        claim.release()
+        os.close(other)
+    monkeypatch.setenv(owner.HANDOFF_ENV, "three")
+    with pytest.raises(ValueError, match=f"{owner.HANDOFF_ENV}='three' is not a file descriptor"):
+        owner.handed_fd_from_env()
+    monkeypatch.setenv(owner.HANDOFF_ENV, "7")
+    assert owner.handed_fd_from_env() == 7
+    assert owner.HANDOFF_ENV not in os.environ  # taken once: no child of the run inherits it
 
 
 @pytest.mark.parametrize("kind", ["a file", "under a file"])

@@ -2,7 +2,8 @@
 
 Two runs on one workdir would interleave their metrics rows, overwrite each other's rollouts
 and mix their checkpoints, and both would exit 0. ``claim_workdir(workdir)`` makes the second
-one fail at start, naming the owner (host, pid, since when) and what to do.
+one fail at start, naming the owner (host, pid, since when) and what to do. Nothing of a run,
+its launcher's keys and logs included, is written before its claim is held.
 
 How the claim holds
 - A local workdir: an exclusive ``fcntl.flock`` on ``WORKDIR/run.lock``, held by an open file
@@ -16,8 +17,18 @@ How the claim holds
   so. Claims that race within one refresh are not excluded: a guard against the mistake of a
   second command, not against a determined one.
 
-Only trainer process 0 claims (it alone writes the workdir); ``release()`` ends the claim
-early (tests), and an exiting process ends it anyway.
+Handing a held claim on: ``jaxrl-launch-local`` claims the workdir before it writes its key or
+its logs, then starts trainer process 0 with the claim's descriptor inherited (``pass_fds``)
+and its number in ``HANDOFF_ENV``. Both descriptors share one open file, so they hold one
+``flock``: from the launcher's claim to the end of the run there is never a moment without an
+owner, nor two. Trainer process 0 adopts it (``claim_workdir(workdir, handed_fd=...)``) only
+when the descriptor is this workdir's ``run.lock`` and holds its lock; the record keeps naming
+the launcher, the process to stop.
+
+Lives below ``run`` and ``distributed`` (its own layer, above ``paths``): the train command and
+the launcher both claim through it. Only the process that writes the workdir claims (the
+launcher, trainer process 0, or the single process); ``release()`` ends the claim early
+(tests), and an exiting process ends it anyway.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ LOCK_NAME = "run.lock"
 REFRESH_S = 60.0
 STALE_S = 300.0
 REACH_S = 60.0  # the first call to a gs:// workdir: an answer, or one line
+HANDOFF_ENV = "JAXRL_RUN_LOCK_FD"  # set by the launcher for trainer process 0 only
 
 
 class WorkdirBusy(ValueError):
@@ -61,28 +73,69 @@ def _busy(workdir: Any, owner: dict[str, Any], fix: str) -> WorkdirBusy:
 
 
 class _LocalClaim:
-    def __init__(self, workdir: Any) -> None:
+    def __init__(self, workdir: Any, handed_fd: int | None = None) -> None:
+        self._fd: int | None = None
+        if handed_fd is not None:
+            self._fd = _adopt(workdir, handed_fd)
+            return
         try:
             workdir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a file where the workdir or a parent should be, no permission
             reason = exc.strerror or type(exc).__name__
             raise ValueError(f"workdir {workdir} cannot be a directory: {reason}") from None
-        path = os.fspath(workdir / LOCK_NAME)
-        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = os.open(os.fspath(workdir / LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = _read_json(os.pread(self._fd, 4096, 0))
+            _lock(workdir, self._fd)
+        except WorkdirBusy:
             self.release()
-            fix = "wait for it to end or stop it (SIGTERM checkpoints it), then run again"
-            raise _busy(workdir, owner, fix) from None
+            raise
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, json.dumps(_record()).encode(), 0)
+
+    @property
+    def fd(self) -> int:
+        """The descriptor holding the lock, for a child to inherit (``HANDOFF_ENV``)."""
+        if self._fd is None:
+            raise ValueError("the workdir claim was released: there is no lock to hand on")
+        return self._fd
 
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor drops the flock
             self._fd = None
+
+
+def _lock(workdir: Any, fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = _read_json(os.pread(fd, 4096, 0))
+        fix = "wait for it to end or stop it (SIGTERM checkpoints it), then run again"
+        raise _busy(workdir, owner, fix) from None
+
+
+def _adopt(workdir: Any, fd: int) -> int:
+    """``fd``, inherited from the launcher, once it is shown to be this workdir's lock file and
+    to hold its lock (a descriptor sharing the launcher's open file already does)."""
+    path = os.fspath(workdir / LOCK_NAME)
+    try:
+        held, here = os.fstat(fd), os.stat(path)
+    except OSError as exc:
+        raise ValueError(
+            f"{HANDOFF_ENV}={fd}: the launcher's claim on workdir {workdir} was not handed "
+            f"on ({exc.strerror}); start the run with jaxrl-launch-local, or unset {HANDOFF_ENV}"
+        ) from None
+    if (held.st_dev, held.st_ino) != (here.st_dev, here.st_ino):
+        raise ValueError(
+            f"{HANDOFF_ENV}={fd} is not {path}: a launcher hands on the lock of the workdir it "
+            f"claimed; give the same --workdir, or unset {HANDOFF_ENV}"
+        )
+    try:
+        _lock(workdir, fd)
+    except WorkdirBusy:
+        os.close(fd)  # our copy of the lock file, holding nothing
+        raise
+    return fd
 
 
 class _ObjectClaim:
@@ -164,8 +217,28 @@ def _read_json(raw: bytes) -> dict[str, Any]:
     return owner if isinstance(owner, dict) else {}
 
 
-def claim_workdir(workdir: Pathish) -> _LocalClaim | _ObjectClaim:
+# What owning a workdir gives the owner: ``release()``, and ``fd`` for a local lock.
+WorkdirClaim = _LocalClaim | _ObjectClaim
+
+
+def claim_workdir(workdir: Pathish, handed_fd: int | None = None) -> WorkdirClaim:
     """Own ``workdir`` for this process (see the module docstring); raises ``WorkdirBusy``
-    naming the current owner when another run holds it."""
+    naming the current owner when another run holds it. ``handed_fd``: the launcher's claim,
+    inherited (``handed_fd_from_env``)."""
     path = as_path(workdir)
+    if handed_fd is not None:
+        if is_url(path):
+            raise ValueError(f"{HANDOFF_ENV}: a launcher hands on local workdirs only, not {path}")
+        return _LocalClaim(path, handed_fd)
     return _ObjectClaim(path) if is_url(path) else _LocalClaim(path)
+
+
+def handed_fd_from_env() -> int | None:
+    """The descriptor a launcher handed this process (``HANDOFF_ENV``), taken out of the
+    environment so no child of this process reads it too; None without one."""
+    text = os.environ.pop(HANDOFF_ENV, None)
+    if text is None:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"{HANDOFF_ENV}={text!r} is not a file descriptor number; unset it")
+    return int(text)
