@@ -3,7 +3,7 @@ launcher's own work (its claim, the hand-off, its supervision) in seconds.
 
 ``python -m support.launch_standin MODE [the train command's flags] --process_index=K``
 (``tests/`` on ``PYTHONPATH``): the launcher starts it in place of ``python -m jaxrl_orch.train``
-(``Launcher(..., program=...)``), with the flags it gives every process.
+(``LocalLauncher(..., program=...)``), with the flags it gives every process.
 
 - Trainer process 0 adopts the claim the launcher handed it (``owner.HANDOFF_ENV``), checks that
   a fresh claim on the workdir is refused while it holds it (one lock, not two), prints
