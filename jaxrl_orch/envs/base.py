@@ -8,6 +8,9 @@ What this module owns
   ids the engine sampled, so the trainer scores the context the model actually saw.
 - ``SingleTurnEnv``: render prompt -> ids, one ``generate`` call, decode the completion only
   to *score* it, build the ``Rollout``. Subclasses supply ``build_messages`` and ``score``.
+- ``mark_cut``: a rollout any of whose completions ended short (a finish reason
+  ``types.finish_trainable`` calls not whole: a pause's abort, a caller gone) is not trainable,
+  and says which reason cut it. Every bundled env and the verifiers adapter end with it.
 - ``check_reward``: a reward must be a finite float. NaN/inf raises ``NonFiniteReward`` (the
   dispatcher turns the exception into an error rollout, counted as ``nonfinite_rewards``)
   instead of silently poisoning the group's advantages.
@@ -47,6 +50,7 @@ from jaxrl_orch.types import (
     NonFiniteReward,
     Rollout,
     SamplingParams,
+    finish_trainable,
 )
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -245,9 +249,7 @@ class SingleTurnEnv:
             temperature=sampling.temperature,
         )
         rollout.metrics = {**turn_metrics([completion]), **metrics}
-        if completion.finish_reason == "cancelled":
-            rollout.trainable = False
-        return trace.fill(rollout)
+        return trace.fill(mark_cut(rollout, [completion]))
 
 
 async def close_env(env: Any) -> None:
@@ -261,13 +263,31 @@ async def close_env(env: Any) -> None:
 def turn_metrics(completions: Sequence[Completion]) -> dict[str, float]:
     """Per-rollout metrics shared by every env: tokens the engine generated (including any an
     env-side stop string cut off; the trained ones are ``Rollout.num_model_tokens``),
-    whether the last turn hit the length limit, whether any turn was cancelled."""
+    whether the last turn hit the length limit, whether any turn ended short (``mark_cut``)."""
     last = completions[-1].finish_reason if completions else "stop"
     return {
         "completion_tokens": float(sum(len(c.token_ids) for c in completions)),
         "truncated": float(last == "length"),
-        "cancelled": float(any(c.finish_reason == "cancelled" for c in completions)),
+        "cut": float(first_cut(completions) is not None),
     }
+
+
+def first_cut(completions: Sequence[Completion]) -> str | None:
+    """The finish reason of the first of ``completions`` that ended short, or None."""
+    for c in completions:
+        if not finish_trainable(c.finish_reason):
+            return c.finish_reason
+    return None
+
+
+def mark_cut(rollout: Rollout, completions: Sequence[Completion]) -> Rollout:
+    """``rollout``, untrainable when one of its ``completions`` ended short: it was scored on
+    partial text. ``Rollout.cut`` names the reason (the train sink counts rollouts by it)."""
+    cut = first_cut(completions)
+    if cut is not None:
+        rollout.trainable = False
+        rollout.cut = cut
+    return rollout
 
 
 class AtTemperature:
