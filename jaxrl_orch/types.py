@@ -83,14 +83,30 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# Every way a completion can end (``Completion.finish_reason``), and whether it is a whole
+# sample. A completion cut short was scored on partial text, so its rollout is never trained.
+FINISH_REASONS = {
+    "stop": True,  # a stop id was sampled (the last of ``token_ids``)
+    "length": True,  # ``max_tokens``, or the engine's cache, ran out
+    "abort": False,  # the engine ended it early with what it had (``pause("abort")``)
+    "cancelled": False,  # its caller went away first (a client gone, a deadline passed)
+}
+
+
+def finish_trainable(reason: str) -> bool:
+    """Whether a completion that ended with ``reason`` is whole (``FINISH_REASONS``); a reason
+    not declared there raises ``ValueError`` naming it and the known ones."""
+    whole = FINISH_REASONS.get(reason)
+    if whole is None:
+        known = ", ".join(FINISH_REASONS)
+        raise ValueError(f"unknown finish_reason {reason!r}: a completion ends with one of {known}")
+    return whole
+
+
 @dataclasses.dataclass
 class Completion:
-    """One engine generation: per generated token its id, behavior log-prob and params version.
-
-    ``finish_reason`` is ``"stop"`` (a stop token was sampled; it is included in ``token_ids``),
-    ``"length"`` (max tokens or the cache ran out), ``"abort"`` (ended by the engine's
-    ``pause("abort")`` with the tokens it had) or ``"cancelled"``.
-    """
+    """One engine generation: per generated token its id, behavior log-prob and params version,
+    and how it ended (one of ``FINISH_REASONS``, checked)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -98,6 +114,7 @@ class Completion:
     finish_reason: str
 
     def __post_init__(self) -> None:
+        finish_trainable(self.finish_reason)
         if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
             raise ValueError(
                 "Completion fields must have equal lengths, got "
@@ -166,6 +183,7 @@ class Rollout:
     num_turns: int = 0
     temperature: float = 1.0
     trainable: bool = True
+    cut: str | None = None  # the finish reason of a completion ended short (not trainable)
     filtered: bool = False
     filter_reasons: list[str] = dataclasses.field(default_factory=list)
     is_eval: bool = False
@@ -209,10 +227,8 @@ class Rollout:
 
     @property
     def head_version(self) -> int:
-        """Oldest params version among the model's tokens (the one staleness is bounded on).
-
-        Falls back to the version at group start when no model token carries a version.
-        """
+        """Oldest params version among the model's tokens (the one staleness is bounded on);
+        the version at group start when no model token carries one."""
         vs = self._model_versions()
         return min(vs) if vs else self.policy_version_at_start
 
@@ -270,12 +286,9 @@ class EvalBatch:
 
 
 class PolicyHandle:
-    """The shared, current policy version.
-
-    Components read ``version`` off this one handle; the weight watcher is the only writer.
-    ``advance`` wakes every waiter, so a version bump propagates without a message. Versions
-    never go backwards.
-    """
+    """The shared, current policy version. Components read ``version`` off this one handle;
+    the weight watcher is the only writer. ``advance`` wakes every waiter, so a version bump
+    propagates without a message. Versions never go backwards."""
 
     def __init__(self, version: int = 0) -> None:
         self._version = int(version)

@@ -6,7 +6,8 @@ What it owns
     weight path's hops (``move`` on the trainer's thread, ``swap`` on the event loop,
     ``bytes_moved``, ``engine_seconds``), the lifecycle (``start``, ``stop``), what a
     checkpoint, the export and a failure must tell others (``before_save``, ``final_params``,
-    ``abort``), and its numbers (``gauges``, ``summary``).
+    ``abort``), its numbers (``gauges``, ``summary``) and ``held()``: what holds the engine
+    back that the run did not do (a caller's pause on the live server), for a stall error.
     ``side_plan(parts, built)``: the factory. It picks the side from the run's placement (one
     process: ``InProcessPlan``; trainer process 0 with engine replicas: ``ReplicaPlan``) and
     builds first what the trainer must be constructed with (its ``StepHooks``: the overlap
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 
 from jaxrl_orch.compose.engines import BuiltEngine, to_engine
-from jaxrl_orch.compose.live import serve_live_policy
+from jaxrl_orch.compose.live import LivePolicy, serve_live_policy
 from jaxrl_orch.compose.overlap import OverlapSchedule, schedule_for
 from jaxrl_orch.compose.parts import RunParts
 from jaxrl_orch.compose.staging import (
@@ -57,7 +58,6 @@ from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine_api import RLEngine
 from jaxrl_orch.orchestrator.metrics.writers import stage
-from jaxrl_orch.serving.runner import HttpServer
 from jaxrl_orch.trainer.trainer import StepHooks, Trainer
 from jaxrl_orch.types import InferencePool
 from sharding.reshard import reshard
@@ -88,6 +88,8 @@ class EngineSide(Protocol):
     def gauges(self) -> dict[str, float]: ...
 
     def summary(self) -> dict[str, Any]: ...
+
+    def held(self) -> str | None: ...
 
 
 class SidePlan(Protocol):
@@ -144,7 +146,7 @@ class InProcessSide:
             engine, self._first_weights(), trainer.version, gate=schedule.engine_may_run
         )
         self.pool = ClientPool([EngineClient(self.driver)])
-        self._live: HttpServer | None = None
+        self._live: LivePolicy | None = None
 
     def _first_weights(self) -> Any:
         trainer = self.trainer
@@ -203,10 +205,15 @@ class InProcessSide:
         """One process: nobody else to tell."""
 
     def gauges(self) -> dict[str, float]:
-        return self.driver.gauges()
+        live = self._live.gauges() if self._live is not None else {}
+        return {**self.driver.gauges(), **live}
 
     def summary(self) -> dict[str, Any]:
         return {"overlap": self.schedule.decision}
+
+    def held(self) -> str | None:
+        """A pause a caller of the live server made (``Engine.serve_control``), or None."""
+        return self._live.held() if self._live is not None else None
 
 
 class ReplicaPlan:
@@ -301,6 +308,10 @@ class ReplicaSide:
     def summary(self) -> dict[str, Any]:
         replicas = {k.split("/")[1]: v for k, v in self.pool.gauges().items()}
         return {"overlap": None, "replicas": replicas}
+
+    def held(self) -> str | None:
+        """Nothing: replicas serve no live policy, and only the run holds their key."""
+        return None
 
 
 def _replica_pool(parts: RunParts, offer: WeightOffer, staging: GroupStaging) -> RemotePool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from jaxrl_orch.config.orchestrator import loop_setting
 from jaxrl_orch.config.section import section
-from jaxrl_orch.settings import Allowed, setting
+from jaxrl_orch.settings import Allowed, check_settings, require, setting
 
 DTYPES = ("float32", "bfloat16")
 _MESH_MEANING = "the mesh as ((axis, size), ...); (): the devices split evenly"
@@ -58,6 +58,21 @@ class EngineSettings:
         "port",
         Allowed.between(0, 65535).or_none(),
     )
+    serve_control: bool = setting(
+        False,
+        "hand the live server's control routes (POST /pause, /resume, /update_weights) out to "
+        "its callers; a caller's pause is then reported on the console, in the gauges and in a "
+        "stall error. False: they are refused (403) to every caller, key or not: the engine's "
+        "state is the run's",
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        require(
+            not (self.serve_control and self.serve_port is None),
+            "Engine.serve_control = True hands out the control routes of the live server, and "
+            "there is none: set Engine.serve_port too (0: any free port)",
+        )
 
 
 @section("Orchestrator")

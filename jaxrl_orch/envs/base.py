@@ -8,6 +8,9 @@ What this module owns
   ids the engine sampled, so the trainer scores the context the model actually saw.
 - ``SingleTurnEnv``: render prompt -> ids, one ``generate`` call, decode the completion only
   to *score* it, build the ``Rollout``. Subclasses supply ``build_messages`` and ``score``.
+- ``cut_fields``: a rollout any of whose completions ended short (a finish reason
+  ``types.finish_trainable`` calls not whole: a pause's abort, a caller gone) is not trainable,
+  and says which reason cut it. Every bundled env and the verifiers adapter end with it.
 - ``check_reward``: a reward must be a finite float. NaN/inf raises ``NonFiniteReward`` (the
   dispatcher turns the exception into an error rollout, counted as ``nonfinite_rewards``)
   instead of silently poisoning the group's advantages.
@@ -48,6 +51,7 @@ from jaxrl_orch.types import (
     NonFiniteReward,
     Rollout,
     SamplingParams,
+    finish_trainable,
 )
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -260,7 +264,7 @@ class SingleTurnEnv:
             num_turns=1,
             temperature=sampling.temperature,
             metrics={**turn_metrics([completion]), **metrics},
-            trainable=completion.finish_reason != "cancelled",
+            **cut_fields([completion]),
         )
 
 
@@ -275,13 +279,29 @@ async def close_env(env: Environment) -> None:
 def turn_metrics(completions: Sequence[Completion]) -> dict[str, float]:
     """Per-rollout metrics shared by every env: tokens the engine generated (including any an
     env-side stop string cut off; the trained ones are ``Rollout.num_model_tokens``),
-    whether the last turn hit the length limit, whether any turn was cancelled."""
+    whether the last turn hit the length limit, whether any turn ended short (``cut_fields``)."""
     last = completions[-1].finish_reason if completions else "stop"
     return {
         "completion_tokens": float(sum(len(c.token_ids) for c in completions)),
         "truncated": float(last == "length"),
-        "cancelled": float(any(c.finish_reason == "cancelled" for c in completions)),
+        "cut": float(first_cut(completions) is not None),
     }
+
+
+def first_cut(completions: Sequence[Completion]) -> str | None:
+    """The finish reason of the first of ``completions`` that ended short, or None."""
+    for c in completions:
+        if not finish_trainable(c.finish_reason):
+            return c.finish_reason
+    return None
+
+
+def cut_fields(completions: Sequence[Completion]) -> dict[str, Any]:
+    """The ``Rollout`` fields that say whether it may be trained: not when one of its
+    ``completions`` ended short (it was scored on partial text); ``cut`` names the reason (the
+    train sink counts rollouts by it). Passed to the rollout's constructor, never set later."""
+    cut = first_cut(completions)
+    return {"trainable": cut is None, "cut": cut}
 
 
 class AtTemperature:

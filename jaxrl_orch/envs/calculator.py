@@ -11,7 +11,8 @@ Protocol (plain text, so a byte-level model can learn it)
   appends its reply ``<result>VALUE</result>`` (or ``<result>error: ...</result>``) as
   environment tokens, and calls ``generate`` again with the whole history.
 - The episode ends on a turn without a tool call, after ``max_turns`` model turns, when the
-  history would exceed ``max_context_tokens``, or when a turn is cancelled.
+  history would exceed ``max_context_tokens``, or when a turn ended short (a pause's abort, a
+  caller gone: ``base.first_cut``); such an episode is never trained (``base.cut_fields``).
 
 Trace invariants (tested with a scripted client): ``token_ids`` = prompt + turn 1 + reply 1 +
 turn 2 + ...; ``loss_mask`` is True exactly on model-turn tokens; environment replies and the
@@ -36,7 +37,9 @@ from jaxrl_orch.envs.base import (
     Trace,
     check_reward,
     check_tokenizer,
+    cut_fields,
     extract_answer,
+    first_cut,
     model_text,
     render_prompt_ids,
     stop_ids_of,
@@ -150,7 +153,7 @@ class CalculatorEnv:
             completion = await client.generate(list(trace.token_ids), sampling)
             completions.append(completion)
             text = self._decode(completion.token_ids)
-            call = None if completion.finish_reason == "cancelled" else find_call(text)
+            call = None if first_cut([completion]) else find_call(text)
             if call is None:
                 trace.add_model(completion)
                 final_text = text
@@ -191,5 +194,5 @@ class CalculatorEnv:
                 "tool_errors": float(tool_errors),
                 "max_turns_reached": float(not finished and not context_exhausted),
             },
-            trainable=not metrics["cancelled"],
+            **cut_fields(completions),
         )

@@ -12,7 +12,13 @@ Invariants: every limit is a positive int and a prompt fits the cache
 Once built, ``max_prefill_length`` is an int.
 
 Who reads it: ``DecodeEngine`` is built with one; a plug-in engine factory is called with one
-(``compose/engines``); ``jaxrl-aot``'s cost model sizes the prefill from it. Pure data: no JAX.
+(``compose/engines``); ``jaxrl-aot``'s cost model sizes the prefill from it.
+
+Also here, the one bound on a request's float sampling settings (``FLOAT_SAMPLING``), which the
+engine holds in float32 slot fields (``decode_state``) and samples with in float32:
+``float32_refusal`` says why a value would sample with another one (0, inf, NaN), for the
+driver's submission check (``requests.check_request``) and the HTTP request models
+(``serving.contract``, ``serving.openai_schemas``) alike. Pure data: no JAX.
 """
 
 from __future__ import annotations
@@ -26,6 +32,29 @@ _POSITIVE = (
     "steps_per_call",
     "max_stop_tokens",
 )
+
+FLOAT32_MAX = (2 - 2**-23) * 2.0**127  # past it, a setting overflows its float32 slot field
+# Each float sampling setting's smallest value above 0, and what goes wrong below it (0 itself
+# is allowed where the setting allows it: a temperature of 0 is greedy). Below top_p's, float32
+# holds it as 0 (XLA flushes subnormals): a top_p of 0 keeps no token, and the slot samples
+# token 0 forever. Below temperature's, the tempered logits ``logits / T`` overflow to inf (and
+# the log-probs to NaN) once a logit passes T * 2**128: at 2**-100 past 2**28, which no model's
+# logits reach; at float32's smallest normal value, 2**-126, past 4, which most do.
+FLOAT_SAMPLING = {
+    "temperature": (2.0**-100, "overflows the tempered logits (logits / temperature) in float32"),
+    "top_p": (2.0**-126, "becomes 0 in the engine's float32 slot field"),
+}
+
+
+def float32_refusal(name: str, value: float) -> str | None:
+    """Why float sampling setting ``name`` (``FLOAT_SAMPLING``) cannot take ``value`` in the
+    engine's float32 fields, naming the value and the bound; None when it can."""
+    if value > FLOAT32_MAX:
+        return f"{name}={value!r} is past float32's largest value {FLOAT32_MAX:.6g}"
+    smallest, why = FLOAT_SAMPLING[name]
+    if 0 < value < smallest:
+        return f"{name}={value!r} {why}; the smallest {name} allowed above 0 is {smallest!r}"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxrl_orch.inference.engine_api import JetStreamEngine, ResultTokens
+from jaxrl_orch.inference.limits import FLOAT_SAMPLING, float32_refusal
 from jaxrl_orch.types import SamplingParams
 
 STOPPED = "InferenceDriver stopped before the request finished"
@@ -164,9 +165,9 @@ class RequestLimits:
 
 
 # The engine holds each setting in a per-slot int32 / float32 field: a value past it would fail
-# (or wrap) at insert time, inside the decode loop, instead of naming itself to its caller.
+# (or wrap) at insert time, inside the decode loop, instead of naming itself to its caller; a
+# float float32 cannot hold (``limits.float32_refusal``) would sample with another value.
 _INT32_MAX = 2**31 - 1
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def check_request(
@@ -228,10 +229,10 @@ def _check_sampling(sp: SamplingParams, limits: RequestLimits) -> None:
         value = getattr(sp, name)
         if value > _INT32_MAX:
             raise ValueError(f"{name}={value} is past what the engine holds: at most {_INT32_MAX}")
-    if sp.temperature > _FLOAT32_MAX:
-        raise ValueError(
-            f"temperature={sp.temperature!r} is past float32's largest value {_FLOAT32_MAX:.6g}"
-        )
+    for name in FLOAT_SAMPLING:
+        refusal = float32_refusal(name, getattr(sp, name))
+        if refusal is not None:
+            raise ValueError(refusal)
     outside = [t for t in sp.stop_token_ids if not -_INT32_MAX - 1 <= t <= _INT32_MAX]
     if outside:
         raise ValueError(f"stop_token_ids hold {outside[0]}, outside int32 token ids")

@@ -65,6 +65,7 @@ class Orchestrator:
         self.trainer = trainer
         self.policy = policy
         self.on_step = hooks.on_step
+        self.engine_held = hooks.engine_held
         self.parts = parts
         self.gate = parts.gate
         self.dispatcher = parts.dispatcher
@@ -224,7 +225,10 @@ class Orchestrator:
 
     def _waiting_on(self) -> str:
         awaited = sum(self.eval_sink.pending().values())
-        return waiting_on(self.dispatcher.gauges(), self.gate.gauges(), self.train_sink, awaited)
+        held = self.engine_held() if self.engine_held is not None else None
+        return waiting_on(
+            self.dispatcher.gauges(), self.gate.gauges(), self.train_sink, awaited, held=held
+        )
 
     def _schedule_eval(self, step: int) -> None:
         for env, n in self.dispatcher.schedule_eval(step).items():

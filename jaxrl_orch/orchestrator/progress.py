@@ -3,9 +3,10 @@
 What it owns
 - ``Progress``: when the pipeline last moved (a rollout landed, a step shipped, the trainer
   published a version). Past ``stall_timeout_s`` with none of that, ``check`` raises
-  ``PipelineStallError`` with what the pipeline is waiting on (in-flight rollouts, gate
-  capacity, ready rollouts, awaited evals), so a stall ends the run with a reason instead of
-  hanging it: whatever hangs (an environment past any timeout, an engine, the trainer).
+  ``PipelineStallError`` with what the pipeline is waiting on (what holds the engine, when
+  something the loop cannot see does: a caller's pause; in-flight rollouts, gate capacity,
+  ready rollouts, awaited evals), so a stall ends the run with a reason instead of hanging it:
+  whatever hangs (an environment past any timeout, an engine, the trainer).
 - ``next_episode``: the next finished episode, or None after a poll or a new version;
   ``maybe_await``: await a callback's result if it is awaitable.
 
@@ -82,10 +83,18 @@ async def next_episode(
     return None
 
 
-def waiting_on(dispatcher: Mapping[str, float], gate: Mapping[str, float], sink: Any, evals: int):
-    """What a stalled pipeline waits on, from the dispatcher's and gate's gauges."""
+def waiting_on(
+    dispatcher: Mapping[str, float],
+    gate: Mapping[str, float],
+    sink: Any,
+    evals: int,
+    held: str | None = None,
+) -> str:
+    """What a stalled pipeline waits on, from the dispatcher's and gate's gauges, led by what
+    holds the engine (``held``) when something does."""
     return (
-        f"{dispatcher['dispatcher/inflight']:.0f} rollouts in flight, gate capacity "
+        ("" if held is None else f"{held}; ")
+        + f"{dispatcher['dispatcher/inflight']:.0f} rollouts in flight, gate capacity "
         f"{gate['gate/capacity']:.0f}, {sink.ready_count} of {sink.batch_size} batch rollouts "
         f"ready, {evals} eval rollouts awaited; see gauges.jsonl"
     )

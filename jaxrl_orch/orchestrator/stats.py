@@ -13,8 +13,10 @@ on their own:
   ``behaviour/<name>``, and the mean of each ``reward/<name>`` and ``metric/<name>`` (used by
   both sinks, so train and eval count them alike).
 - ``window_stats(rollouts)``: the train sink's window counts (errors, of them ``nonfinite_rewards``,
-  untrainable, filtered)
-  and the mean / std of its scored rewards, with the behaviour shares.
+  untrainable and of them ``untrainable/<reason>`` by ``untrainable_kind``, filtered) and the
+  mean / std of its scored rewards (not a cut rollout's), with the behaviour shares.
+- ``untrainable_kind(rollout)``: why a rollout without an error is not trainable: the finish
+  reason that cut it (``Rollout.cut``), or ``other`` (an env's own verdict).
 
 Pure host NumPy: no state, no asyncio, no imports of orchestrator components.
 """
@@ -27,7 +29,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxrl_orch.types import Rollout, has_nonfinite_reward
+from jaxrl_orch.types import FINISH_REASONS, Rollout, has_nonfinite_reward
 
 _QUANTILES = np.array([0.50, 0.95, 0.99])
 _STATS = ("max", "mean", "p50", "p95", "p99")
@@ -110,6 +112,15 @@ def behaviour_shares(rollouts: Sequence[Rollout]) -> dict[str, float]:
     return {k: sum(r.metrics.get(k, 0.0) for r in rollouts) / n for k in keys} if n else {}
 
 
+# Every way a completion ends short is counted in every window, 0 included: a step row always
+# says how many cut rollouts were kept out of training.
+CUT_KINDS = tuple(reason for reason, whole in FINISH_REASONS.items() if not whole)
+
+
+def untrainable_kind(rollout: Rollout) -> str:
+    return rollout.cut or "other"
+
+
 def window_stats(window: Sequence[Rollout]) -> dict[str, float]:
     """Counts and reward statistics of the rollouts the train sink saw since its last batch."""
     # One pass in plain Python: a few dozen rollouts, so NumPy calls (~5 us each) would cost
@@ -118,14 +129,19 @@ def window_stats(window: Sequence[Rollout]) -> dict[str, float]:
     untrainable = 0
     filtered = 0
     nonfinite = 0
+    kinds = dict.fromkeys(CUT_KINDS, 0)
     scored = []
     for r in window:
         nonfinite += has_nonfinite_reward(r)  # an env's error, or a NaN the sink filtered
         if r.errors:
             errors += 1
         else:
-            untrainable += not r.trainable
-            if math.isfinite(r.reward):
+            if not r.trainable:
+                untrainable += 1
+                kind = untrainable_kind(r)
+                kinds[kind] = kinds.get(kind, 0) + 1
+            # A cut rollout's reward scored partial text: it says nothing of the policy.
+            if r.cut is None and math.isfinite(r.reward):
                 scored.append(r)
         filtered += r.filtered
     m = {
@@ -134,6 +150,7 @@ def window_stats(window: Sequence[Rollout]) -> dict[str, float]:
         "untrainable": float(untrainable),
         "filtered": float(filtered),
         "nonfinite_rewards": float(nonfinite),
+        **{f"untrainable/{kind}": float(n) for kind, n in kinds.items()},
     }
     if scored:
         rewards = [r.reward for r in scored]

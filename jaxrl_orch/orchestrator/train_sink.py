@@ -38,7 +38,9 @@ cohort (the clean rollouts trained on: ``TrainBatch.trained``, whose samples are
 ``TrainBatch.samples``).
 
 Batch metrics (``train/...``): ``reward_mean``/``reward_std`` (window, non-errored, finite),
-``batch_reward_mean`` (cohort), ``errors``, ``untrainable``, ``filtered``, ``filtered/<reason>``,
+``batch_reward_mean`` (cohort), ``errors``, ``untrainable`` and ``untrainable/<reason>`` (a
+rollout cut short by a pause or a departed caller, by its finish reason; ``stats.CUT_KINDS``,
+always reported), ``filtered``, ``filtered/<reason>``,
 ``rollouts_seen``, ``groups_seen``, ``groups_with_signal``, ``effective_group_rate`` (groups with
 signal / groups seen in the window; absent if the window completed no group),
 ``trainable_samples``, ``tokens``, ``loss_tokens``, ``ready_carryover``, and ``behaviour/<name>``
@@ -65,7 +67,7 @@ import numpy as np
 
 from jaxrl_orch.algorithms.advantages import NonFiniteRewardError, get_algorithm
 from jaxrl_orch.orchestrator.samples import GroupArrays, group_to_samples, trace_to_samples
-from jaxrl_orch.orchestrator.stats import head_versions, window_stats
+from jaxrl_orch.orchestrator.stats import CUT_KINDS, head_versions, untrainable_kind, window_stats
 from jaxrl_orch.types import Algorithm, Episode, Rollout, Sample, TrainBatch
 
 _BATCH_ORDERS = ("arrival", "oldest")
@@ -231,7 +233,10 @@ class TrainSink:
         for r in group:
             if r.errors:
                 errors += 1
-            elif r.trainable and not r.filtered:
+            elif not r.trainable:
+                totals["untrainable"] += 1
+                totals[f"untrainable/{untrainable_kind(r)}"] += 1
+            elif not r.filtered:
                 survivors.append(r)
         totals["groups_seen"] += 1
         totals["rollouts_seen"] += len(group)
@@ -346,11 +351,17 @@ class TrainSink:
             "train_sink/step": float(self._step),
             "train_sink/running": float(self._running),
         }
-        for k in ("batches", "samples", "rollouts_seen", "errors", "filtered", "groups_seen"):
+        counted = ("batches", "samples", "rollouts_seen", "errors", "filtered", "groups_seen")
+        for k in (*counted, "untrainable", *self._untrainable_kinds()):
             g[f"train_sink/{k}_total"] = float(self._totals[k])
         if seen:
             g["train_sink/effective_group_rate"] = self._totals["groups_with_signal"] / seen
         return g
+
+    def _untrainable_kinds(self) -> list[str]:
+        """``untrainable/<reason>`` for every way to end short and any other reason seen."""
+        seen = (k for k in self._totals if k.startswith("untrainable/"))
+        return sorted({*(f"untrainable/{kind}" for kind in CUT_KINDS), *seen})
 
     def state(self) -> dict[str, Any]:
         return {"step": self._step, "totals": dict(self._totals)}

@@ -231,13 +231,20 @@ def rl_summary(
 
 def rollout_counts(orch: Orchestrator) -> dict[str, int]:
     """This attempt's rollouts: dispatched, handed to the sinks (each exactly once), failed,
-    cancelled, and those the train sink saw."""
+    cancelled, those the train sink saw, and those it kept out of training by why
+    (``untrainable``: a cut rollout's finish reason, or ``other``)."""
     d = orch.dispatcher.gauges()
     s = orch.train_sink.gauges()
+    kinds = {
+        k.split("/")[2].removesuffix("_total"): int(v)
+        for k, v in s.items()
+        if k.startswith("train_sink/untrainable/")
+    }
     return {
         "dispatched": int(d["dispatcher/admitted_total"] + d["dispatcher/eval_admitted_total"]),
         "reached_sinks": int(d["dispatcher/emitted_total"]),
         "errors": int(d["dispatcher/errors_total"]),
         "cancelled": int(d["dispatcher/cancelled_total"]),
         "train_sink_seen": int(s["train_sink/rollouts_seen_total"]),
+        "untrainable": kinds,
     }

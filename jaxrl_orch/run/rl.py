@@ -212,7 +212,9 @@ def _orchestrator(
             dynamic_sampling=cfg.rl.dynamic_sampling,
             engine_logprobs=built.logprobs,
         ),
-        hooks=LoopHooks(on_step=times.on_ship, step_metrics=times.step_metrics),
+        hooks=LoopHooks(
+            on_step=times.on_ship, step_metrics=times.step_metrics, engine_held=side.held
+        ),
         telemetry=rl_telemetry(parts, side, trainer, trainer.version + 1),
     )
 

@@ -1,9 +1,10 @@
 """make_app: the FastAPI application behind the engine's HTTP contract (``serving/__init__``).
 
 What it owns: assembling the routes (``rl_api``: tokens, pause, weights; ``ops``: models,
-health, metrics; ``openai_api``: the text endpoints), the request guard (``guard``: API key,
-body limit) and the metrics middleware around them, and turning every failure into the
-contract's error body (``errors``) with a status a client can act on:
+health, metrics; ``openai_api``: the text endpoints), the request guard (``guard``: control
+routes withheld or served, API key, body limit) and the metrics middleware around them, and
+turning every failure into the contract's error body (``errors``) with a status a client can
+act on:
 
 - ``ApiError``: its own status; malformed JSON, a body that is not a JSON object, an unknown
   key (named, with the keys allowed there: ``allowed_keys``), a missing or mistyped field: 400
@@ -13,7 +14,8 @@ contract's error body (``errors``) with a status a client can act on:
   source); Starlette's HTTP errors (404 route, 405 method, 413 body) as their status;
   anything else 500 naming the error, and the server keeps serving.
 
-``app.state`` holds ``host``, ``limits`` and ``metrics`` for routes built elsewhere.
+``app.state`` holds ``host``, ``limits`` and ``metrics`` for routes built elsewhere, and
+``routes``: every ``(method, path)`` the app serves (what ``guard.CONTROL`` is checked against).
 Built once per served host; ``runner.HttpServer`` serves it. Never binds, never starts threads.
 """
 
@@ -42,7 +44,16 @@ _MAX_SHOWN = 200  # characters of a refused value quoted back in an error messag
 _NO_TELEMETRY = {"tracing": False, "metrics": False, "operation_spans": False, "logs": False}
 
 
-def make_app(host: EngineHost, *, api_key: str | None = None, limits: Limits = Limits()) -> FastAPI:
+def make_app(
+    host: EngineHost,
+    *,
+    api_key: str | None = None,
+    limits: Limits = Limits(),
+    withhold_control: str | None = None,
+) -> FastAPI:
+    """The app serving ``host``. ``withhold_control``: None serves the control routes
+    (``guard.CONTROL``) like any other; the name of the setting that would hand them out refuses
+    them (403) to every caller."""
     if api_key is not None and (not api_key or api_key != api_key.strip()):
         raise ValueError("api_key must be a non-empty string without surrounding whitespace")
     app = FastAPI(
@@ -66,8 +77,10 @@ def make_app(host: EngineHost, *, api_key: str | None = None, limits: Limits = L
     ]
     for router in routers:
         app.include_router(router)
-    paths = {route.path for router in routers for route in router.routes}
-    app.add_middleware(Guard, api_key=api_key, limits=limits)
+    routes = [route for router in routers for route in router.routes]
+    app.state.routes = {(method, route.path) for route in routes for method in route.methods}
+    paths = {route.path for route in routes}
+    app.add_middleware(Guard, api_key=api_key, limits=limits, withhold_control=withhold_control)
     app.add_middleware(Counting, metrics=metrics, paths=paths)  # outermost: sees every reply
 
     def reply(status: int, message: str, param: str | None = None, **headers: str) -> Any:

@@ -10,7 +10,7 @@ from the one source the server was started with: ``UpdateWeights`` -> ``WeightsL
 Both sides import it: the server (``rl_api``, ``ops``, ``guard``, ``host``) serves these paths
 and validates these requests; the client builds its bodies from the request models and reads
 every reply through its reply model. Pydantic only, so the client never imports the server's
-stack.
+stack (the one bound it shares with the engine, ``inference.limits``, is pure data).
 
 Requests (what a client may send, and nothing else):
 - Every request model forbids unknown keys and is strict (no ``"1"`` for 1, no ``1`` for
@@ -34,7 +34,10 @@ Replies:
 - A reader ignores keys a reply model does not name (another engine may add some); the
   server's own replies hold exactly these keys, which the tests hold it to.
 
-Limits that need the served model (vocabulary, context) are the server's to check.
+A float sampling setting the engine's float32 slot fields cannot hold (a ``top_p`` of 1e-300
+would reach the device as 0) is refused by name, with the smallest value allowed
+(``inference.limits.float32_refusal``). Limits that need the served model (vocabulary, context)
+are the server's to check.
 """
 
 from __future__ import annotations
@@ -45,7 +48,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from jaxrl_orch.inference.limits import float32_refusal
+
 MAX_QUEUED = 4096
+
+
+def _float32(value: float, name: str) -> float:
+    """``value``, unless the engine's float32 slot field cannot hold it (``float32_refusal``)."""
+    refusal = float32_refusal(name, value)
+    if refusal is not None:
+        raise ValueError(refusal)
+    return value
+
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 _NEUTRAL = {
@@ -85,14 +99,14 @@ class WireSampling(BaseModel):
     def _temperature(cls, v: float) -> float:
         if not v >= 0.0 or v == float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {v!r}")
-        return v
+        return _float32(v, "temperature")
 
     @field_validator("top_p")
     @classmethod
     def _top_p(cls, v: float) -> float:
         if not 0.0 < v <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {v!r}")
-        return v
+        return _float32(v, "top_p")
 
     @field_validator("top_k")
     @classmethod

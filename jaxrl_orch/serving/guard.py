@@ -1,10 +1,16 @@
-"""What a request must pass before any route sees it: the API key and the body size limit.
+"""What a request must pass before any route sees it: the control routes, the API key and the
+body size limit.
 
-What it owns: ``Limits`` (the server's bounds: ``max_body_bytes``, ``request_timeout_s``) and
+What it owns: ``Limits`` (the server's bounds: ``max_body_bytes``, ``request_timeout_s``),
+``CONTROL`` (the routes that change the engine's state: pause, resume, weight updates) and
 ``Guard``, a plain ASGI middleware (not Starlette's ``BaseHTTPMiddleware``, which would hide a
 client's disconnect from ``waiting.await_completions``).
 
 Invariants:
+- A server built to withhold its control routes (``withhold_control``: the name of the setting
+  that would hand them out) refuses each of ``CONTROL`` with 403 to every caller, key or not,
+  naming the route and that setting: the engine's state is then its owner's (the training run
+  serving its own policy), and a caller must not pause it or swap its weights.
 - With a key, every request but the contract's health probe carries
   ``Authorization: Bearer <key>``, compared with ``hmac.compare_digest`` (no timing hint about
   the key); a missing header and a wrong key are both 401, and the message says which.
@@ -24,10 +30,11 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
-from jaxrl_orch.serving.contract import HEALTH
+from jaxrl_orch.serving.contract import HEALTH, UPDATE_WEIGHTS
 from jaxrl_orch.serving.errors import error_body
 
 OPEN = {(HEALTH.method, HEALTH.path)}  # what a pool or a load balancer probes without the key
+CONTROL = (("POST", "/pause"), ("POST", "/resume"), (UPDATE_WEIGHTS.method, UPDATE_WEIGHTS.path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +52,13 @@ class Limits:
 
 
 class Guard:
-    def __init__(self, app: Any, *, api_key: str | None, limits: Limits) -> None:
+    def __init__(
+        self, app: Any, *, api_key: str | None, limits: Limits, withhold_control: str | None
+    ) -> None:
         self.app = app
         self.limits = limits
         self._key = f"Bearer {api_key}".encode() if api_key else None
+        self._withheld = withhold_control
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -71,8 +81,11 @@ class Guard:
         await self.app(scope, counted_receive, send)
 
     def _refusal(self, scope: dict) -> tuple[int, str, str | None] | None:
+        route = (scope["method"], scope["path"])
+        if self._withheld is not None and route in CONTROL:
+            return 403, control_refused(route, self._withheld), None
         headers = dict(scope["headers"])
-        if self._key is not None and (scope["method"], scope["path"]) not in OPEN:
+        if self._key is not None and route not in OPEN:
             given = headers.get(b"authorization")
             if given is None:
                 return 401, "missing API key: send the header 'Authorization: Bearer <key>'", None
@@ -91,6 +104,14 @@ class Guard:
     def _too_large(self, size: str) -> tuple[int, str, str | None]:
         limit = self.limits.max_body_bytes
         return 413, f"request body of {size} bytes is over the limit of {limit} bytes", None
+
+
+def control_refused(route: tuple[str, str], setting: str) -> str:
+    routes = ", ".join(f"{method} {path}" for method, path in CONTROL)
+    return (
+        f"{route[0]} {route[1]} is refused to every caller: this server's control routes "
+        f"({routes}) belong to the run that serves it; {setting} = True hands them out"
+    )
 
 
 async def _reply(send: Any, status: int, message: str, param: str | None) -> None:

@@ -18,9 +18,10 @@ Two ways to hold a driver
     address. A LoRA run's source also has ``load_base`` (keeps the frozen base, returns
     nothing) and ``load_adapters`` (returns the base with the adapters merged in).
 
-Threads: ``submit`` / ``pause`` / ``resume`` are thread-safe (the driver's); ``update_weights``
-is a coroutine for the server's event loop and runs the pull in a worker thread; loads are
-serialised and a version older than the one held is refused.
+Threads: ``submit`` / ``pause`` / ``resume`` are thread-safe (the driver's; ``controlled``, the
+hook a subclass reports a caller's pause and resume in, runs on the caller's thread);
+``update_weights`` is a coroutine for the server's event loop and runs the pull in a worker
+thread; loads are serialised and a version older than the one held is refused.
 """
 
 from __future__ import annotations
@@ -134,14 +135,23 @@ class EngineHost:
         with self._count_lock:  # called from the driver's thread, or the canceller's
             self.in_flight -= 1
 
-    async def pause(self, mode: str) -> None:
+    async def pause(self, mode: str, caller: str | None = None) -> None:
+        """Pause the driver (``mode``: keep, wait, abort) on behalf of ``caller`` (the client's
+        address over HTTP); returns once the pause is in effect."""
         if self.driver is None:
             raise NotReady(f"{self.model} holds no weights yet: nothing to pause")
+        self.controlled("pause", mode, caller)
         await asyncio.wrap_future(self.driver.pause(mode))
 
-    def resume(self) -> None:
+    def resume(self, caller: str | None = None) -> None:
         if self.driver is not None:
             self.driver.resume()
+            self.controlled("resume", None, caller)
+
+    def controlled(self, action: str, mode: str | None, caller: str | None) -> None:
+        """A caller's ``pause`` (with its ``mode``, as asked: it holds the engine from then on)
+        or ``resume`` (once done); the train command's live host reports them (a replica and
+        the serve command say nothing)."""
 
     async def update_weights(
         self,

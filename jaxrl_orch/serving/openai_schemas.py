@@ -16,6 +16,9 @@ Rules:
 - Log-probs: the engine records only the sampled token's, so completions' ``logprobs`` is 0 or
   1 and chat's ``top_logprobs`` must be 0 or absent.
 - ``prompt`` is one prompt (a string or a list of token ids); a batch of several is refused.
+- A ``temperature`` or ``top_p`` the engine's float32 slot fields cannot hold (a positive value
+  that would reach the device as 0) is refused, naming the smallest allowed
+  (``inference.limits.float32_refusal``).
 
 Pure validation (pydantic): no engine, tokenizer or HTTP state.
 """
@@ -26,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from jaxrl_orch.inference.limits import FLOAT_SAMPLING, float32_refusal
 from jaxrl_orch.serving.errors import ApiError
 
 MAX_N = 64  # choices per request: each takes an engine slot
@@ -60,6 +64,14 @@ class _Sampled(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+
+    @field_validator(*FLOAT_SAMPLING)
+    @classmethod
+    def _float32(cls, value: float | None, info: Any) -> float | None:
+        refusal = None if value is None else float32_refusal(info.field_name, value)
+        if refusal is not None:
+            raise ValueError(refusal)
+        return value
 
     @field_validator("stop")
     @classmethod

@@ -82,12 +82,12 @@ def rl_routes(host: EngineHost, limits: Limits, metrics: Metrics) -> APIRouter:
             raise ApiError(
                 400, f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode"
             )
-        await host.pause(mode)
+        await host.pause(mode, caller=caller_of(request))
         return {"status": "paused" if host.paused else "resumed", "mode": mode}
 
     @router.post("/resume")
-    async def resume() -> dict:
-        host.resume()
+    async def resume(request: Request) -> dict:
+        host.resume(caller=caller_of(request))
         return {"status": "resumed"}
 
     @router.get("/is_paused")
@@ -116,6 +116,12 @@ def rl_routes(host: EngineHost, limits: Limits, metrics: Metrics) -> APIRouter:
             ) from None
 
     return router
+
+
+def caller_of(request: Request) -> str:
+    """The client's address, as a pause or resume it asked for is reported."""
+    client = request.client
+    return f"{client.host}:{client.port}" if client is not None else "an unnamed client"
 
 
 def to_samplings(sp: WireSampling, max_tokens: int) -> list[SamplingParams]:

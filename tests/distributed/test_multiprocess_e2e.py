@@ -242,6 +242,8 @@ def test_replica_killed_mid_run_loses_no_rollout(tmp_path: Path) -> None:
     # Every dispatched rollout reached a sink exactly once; none failed for the lost replica.
     assert counts["reached_sinks"] == counts["dispatched"], counts
     assert counts["errors"] == 0, counts
+    # Its requests were sent again, whole, to the other replica: nothing was cut short.
+    assert counts["untrainable"] == {"abort": 0, "cancelled": 0}, counts
     seen: set[tuple[int, int]] = set()
     for f in sorted((workdir / "rollouts").glob("step_*.jsonl")):
         for line in f.read_text().splitlines():

@@ -165,8 +165,11 @@ def test_malformed_and_direct_answers(tok, scripted):
     assert (r.reward, r.num_turns, r.metrics["format_ok"]) == (0.0, 1, 0.0)
     r = run(CalculatorEnv(tok), scripted("<answer>84</answer> <calc>1</calc>"))
     assert (r.reward, r.num_turns, r.metrics["tool_calls"]) == (1.0, 1, 0.0)
-    r = run(CalculatorEnv(tok), scripted(("<calc>12*7</calc>", 0, "cancelled", False)))
-    assert not r.trainable and r.metrics["cancelled"] == 1.0 and r.num_turns == 1
+    for reason in ("cancelled", "abort"):  # a turn ended short: its tool call is not run
+        client = scripted(("<calc>12*7</calc>", 0, reason, False), "<answer>84</answer>")
+        r = run(CalculatorEnv(tok), client)
+        assert not r.trainable and r.cut == reason and r.metrics["cut"] == 1.0
+        assert r.num_turns == 1 and r.metrics["tool_calls"] == 0.0
 
 
 def test_context_limit_stops_before_reply(tok, scripted):

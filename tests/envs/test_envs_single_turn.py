@@ -9,7 +9,7 @@ from jaxrl_orch.envs import env_names, make_env, register_env
 from jaxrl_orch.envs.arithmetic import ArithmeticEnv, parse_int_answer
 from jaxrl_orch.envs.base import SingleTurnEnv, check_reward, extract_answer
 from jaxrl_orch.envs.reverse_text import ReverseTextEnv, reverse_text_reward
-from jaxrl_orch.types import NO_VERSION, SamplingParams
+from jaxrl_orch.types import FINISH_REASONS, NO_VERSION, SamplingParams
 
 SEED_SENTENCE = "In 1891 the community inaugurated its own cemetery"
 TRUTH = SEED_SENTENCE[::-1]
@@ -180,9 +180,12 @@ def test_check_reward():
         check_reward("a", env="e")
 
 
-def test_cancelled_turn_is_not_trainable(tok, scripted):
-    r = run(ReverseTextEnv(tok), scripted(("<answer>x", 0, "cancelled", False)), {"text": "ab"})
-    assert not r.trainable and r.metrics["cancelled"] == 1.0
+@pytest.mark.parametrize("reason", sorted(FINISH_REASONS))
+def test_a_turn_ended_short_leaves_the_rollout_untrainable_and_says_why(tok, scripted, reason):
+    r = run(ReverseTextEnv(tok), scripted(("<answer>x", 0, reason, False)), {"text": "ab"})
+    whole = reason in ("stop", "length")
+    assert r.trainable == whole and r.metrics["cut"] == float(not whole)
+    assert r.cut == (None if whole else reason)
 
 
 def test_registry(tok):

@@ -228,3 +228,25 @@ def test_the_held_out_split_comes_from_the_taskset(byte_engine, reverse_env):
     names = [kit.task(x).data.name for x in kit.examples("eval")]
     assert names == [f"ok-{i}" for i in (9, 19)]  # no split field: every 10th task
     assert np.isin(names, [kit.task(x).data.name for x in kit.examples("train")]).sum() == 0
+
+
+class _CutClient(RecordingClient):
+    """The engine's replies, each ended short as a pause's abort ends them (its partial ids)."""
+
+    async def generate(self, prompt_ids, sampling):
+        out = await super().generate(prompt_ids, sampling)
+        return dataclasses.replace(
+            out,
+            token_ids=out.token_ids[:3],
+            logprobs=out.logprobs[:3],
+            versions=out.versions[:3],
+            finish_reason="abort",
+        )
+
+
+def test_a_reply_the_engine_cut_short_leaves_the_rollout_untrainable(byte_engine, reverse_env):
+    env = reverse_env
+    client = _CutClient(byte_engine[1])
+    (r,) = _run(env, client, env.examples("eval")[:1])
+    assert len(client.calls) == 1
+    assert not r.errors and not r.trainable and r.cut == "abort" and r.metrics["cut"] == 1.0

@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+import re
 import threading
 import time
 import types
@@ -242,6 +243,10 @@ def test_an_insert_the_engine_refuses_fails_that_sample_alone(make_driver):
     assert driver.submit([1], GREEDY)[0].result(timeout=10).token_ids == [2, 3, 4, 5, 6]
 
 
+P_MIN = re.escape(repr(2.0**-126))  # float32's smallest normal value, exactly
+T_MIN = re.escape(repr(2.0**-100))
+
+
 def test_settings_past_the_engines_slot_fields_are_refused_at_submit(make_driver):
     engine = ToyEngine()
     engine.config = types.SimpleNamespace(vocab_size=engine.vocab)  # a known vocabulary
@@ -258,6 +263,10 @@ def test_settings_past_the_engines_slot_fields_are_refused_at_submit(make_driver
         ([1], SamplingParams(top_k=2**31), r"top_k=2147483648 .* at most 2147483647"),
         ([1], SamplingParams(max_tokens=2**40), r"max_tokens=1099511627776 .* at most"),
         ([1], SamplingParams(temperature=1e39), r"temperature=1e\+39 is past float32's"),
+        # Positive, but 0 once in the engine's float32 slot field: top_p 0 keeps no token.
+        ([1], SamplingParams(top_p=1e-300), rf"top_p=1e-300 becomes 0 .* above 0 is {P_MIN}"),
+        # Positive, but it divides the logits past float32's range.
+        ([1], SamplingParams(temperature=2.0**-126), rf"temperature=1.17.* overflows .* {T_MIN}"),
         ([1], SamplingParams(stop_token_ids=(2**40,)), "outside int32"),
     ]
     for prompt, sampling, match in cases:
@@ -266,6 +275,8 @@ def test_settings_past_the_engines_slot_fields_are_refused_at_submit(make_driver
     driver.start()  # nothing was queued; the bounds themselves are accepted
     edge = SamplingParams(temperature=0.0, top_k=2**31 - 1, max_tokens=3)
     assert driver.submit([0, 49], edge)[0].result(timeout=10).token_ids == [0, 1, 2]
+    smallest = SamplingParams(temperature=2.0**-100, top_p=2.0**-126, max_tokens=3)
+    assert len(driver.submit([0, 49], smallest)[0].result(timeout=10).token_ids) == 3
 
 
 def test_stop_leaves_no_thread_and_fails_unfinished_requests():

@@ -42,7 +42,7 @@ def test_every_dispatched_rollout_emitted_exactly_once(
     seed, max_inflight, group_size, n_groups, drop_after, gate_limit
 ):
     rng = random.Random(seed)
-    outcomes = ["ok"] * 5 + ["raise", "empty", "hang", "bad_type", "sync_raise"]
+    outcomes = ["ok"] * 5 + ["raise", "empty", "hang", "bad_type", "sync_raise", "cut"]
     plan: dict[tuple[int, int], tuple[float, str]] = {}
 
     def script(g, e):
@@ -96,7 +96,8 @@ def test_every_dispatched_rollout_emitted_exactly_once(
         assert set(per_group.values()) == {group_size}, "a group came out incomplete"
     assert d.permits == d.max_inflight, "permits leaked"
     assert gate.running == 0 and gate.admitted == len(dispatched)
-    assert gate.accepted == sum(not r.has_error for r in rollouts)
+    # Accepted: trainable (an error, or a completion cut short, is not).
+    assert gate.accepted == sum(r.trainable and not r.has_error for r in rollouts)
     assert gate.max_running <= gate_limit
     assert d.gauges()["dispatcher/errors_total"] == sum(r.has_error for r in rollouts)
     for r in rollouts:
@@ -135,7 +136,7 @@ def test_group_pinned_to_one_client_and_open_groups_continue_first():
 
 
 def test_rollouts_are_stamped_and_failures_become_error_rollouts():
-    outcomes = {0: "ok", 1: "raise", 2: "empty", 3: "bad_type", 4: "sync_raise"}
+    outcomes = {0: "ok", 1: "raise", 2: "empty", 3: "bad_type", 4: "sync_raise", 5: "cut"}
 
     async def scenario(loop):
         env = ScriptedEnv(script=lambda g, e: (1.5, outcomes.get(e, "ok")))
@@ -161,7 +162,10 @@ def test_rollouts_are_stamped_and_failures_become_error_rollouts():
     assert by_id[3].errors[0].startswith("TypeError") and "dict" in by_id[3].errors[0]
     assert by_id[4].errors == ["KeyError: 'failed before returning a coroutine'"]
     assert all(not r.trainable for i, r in by_id.items() if i)
-    assert (gate.accepted, gate.rejected) == (2, 4)  # episode 5 is ok
+    assert not by_id[5].has_error and by_id[5].cut == "abort"  # kept as the env returned it
+    # A cut rollout is no error, but the gate does not count it as accepted for training.
+    assert (gate.accepted, gate.rejected) == (1, 5)
+    assert d.gauges()["dispatcher/errors_total"] == 4
 
 
 def test_cancel_stale_cancels_inflight_and_closes_unstarted_remainder():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import numpy as np
@@ -130,6 +131,7 @@ def _run(
     latency="uniform:0.5:1.5",
     on_ship=None,
     store_dir=None,
+    engine_held=None,
     **cfg_kw,
 ):
     async def main():
@@ -163,7 +165,7 @@ def _run(
             backend=Backend(engine, trainer, publisher, reload),
             workload=Workload({"sim": env_cls(rng)}, SimSource(), SamplingParams(max_tokens=6)),
             clock=loop.time,
-            hooks=LoopHooks(on_step=on_step),
+            hooks=LoopHooks(on_step=on_step, engine_held=engine_held),
             telemetry=Telemetry(log_interval_s=1e9, store_dir=store_dir),
         )
         try:
@@ -223,6 +225,19 @@ def test_without_a_timeout_a_hanging_env_ends_in_a_stall_error_naming_the_wait()
     stall = r"no progress for 120s .* 5 rollouts in flight, gate capacity 0, 12 of 16 batch"
     with pytest.raises(PipelineStallError, match=stall):
         _run(HangingEnv, steps=40, env_timeout_s=None, stall_timeout_s=120.0)
+
+
+def test_a_stall_error_leads_with_what_holds_the_engine():
+    held = "the engine is paused (by POST /pause from 127.0.0.1:5)"
+    stall = rf"no progress for 120s .*; {re.escape(held)}; 5 rollouts in flight, gate capacity 0"
+    with pytest.raises(PipelineStallError, match=stall):
+        _run(
+            HangingEnv,
+            steps=40,
+            env_timeout_s=None,
+            stall_timeout_s=120.0,
+            engine_held=lambda: held,
+        )
 
 
 def test_a_drain_past_its_deadline_cancels_what_is_in_flight_and_stops():

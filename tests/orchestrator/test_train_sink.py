@@ -394,3 +394,30 @@ def test_consecutive_empty_groups_reset_by_a_group_with_signal():
     assert sink.consecutive_empty_groups == 2
     feed(sink, group(2, [0.0, 1.0]))
     assert sink.consecutive_empty_groups == 0
+
+
+def test_cut_rollouts_are_never_trained_and_are_counted_by_kind():
+    """A rollout cut short (``Rollout.cut``) stays out of the batch, out of the reward mean (its
+    reward scored partial text) and out of the discards handed back to the gate, and is counted
+    under its finish reason in the step row, the gauges and the state."""
+    discards = []
+    sink = sink_for(group_size=4, batch_size=2, on_discard=discards.append)
+    rollouts = group(0, [0.0, 1.0, 9.0, 9.0])
+    for r, reason in zip(rollouts[2:], ("abort", "cancelled"), strict=True):
+        r.trainable = False
+        r.cut = reason
+    own = make(1, 5.0)
+    own.trainable = False  # an env's own verdict, with no finish reason
+    rest = group(1, [0.0, 1.0, 1.0])
+    (batch,) = feed(sink, rollouts, per_rollout=False)
+    assert batch.trained == rollouts[:2] and batch.metrics["train/reward_mean"] == 0.5
+    m = batch.metrics
+    assert (m["train/untrainable"], m["train/untrainable/abort"]) == (2, 1)
+    assert m["train/untrainable/cancelled"] == 1 and "train/untrainable/other" not in m
+    feed(sink, [own, *rest], per_rollout=False)
+    g = sink.gauges()
+    assert g["train_sink/untrainable_total"] == 3 and g["train_sink/untrainable/other_total"] == 1
+    assert g["train_sink/untrainable/abort_total"] == 1
+    assert g["train_sink/untrainable/cancelled_total"] == 1
+    assert discards == []  # only clean arrivals the sink dropped are handed back
+    assert sink.state()["totals"]["untrainable/abort"] == 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 
 import httpx
@@ -207,6 +208,13 @@ def test_bad_requests_are_refused_by_name_and_the_server_keeps_serving(host, cli
         client.completions.create(model=MODEL, prompt=["a", "b"])
     with pytest.raises(openai.BadRequestError, match="echo=true"):
         client.completions.create(model=MODEL, prompt="a", echo=True)
+    p_min = re.escape(repr(2.0**-126))
+    t_min = re.escape(repr(2.0**-100))
+    with pytest.raises(openai.BadRequestError, match=rf"top_p=1e-300 becomes 0 .*{p_min}") as bad:
+        chat.create(model=MODEL, messages=MESSAGES, top_p=1e-300)
+    assert bad.value.body["param"] == "top_p"
+    with pytest.raises(openai.BadRequestError, match=rf"temperature=1e-45 overflows .*{t_min}"):
+        client.completions.create(model=MODEL, prompt="a", temperature=1e-45)
     ok = chat.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=2)
     assert ok.usage.completion_tokens >= 1
 

@@ -19,7 +19,8 @@ import pytest
 from support.serving import MODEL, Served, tiny_engine, until
 
 from jaxrl_orch.serving.app import make_app
-from jaxrl_orch.serving.guard import Limits
+from jaxrl_orch.serving.contract import GENERATE
+from jaxrl_orch.serving.guard import CONTROL, Limits
 from jaxrl_orch.serving.host import EngineHost
 from jaxrl_orch.serving.runner import HttpServer
 
@@ -71,6 +72,40 @@ def test_a_keyed_server_binds_every_address_and_answers_only_with_the_key(served
     finally:
         server.stop()
     assert not any(t.name == f"http-{server.port}" for t in threading.enumerate())
+
+
+def test_a_server_withholding_its_control_routes_refuses_them_key_or_not(served):
+    app = make_app(served.host, api_key=KEY, withhold_control="Engine.serve_control")
+    server = HttpServer(app, host="0.0.0.0", api_key=KEY).start_in_thread()
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        keyed = {"Authorization": f"Bearer {KEY}"}
+        for method, path in CONTROL:
+            for headers in (keyed, {}, {"Authorization": "Bearer wrong"}):
+                r = httpx.request(method, f"{url}{path}", headers=headers, json={})
+                assert r.status_code == 403, (path, headers, r.text)
+                message = r.json()["error"]["message"]
+                assert message.startswith(f"{method} {path} is refused to every caller")
+                assert "Engine.serve_control = True hands them out" in message
+        assert served.host.paused is False
+        assert httpx.get(f"{url}/is_paused", headers=keyed).json() == {"is_paused": False}
+        assert httpx.get(f"{url}/v1/models").status_code == 401  # the key still guards the rest
+        r = httpx.post(f"{url}/inference/v1/generate", headers=keyed, json=BODY)
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+
+
+def test_every_route_that_changes_the_engine_is_a_control_route(served):
+    """A state-changing route added later must be declared in ``CONTROL`` (or be one of the
+    routes that only generate), so a server withholding control withholds it too."""
+    generating = {GENERATE.path, "/v1/completions", "/v1/chat/completions"}
+    served_routes = make_app(served.host).state.routes
+    assert set(CONTROL) <= served_routes and ("POST", GENERATE.path) in served_routes
+    changing = {
+        (m, p) for m, p in served_routes if m not in ("GET", "HEAD") and p not in generating
+    }
+    assert changing == set(CONTROL)
 
 
 def test_a_taken_port_fails_in_the_caller(served):

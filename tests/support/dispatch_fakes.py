@@ -69,7 +69,8 @@ class CountingSource:
 
 class ScriptedEnv:
     """``script(group_id, episode_id) -> (delay_s, outcome)``; outcome in ok/raise/empty/hang/
-    bad_type. ``run`` is a plain function so a call is recorded the moment it is dispatched."""
+    bad_type/cut (a rollout whose completion the engine ended short: not trainable). ``run`` is
+    a plain function so a call is recorded the moment it is dispatched."""
 
     def __init__(self, name="toy", script=lambda g, e: (1.0, "ok")) -> None:
         self.name, self.script = name, script
@@ -103,6 +104,8 @@ class ScriptedEnv:
             reward=float(example["prompt"]),
             num_turns=0 if outcome == "empty" else 1,
             temperature=sampling.temperature,
+            trainable=outcome != "cut",
+            cut="abort" if outcome == "cut" else None,
         )
 
 

@@ -12,6 +12,9 @@ message nodes; each root-to-leaf ``Branch`` is one training sequence (``token_id
 - the first trainable branch fills the rollout's own trace; each further one becomes a
   ``types.Branch``. A node already placed on an earlier branch is context on the later ones
   (``loss_mask`` False), so a shared node trains once.
+- any reply of the session the engine ended short (``finish_reason`` "abort", which verifiers
+  reads as none) leaves the rollout untrainable (``envs.base.cut_fields``), whether or not a
+  node matched it: a reply cut before its first token has no node to match;
 - the reward is the trace's (its weighted sum); each named reward is a ``reward/<name>`` metric
   and each named metric a ``metric/<name>`` one, next to the turn metrics every env reports; the
   sinks average both into the train and eval rows (``orchestrator.stats.LABELS``).
@@ -27,7 +30,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from jaxrl_orch.envs.base import check_reward, turn_metrics
+from jaxrl_orch.envs.base import check_reward, cut_fields, turn_metrics
 from jaxrl_orch.types import NO_VERSION, Branch, Completion, Rollout
 
 
@@ -54,6 +57,7 @@ def episode_rollout(episode: Any, replies: Sequence[Completion], **fields: Any) 
         reward=check_reward(trace.reward, env=fields["env"]),
         num_turns=len(trace.calls),
         metrics={**turn_metrics(replies), **_trace_metrics(trace)},
+        **cut_fields(replies),
         **fields,
     )
     rollout.validate_trace()

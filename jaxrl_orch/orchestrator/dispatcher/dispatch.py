@@ -22,7 +22,8 @@ Scheduling (driven by the orchestrator loop)
 
 Staleness gate
     Train admissions ask ``capacity_fn()`` first and report ``on_admit(n)``; completions report
-    ``on_finish(n, accepted)`` with ``accepted = not rollout.has_error``. Eval rollouts never
+    ``on_finish(n, accepted)`` with ``accepted = rollout.trainable`` (no error, not cut short:
+    the train sink hands back only discards of rollouts it could train). Eval rollouts never
     touch the gate. The dispatcher never imports the gate: the loop passes ``GateHooks``. Age
     policies act from outside: the loop's ``drop`` calls ``cancel_stale(min_version)`` and its
     ``pace`` reads ``train_in_flight()``. ``state()``/``restore()`` checkpoint the train

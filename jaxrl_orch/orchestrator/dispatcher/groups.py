@@ -27,7 +27,7 @@ Settling (``settle``, ``Flights.emit``)
     timed out (``"EnvTimeout: ..."``) or empty (``num_turns == 0``: error
     ``"EmptyTrajectory: ..."``); each of those is untrainable. Work that produced no rollout
     gets a placeholder per episode id. Every admitted train rollout is then reported to the
-    gate (``on_finish(n, accepted)``, ``accepted = not has_error``); never-started
+    gate (``on_finish(n, accepted)``, ``accepted = trainable``: no error, not cut); never-started
     placeholders are not, since the gate never admitted them. Each ending of a started
     rollout first calls ``release(group, 1)`` so the dispatcher returns its permit.
 
@@ -330,8 +330,10 @@ class Flights:
         """Settle and queue finished rollouts: one episode, or one episode per rollout
         (``each``: several rollouts that finished together)."""
         rollouts = settle(g, ids, rollouts, admitted_at, finished_at, error, cancel)
-        bad = sum(r.has_error for r in rollouts)
-        self.errors_total += bad
+        self.errors_total += sum(r.has_error for r in rollouts)
+        # An untrainable rollout (one cut short) is not accepted either: the train sink never
+        # hands it back as a discard, so the gate would count it against capacity for good.
+        bad = sum(r.has_error or not r.trainable for r in rollouts)
         if cancel is not None:
             self.cancelled_total += len(rollouts)
         self.emitted_total += len(rollouts)
