@@ -50,7 +50,7 @@ def test_import_contracts_hold():
 PLANTS = {
     # a component importing another: only the loop drives them
     "independent": ("orchestrator/gate.py", "from jaxrl_orch.orchestrator import store"),
-    # the orchestrator reaching for JAX or an engine module instead of a types.py Protocol
+    # the orchestrator reaching for JAX or an engine module instead of a types Protocol
     "no engine, trainer": ("orchestrator/gate.py", "import jax"),
     # a helper module reaching for a component
     "helpers hold no component": (

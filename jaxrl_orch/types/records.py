@@ -1,8 +1,7 @@
-"""Cross-component data contract.
-
-Everything that crosses a component boundary is defined here, and only here: the rollout a
-dispatcher emits, the samples a train sink builds, the batches the trainer and the eval sink
-consume, the shared policy-version handle, and the Protocols components are written against.
+"""The records that cross a component boundary: what a dispatcher emits (``Rollout``, its
+``Completion`` turns and ``Branch`` paths), what a train sink builds (``Sample``), what the trainer
+and the eval sink consume (``TrainBatch``, ``EvalBatch``), the sampling a request carries
+(``SamplingParams``), and every way a completion can end (``FINISH_REASONS``).
 
 Facts and their single owners (docs/design.md section 3):
 - ``token_ids`` are the engine's sampled ids, kept as ids end to end (never re-tokenized).
@@ -14,17 +13,13 @@ Facts and their single owners (docs/design.md section 3):
 - ``reward`` is computed by the environment; advantages by the algorithm in the train sink.
 - ``off_policy_steps`` = ``(step - 1) - head_version``, stamped at ship time, only for rollouts
   sampled from the live policy (``live_policy``).
-
-This module imports nothing from the rest of the package: it is the bottom layer.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
@@ -283,124 +278,3 @@ class EvalBatch:
     env: str
     rollouts: list[Rollout]
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-
-
-class PolicyHandle:
-    """The shared, current policy version. Components read ``version`` off this one handle;
-    the weight watcher is the only writer. ``advance`` wakes every waiter, so a version bump
-    propagates without a message. Versions never go backwards."""
-
-    def __init__(self, version: int = 0) -> None:
-        self._version = int(version)
-        self._advanced = asyncio.Event()
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def advance(self, version: int) -> None:
-        if version < self._version:
-            raise ValueError(
-                f"policy version must not go backwards: current {self._version}, got {version}"
-            )
-        self._version = int(version)
-        # Wake everyone waiting now, then re-arm for the next advance.
-        self._advanced.set()
-        self._advanced = asyncio.Event()
-
-    async def wait_advanced(self, timeout: float | None = None) -> bool:
-        """Wait for the next advance. Returns False on timeout."""
-        event = self._advanced
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
-
-    async def wait_for(self, version: int, timeout: float | None = None) -> bool:
-        """Wait until ``self.version >= version``. Returns False on timeout."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while self._version < version:
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                return False
-            if not await self.wait_advanced(remaining):
-                return self._version >= version
-        return True
-
-
-# --------------------------------------------------------------------------- Protocols
-
-
-@runtime_checkable
-class InferenceClient(Protocol):
-    """The async interface environments call to generate. Multi-turn: pass the full history."""
-
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion: ...
-
-
-@runtime_checkable
-class InferencePool(Protocol):
-    """Several clients (engines/replicas); ``select`` picks one to pin a group to."""
-
-    def select(self) -> InferenceClient: ...
-
-
-@runtime_checkable
-class Environment(Protocol):
-    """Runs and scores one rollout. Raising is allowed: the dispatcher turns it into an error
-    rollout."""
-
-    name: str
-
-    async def run(
-        self,
-        client: InferenceClient,
-        example: dict[str, Any],
-        *,
-        group_id: int,
-        episode_id: int,
-        sampling: SamplingParams,
-    ) -> Rollout: ...
-
-
-@runtime_checkable
-class Source(Protocol):
-    """Where prompts come from. Its state is part of the checkpoint (the data cursor)."""
-
-    def next_example(self) -> dict[str, Any]: ...
-
-    def state(self) -> dict[str, Any]: ...
-
-    def restore(self, state: dict[str, Any]) -> None: ...
-
-
-@runtime_checkable
-class Algorithm(Protocol):
-    """Turns one group's rewards into per-rollout advantages (pure, NumPy)."""
-
-    name: str
-
-    def advantages(self, rewards: np.ndarray) -> np.ndarray: ...
-
-
-@runtime_checkable
-class VersionObserver(Protocol):
-    def on_version(self, version: int) -> None: ...
-
-
-@runtime_checkable
-class MetricsWriter(Protocol):
-    def write(self, step: int, metrics: dict[str, float]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-@runtime_checkable
-class BatchTrainer(Protocol):
-    """What the orchestrator ships batches to. ``submit`` must not block the event loop: the
-    trainer works in the background and publishes ``(version, params, metrics)`` when a step is
-    done."""
-
-    def submit(self, batch: TrainBatch) -> None: ...
