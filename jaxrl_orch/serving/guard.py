@@ -1,8 +1,10 @@
 """What a request must pass before any route sees it: the API key and the body size limit.
 
-What it owns: ``Limits`` (the server's bounds: ``max_body_bytes``, ``request_timeout_s``) and
-``Guard``, a plain ASGI middleware (not Starlette's ``BaseHTTPMiddleware``, which would hide a
-client's disconnect from ``waiting.await_completions``).
+What it owns: ``Limits`` (the server's bounds: ``max_body_bytes``, ``request_timeout_s``,
+``max_pull_s``), ``Guard``, a plain ASGI middleware (not Starlette's ``BaseHTTPMiddleware``,
+which would hide a client's disconnect from ``waiting.await_completions``), and the key check
+itself (``bearer``, ``key_refusal``), which the trainer's weight server
+(``distributed.offer_server``) runs on its own requests too.
 
 Invariants:
 - With a key, every request but the contract's health probe carries
@@ -34,21 +36,24 @@ OPEN = {(HEALTH.method, HEALTH.path)}  # what a pool or a load balancer probes w
 class Limits:
     max_body_bytes: int = 32 * 2**20
     request_timeout_s: float = 600.0  # a generation that runs longer fails 504 and is cancelled
+    # The longest pull one weight update may ask for: the load lock is held that long at most.
+    # A run's replicas get their Processes section's (``ProcessesSettings.max_pull_s``).
+    max_pull_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be a positive int, got {self.max_body_bytes!r}")
-        if not self.request_timeout_s > 0:
-            raise ValueError(
-                f"request_timeout_s must be a positive number, got {self.request_timeout_s!r}"
-            )
+        for name in ("request_timeout_s", "max_pull_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
 class Guard:
     def __init__(self, app: Any, *, api_key: str | None, limits: Limits) -> None:
         self.app = app
         self.limits = limits
-        self._key = f"Bearer {api_key}".encode() if api_key else None
+        self._key = bearer(api_key)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -72,12 +77,10 @@ class Guard:
 
     def _refusal(self, scope: dict) -> tuple[int, str, str | None] | None:
         headers = dict(scope["headers"])
-        if self._key is not None and (scope["method"], scope["path"]) not in OPEN:
-            given = headers.get(b"authorization")
-            if given is None:
-                return 401, "missing API key: send the header 'Authorization: Bearer <key>'", None
-            if not hmac.compare_digest(given, self._key):
-                return 401, "wrong API key in the Authorization header", None
+        if (scope["method"], scope["path"]) not in OPEN:
+            refusal = key_refusal(headers.get(b"authorization"), self._key)
+            if refusal is not None:
+                return 401, refusal, None
         length = headers.get(b"content-length")
         if length is not None:
             try:
@@ -91,6 +94,25 @@ class Guard:
     def _too_large(self, size: str) -> tuple[int, str, str | None]:
         limit = self.limits.max_body_bytes
         return 413, f"request body of {size} bytes is over the limit of {limit} bytes", None
+
+
+def bearer(api_key: str | None) -> bytes | None:
+    """The ``Authorization`` header value a key requires (None: no key, nothing required)."""
+    return f"Bearer {api_key}".encode() if api_key else None
+
+
+def key_refusal(given: bytes | str | None, wanted: bytes | None) -> str | None:
+    """Why a request whose ``Authorization`` header is ``given`` is refused when ``wanted``
+    (``bearer(key)``) is required; None when it passes. Compared in constant time."""
+    if wanted is None:
+        return None
+    if given is None:
+        return "missing API key: send the header 'Authorization: Bearer <key>'"
+    if isinstance(given, str):
+        given = given.encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(given, wanted):
+        return "wrong API key in the Authorization header"
+    return None
 
 
 async def _reply(send: Any, status: int, message: str, param: str | None) -> None:
