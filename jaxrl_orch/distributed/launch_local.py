@@ -5,17 +5,18 @@
 
 What it owns: the processes of one run on this machine. It picks free loopback ports (the
 trainer group's jax.distributed coordinator, one HTTP port per replica, passed as
-``--engine_addresses=http://127.0.0.1:PORT,...``, and the trainer leader's weight transfer
-server, passed to every process as ``--weight_source=127.0.0.1:PORT``: the leader offers there,
-each replica pulls only from there), gives every process its own ``--devices_per_process`` fake
-CPU devices (``XLA_FLAGS``) unless told to leave the devices alone, and starts ``python -m
-jaxrl_orch.train`` once per process with the layout bound (``Processes.trainer_processes`` /
-``engine_replicas``) and that process's ``--process_index``: 0..P-1 train (0 also runs the
-orchestrator), P..P+R-1 serve. Other flags go to every process; without ``--api_key_file``
-the replicas get a fresh key of this launch (``WORKDIR/logs/engine.key``, mode 0600). Each
-process's output goes to ``WORKDIR/logs/process_<K>_<role>.log``; process 0's is also echoed
-here. The workdir gets the same outputs as the single-process command (``summary.json``,
-``metrics.jsonl``, checkpoints, report, export).
+``--engine_addresses=http://127.0.0.1:PORT,...``, and the trainer leader's weight server, passed
+to every process as ``--weight_source=127.0.0.1:PORT``: the leader offers there, each replica
+pulls only from there, with the run's key), gives every process its own
+``--devices_per_process`` fake CPU devices (``XLA_FLAGS``) unless told to leave the devices
+alone, and starts ``python -m jaxrl_orch.train`` once per process with the layout bound
+(``Processes.trainer_processes`` / ``engine_replicas``) and that process's ``--process_index``:
+0..P-1 train (0 also runs the orchestrator), P..P+R-1 serve. Other flags go to every process;
+without ``--api_key_file`` the replicas get a fresh key of this launch
+(``WORKDIR/logs/engine.key``, mode 0600). Each process's output goes to
+``WORKDIR/logs/process_<K>_<role>.log``; process 0's is also echoed here. The workdir gets the
+same outputs as the single-process command (``summary.json``, ``metrics.jsonl``, checkpoints,
+report, export).
 
 Supervision
     - The run ends when the trainer processes have exited: exit status 0 when all did,
