@@ -1,21 +1,24 @@
-"""Benchmark: a cross-process weight pull (jax.experimental.transfer) vs a memcpy and a reshard.
+"""Benchmark: a cross-process weight pull, the HTTP weight server vs jax.experimental.transfer.
 
-What it measures, in one run, on the same ~``--mb`` MB of transformer-shaped fp32 params:
-- ``pull_ms``: a second process (4 fake CPU devices, decode mesh tp=4) pulls the tree from this
-  process's ``remote.weights.WeightOffer`` straight into its decode shardings with
-  ``remote.weights.pull`` (socket transfer over loopback, shard for shard). This process
-  staged the arrays once in the receiver's layout (``local_layout``), as the trainer does, and
-  offers them once per pull (one ``await_pull`` serves one pull). Timed in the receiver, from
-  the pull call to the last buffer ready; the first pull (connection setup) is a warm-up.
-- ``memcpy_ms``: ``np.copy`` of a host buffer of the same byte count (this process).
-- ``reshard_ms``: the in-process ``sharding.reshard.reshard`` of the same tree from a trainer
-  mesh (fsdp=2 x tp=2, devices 0-3) onto the decode mesh (tp=4, devices 4-7) of 8 fake CPU
-  devices, the single-process path the weight watcher takes.
-Each time is the best of ``--reps``; the ratios ``pull/memcpy`` and ``pull/reshard`` are of the
-best times. The receiver also checks the pulled values (float64 sum of every leaf).
+What it measures, in one run, on the same arrays for both transports:
+- ``weights``: ~``--mb`` MB of transformer-shaped fp32 params in a tp=4 decode layout (what a
+  replica pulls each version without LoRA);
+- ``lora``: ~1 MB of rank-16 fp32 adapters over 2 layers, replicated over the 4 devices (what a
+  LoRA run's replica pulls each version; a replicated leaf crosses HTTP once, the transfer
+  library copies it per device).
+This process stages each tree once in the receiver's layout (``local_layout``), as the trainer
+does, and offers it once per pull on both senders (``offer_server.HttpWeightOffer``, with a key,
+and ``transfer.JaxWeightOffer``). A second process (4 fake CPU devices) pulls every offer into
+its shardings, alternating the transports, timed in the receiver from the call to the last
+buffer ready; the first pull of each is a warm-up. The receiver checks every pull's values
+(float64 sum of every leaf). Also for the weights: ``np.copy`` of the same byte count and the
+in-process ``sharding.reshard.reshard`` from a trainer mesh (fsdp=2 x tp=2, devices 0-3) onto
+the decode mesh (tp=4, devices 4-7), the single-process path.
+
+Each time is the best of ``--reps``; ``http_over_jax`` is the ratio of the best times.
 
 How to run
-    python benchmarks/weight_pull.py --json          # one JSON line, ~100 MB
+    python benchmarks/weight_pull.py --json          # one JSON line per tree, ~100 MB
     python benchmarks/weight_pull.py --mb 20         # human-readable, smaller
 """
 
@@ -36,14 +39,15 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from jaxrl_orch.distributed.transfer import WeightOffer, local_layout, pull  # noqa: E402
+from jaxrl_orch.distributed import offer_pull, transfer  # noqa: E402
+from jaxrl_orch.distributed.offer_server import HttpWeightOffer  # noqa: E402
 from sharding.mesh import make_meshes  # noqa: E402
 from sharding.reshard import reshard  # noqa: E402
 from sharding.rules import DECODE_RULES, TRAINER_RULES, resolve_shardings  # noqa: E402
 
-D, HEADS, KV_HEADS, HEAD_DIM, D_FF = 512, 8, 2, 64, 1536
+D, HEADS, KV_HEADS, HEAD_DIM, D_FF, RANK = 512, 8, 2, 64, 1536, 16
 LAYER = {
     "q": (("embed", "heads", "head_dim"), (D, HEADS, HEAD_DIM)),
     "k": (("embed", "kv_heads", "head_dim"), (D, KV_HEADS, HEAD_DIM)),
@@ -54,6 +58,9 @@ LAYER = {
     "down": (("mlp", "embed"), (D_FF, D)),
     "attn_norm": (("norm",), (D,)),
 }
+ADAPTED = {"q": (D, D), "k": (D, D // 4), "v": (D, D // 4), "o": (D, D), "gate": (D, D_FF)}
+ADAPTED |= {"up": (D, D_FF), "down": (D_FF, D)}
+KEY = "benchmark-key"
 
 
 def param_specs(mb: float) -> tuple[dict, dict]:
@@ -70,35 +77,62 @@ def param_specs(mb: float) -> tuple[dict, dict]:
     return logical, shapes
 
 
-def _decode_shardings(mb: float, devices) -> dict:
-    logical, shapes = param_specs(mb)
+def lora_shapes(layers: int = 2) -> list:
+    """Rank-16 adapters (A: in x r, B: r x out) of every projection of ``layers`` layers."""
+    return [
+        {
+            f"{k}_{ab}": s
+            for k, (i, o) in ADAPTED.items()
+            for ab, s in (("a", (i, RANK)), ("b", (RANK, o)))
+        }
+        for _ in range(layers)
+    ]
+
+
+def shardings_of(case: str, mb: float, devices) -> tuple[dict | list, dict | list]:
+    """(shapes, receiver shardings) of ``case`` on a tp=4 mesh of ``devices``."""
     mesh = Mesh(np.array(devices[:4]), ("tp",))
-    return resolve_shardings(logical, mesh, DECODE_RULES, shapes=shapes)
+    if case == "lora":
+        shapes = lora_shapes()
+        everywhere = NamedSharding(mesh, PartitionSpec())
+        return shapes, jax.tree.map(lambda _: everywhere, shapes, is_leaf=_is_shape)
+    logical, shapes = param_specs(mb)
+    return shapes, resolve_shardings(logical, mesh, DECODE_RULES, shapes=shapes)
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple)
 
 
 def _checksum(tree) -> float:
     return float(sum(np.asarray(x, dtype=np.float64).sum() for x in jax.tree.leaves(tree)))
 
 
-def child(mb: float, address: str, uuids: list[int]) -> None:
-    """The receiver: pull every uuid into tp=4 decode shardings, time each, print JSON."""
-    logical, shapes = param_specs(mb)
-    shardings = _decode_shardings(mb, jax.local_devices())
+def child(spec: dict) -> None:
+    """The receiver: pull every offer of both transports, alternating, time each, print JSON."""
+    shapes, shardings = shardings_of(spec["case"], spec["mb"], jax.local_devices())
     targets = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s, np.float32, sharding=sh),
         shapes,
         shardings,
-        is_leaf=lambda x: isinstance(x, tuple),
+        is_leaf=_is_shape,
     )
-    times, out = [], None
-    for uuid in uuids:
-        del out
-        t0 = time.perf_counter()
-        out = pull(address, uuid, targets, timeout_s=120.0)
-        times.append((time.perf_counter() - t0) * 1e3)
-    pairs = zip(jax.tree.leaves(out), jax.tree.leaves(targets), strict=True)
-    ok = all(x.sharding == t.sharding for x, t in pairs)
-    print(json.dumps({"pull_ms": times, "checksum": _checksum(out), "shardings_ok": ok}))
+    pulls = {
+        "http": lambda u: offer_pull.pull(spec["http"], u, targets, 120.0, api_key=KEY),
+        "jax": lambda u: transfer.pull(spec["jax"], u, targets, 120.0),
+    }
+    times: dict[str, list[float]] = {"http": [], "jax": []}
+    sums = set()
+    for i in range(len(spec["uuids"]["http"])):
+        for name, fetch in pulls.items():
+            t0 = time.perf_counter()
+            out = fetch(spec["uuids"][name][i])
+            times[name].append((time.perf_counter() - t0) * 1e3)
+            pairs = zip(jax.tree.leaves(out), jax.tree.leaves(targets), strict=True)
+            ok = all(x.sharding == t.sharding for x, t in pairs)
+            sums.add((_checksum(out), ok))
+            del out
+    print(json.dumps({"ms": times, "checks": sorted(sums)}))
 
 
 def _timed(fn) -> float:
@@ -107,89 +141,97 @@ def _timed(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def run(mb: float, reps: int) -> dict:
-    logical, shapes = param_specs(mb)
-    decode, trainer = make_meshes({"tp": 4}, {"fsdp": 2, "tp": 2})
-    src_sh = resolve_shardings(logical, trainer, TRAINER_RULES, shapes=shapes)
-    dst_sh = resolve_shardings(logical, decode, DECODE_RULES, shapes=shapes)
+def _host_tree(shapes) -> dict:
     rng = np.random.default_rng(0)
-    host = jax.tree.map(
-        lambda s: rng.standard_normal(s, dtype=np.float32),
-        shapes,
-        is_leaf=lambda x: isinstance(x, tuple),
+    return jax.tree.map(
+        lambda s: rng.standard_normal(s, dtype=np.float32), shapes, is_leaf=_is_shape
     )
-    params = jax.block_until_ready(jax.device_put(host, src_sh))
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    flat = np.concatenate([x.ravel() for x in jax.tree.leaves(host)])
-    want = _checksum(host)
-    del host
 
-    # Cross-process pull: stage once in the receiver's layout (tp=4 over local devices 0-3).
-    staged = jax.block_until_ready(reshard(params, local_layout(dst_sh)))
-    offer = WeightOffer()
-    uuids = [offer.offer(staged) for _ in range(reps + 1)]
+
+def pull_case(case: str, mb: float, reps: int, senders: dict) -> dict:
+    """Both transports' pulls of one tree (see the module docstring)."""
+    shapes, dst = shardings_of(case, mb, jax.devices()[4:])
+    host = _host_tree(shapes)
+    staged = jax.block_until_ready(jax.device_put(host, transfer.local_layout(dst)))
+    want = _checksum(host)
+    uuids = {name: [s.offer(staged) for _ in range(reps + 1)] for name, s in senders.items()}
+    spec = {"case": case, "mb": mb, "uuids": uuids}
+    spec |= {name: s.address for name, s in senders.items()}
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", str(mb), offer.address]
-        + [str(u) for u in uuids],
+        [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"receiver failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    received = json.loads(proc.stdout.strip().splitlines()[-1])
-    if received["checksum"] != want or not received["shardings_ok"]:
-        raise RuntimeError(f"pulled values differ: sum {received['checksum']} != {want}")
-    pull_ms = min(received["pull_ms"][1:] or received["pull_ms"])
-
-    def move():
-        out = jax.block_until_ready(reshard(params, dst_sh))
-        del out
-
-    def memcpy():
-        out = np.copy(flat)
-        del out
-
-    move()
-    memcpy()
-    reshard_ms = min(_timed(move) for _ in range(reps))
-    memcpy_ms = min(_timed(memcpy) for _ in range(reps))
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    if got["checks"] != [[want, True]]:
+        raise RuntimeError(f"pulled values or shardings differ: {got['checks']} (want sum {want})")
+    best = {name: min(ms[1:] or ms) for name, ms in got["ms"].items()}
     return {
-        "pull_ms": round(pull_ms, 2),
-        "memcpy_ms": round(memcpy_ms, 2),
-        "reshard_ms": round(reshard_ms, 2),
-        "pull_over_memcpy": round(pull_ms / memcpy_ms, 3),
-        "pull_over_reshard": round(pull_ms / reshard_ms, 3),
-        "first_pull_ms": round(received["pull_ms"][0], 2),
-        "bytes": int(nbytes),
-        "leaves": len(jax.tree.leaves(params)),
+        "case": case,
+        "bytes": int(sum(x.nbytes for x in jax.tree.leaves(host))),
+        "leaves": len(jax.tree.leaves(host)),
+        "http_ms": round(best["http"], 2),
+        "jax_ms": round(best["jax"], 2),
+        "http_over_jax": round(best["http"] / best["jax"], 3),
+        "first_http_ms": round(got["ms"]["http"][0], 2),
+        "first_jax_ms": round(got["ms"]["jax"][0], 2),
         "reps": reps,
     }
 
 
+def in_process(mb: float, reps: int) -> dict:
+    """``np.copy`` and the in-process reshard of the weights case's bytes, for scale."""
+    logical, shapes = param_specs(mb)
+    decode, trainer = make_meshes({"tp": 4}, {"fsdp": 2, "tp": 2})
+    src = resolve_shardings(logical, trainer, TRAINER_RULES, shapes=shapes)
+    dst = resolve_shardings(logical, decode, DECODE_RULES, shapes=shapes)
+    host = _host_tree(shapes)
+    params = jax.block_until_ready(jax.device_put(host, src))
+    flat = np.concatenate([x.ravel() for x in jax.tree.leaves(host)])
+    move = lambda: jax.block_until_ready(reshard(params, dst))  # noqa: E731
+    copy = lambda: np.copy(flat)  # noqa: E731
+    move(), copy()
+    return {
+        "memcpy_ms": round(min(_timed(copy) for _ in range(reps)), 2),
+        "reshard_ms": round(min(_timed(move) for _ in range(reps)), 2),
+    }
+
+
+def run(mb: float, reps: int) -> list[dict]:
+    senders = {"http": HttpWeightOffer(api_key=KEY), "jax": transfer.JaxWeightOffer()}
+    try:
+        out = [pull_case("weights", mb, reps, senders), pull_case("lora", mb, reps, senders)]
+    finally:
+        senders["http"].close()
+    out[0] |= in_process(mb, reps)
+    out[0]["http_over_memcpy"] = round(out[0]["http_ms"] / out[0]["memcpy_ms"], 3)
+    return out
+
+
 def main() -> None:
     if _CHILD:
-        child(float(sys.argv[2]), sys.argv[3], [int(u) for u in sys.argv[4:]])
+        child(json.loads(sys.argv[2]))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mb", type=float, default=100.0, help="approximate MB of params")
+    parser.add_argument("--mb", type=float, default=100.0, help="approximate MB of weights")
     parser.add_argument("--reps", type=int, default=4, help="timed repetitions (best is kept)")
-    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--json", action="store_true", help="print one JSON line per tree")
     args = parser.parse_args()
     if args.reps < 1 or args.mb <= 0:
         parser.error(f"--reps must be >= 1 and --mb > 0, got {args.reps}, {args.mb}")
-    result = run(args.mb, args.reps)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"params: {result['bytes'] / 1e6:.1f} MB in {result['leaves']} leaves")
-        print(f"cross-process pull (tp=4 -> tp=4): {result['pull_ms']:8.2f} ms")
-        print(f"np.copy same size:                 {result['memcpy_ms']:8.2f} ms")
-        print(f"in-process reshard 2x2 -> tp=4:    {result['reshard_ms']:8.2f} ms")
-        print(
-            f"pull/memcpy {result['pull_over_memcpy']:.2f}, "
-            f"pull/reshard {result['pull_over_reshard']:.2f}"
-        )
+    for r in run(args.mb, args.reps):
+        if args.json:
+            print(json.dumps(r))
+            continue
+        print(f"{r['case']}: {r['bytes'] / 1e6:.1f} MB in {r['leaves']} leaves")
+        print(f"  http (offer_server):           {r['http_ms']:8.2f} ms")
+        print(f"  jax.experimental.transfer:     {r['jax_ms']:8.2f} ms")
+        print(f"  http/jax {r['http_over_jax']:.2f}")
+        if "memcpy_ms" in r:
+            print(f"  np.copy {r['memcpy_ms']:.2f} ms, in-process reshard {r['reshard_ms']:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ Weights (``--checkpoint``):
 - a train command's workdir: its ``export/`` when the run finished, else its newest RL
   checkpoint (or its warm-up's), restored as the train command restores it.
 ``--weight_source=HOST:PORT`` lets a weight update (``serving.contract.UPDATE_WEIGHTS``) pull
-offers from that transfer server (the trainer's); without it the server refuses updates. A
-request never names where to pull from.
+offers from that weight server (the trainer's), with the config's ``Processes.weight_transport``
+and the ``--api_key_file`` key; without it the server refuses updates. A request never names
+where to pull from.
 
 Safety: loopback by default; any other ``--host`` refuses to start without ``--api_key_file``
 (a file holding the key, so it stays out of the process list and shell history; one its group
@@ -44,6 +45,7 @@ from jaxrl_orch.distributed.group import Role
 from jaxrl_orch.distributed.replica import serve_until_signal
 from jaxrl_orch.distributed.source import TransferSource
 from jaxrl_orch.serving.app import make_app
+from jaxrl_orch.serving.guard import Limits
 from jaxrl_orch.serving.host import EngineHost
 from jaxrl_orch.serving.runner import HttpServer
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer
@@ -101,7 +103,9 @@ def workdir_params(cfg: TrainConfig, workdir: str) -> Any:
     raise ValueError(f"workdir {workdir!r} has no export/, checkpoints/ or sft/ to serve")
 
 
-def build_host(args: argparse.Namespace) -> EngineHost:
+def build_host(args: argparse.Namespace, api_key: str | None) -> tuple[EngineHost, Limits]:
+    """The served host, and its limits: the longest pull a weight update may ask for is the
+    config's (``Processes.max_pull_s``), as on a run's replicas."""
     cfg = load_config(args.gin_file, args.gin_param + checkpoint_bindings(args.checkpoint))
     tokenizer, model_cfg = build_model(cfg)
     decode_mesh = build_placement(cfg, len(jax.devices())).decode_mesh
@@ -113,9 +117,10 @@ def build_host(args: argparse.Namespace) -> EngineHost:
     else:
         params = engine.load_params(seed=cfg.seed)
     source = None
-    if args.weight_source:  # its receiver binds this server's own address
-        source = TransferSource(engine, args.weight_source, host=args.host)
-    return EngineHost(
+    if args.weight_source:  # the run's transport and key; 'jax' binds this server's address
+        how = {"transport": cfg.processes.weight_transport, "api_key": api_key}
+        source = TransferSource(engine, args.weight_source, host=args.host, **how)
+    host = EngineHost(
         engine,
         model=args.served_model_name or cfg.model.name,
         tokenizer=tokenizer,
@@ -123,6 +128,7 @@ def build_host(args: argparse.Namespace) -> EngineHost:
         source=source,
         warm_up=cfg.engine.warmup,
     )
+    return host, Limits(max_pull_s=cfg.processes.max_pull_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         key = read_api_key(args.api_key_file)
         HttpServer.check_bind(args.host, key)  # before minutes of building, not after
-        host = build_host(args)
+        host, limits = build_host(args, key)
     except (ValueError, OSError) as exc:  # a bad flag, config or checkpoint: one line, exit 2
         print(f"jaxrl_orch.serve: {exc}", file=sys.stderr)
         return 2
-    server = HttpServer(make_app(host, api_key=key), host=args.host, port=args.port, api_key=key)
+    app = make_app(host, api_key=key, limits=limits)
+    server = HttpServer(app, host=args.host, port=args.port, api_key=key)
     # The replicas' own loop: serve until SIGTERM / Ctrl-C, then stop the server and the driver.
     asyncio.run(
         serve_until_signal(host, server, on_up=lambda url: print(f"serving {url}", flush=True))

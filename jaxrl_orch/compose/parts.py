@@ -7,9 +7,10 @@ the API key; empty for one process), the tokenizer and the model config (the run
 attention and remat), the meshes, the environment and its demonstrator, and the data sources.
 Stages read it; nothing writes to it. ``build_run`` validates before any work: the mesh shapes
 against the devices, the environment, the data (every example checked to fit, ``checks``), the
-engine setting, ``Warmup.from_workdir`` and, for an engine replica, that it may bind its URL
-(``replica.check_bind``). What a stage builds later (the engine, a trainer) comes from the
-builders in ``engines`` and ``trainers``, fed from the parts.
+engine setting, ``Warmup.from_workdir`` and that what this process will listen on may bind
+(``replica.check_bind``: a replica's URL, trainer process 0's weight server). What a stage
+builds later (the engine, a trainer) comes from the builders in ``engines`` and ``trainers``,
+fed from the parts.
 
 Never: holds a built engine or trainer (those belong to the stage that runs them), or reads a
 setting a stage could be handed.
@@ -82,8 +83,7 @@ def build_run(
     cfg: TrainConfig, workdir: Pathish, role: Role, engine_addresses: Replicas = Replicas()
 ) -> RunParts:
     """The run's parts, every check done (see the module docstring)."""
-    if role.kind == "engine":
-        check_bind(engine_addresses, role)  # before minutes of building, not after
+    check_bind(engine_addresses, role)  # before minutes of building, not after
     tokenizer, model_cfg = build_model(cfg)
     if role.kind == "single":
         placement = build_placement(cfg, len(jax.devices()))

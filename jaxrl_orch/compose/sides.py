@@ -20,7 +20,8 @@ weights move by a device-to-device reshard (cast to the engine's dtype on the tr
 first; a LoRA run moves only its adapters, merged into the base the engine holds) and swap in
 between two decode steps. With ``Engine.serve_port`` it also serves the policy being trained
 (``live``). ``ReplicaSide``: trainer process 0 with engine replicas (docs/scale-out.md): the
-``GroupStaging`` lays every version out in a replica's layout, the ``WeightOffer`` offers it on
+``GroupStaging`` lays every version out in a replica's layout, the weight offer
+(``offer_server.open_offer``, as ``Processes.weight_transport`` says) offers it on
 ``--weight_source``, the ``RemotePool`` dispatches over the replicas' HTTP API and has every
 replica pull it; with a trainer group (P > 1) the group's ``Channel`` hands each batch and
 checkpoint to the peers. A peer of the group has no engine side: it follows the leader
@@ -50,10 +51,11 @@ from jaxrl_orch.compose.staging import (
     lora_line,
     tree_nbytes,
 )
-from jaxrl_orch.distributed.addresses import Replicas, host_port
+from jaxrl_orch.distributed.addresses import Replicas
 from jaxrl_orch.distributed.group import CHECKPOINT, STOP, TRAIN, Channel
+from jaxrl_orch.distributed.offer_server import open_offer
+from jaxrl_orch.distributed.offer_wire import Offerer
 from jaxrl_orch.distributed.pool import RemotePool
-from jaxrl_orch.distributed.transfer import WeightOffer
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine_api import RLEngine
@@ -247,7 +249,9 @@ class ReplicaSide:
         self.trainer = trainer
         self.channel = channel
         self.staging = GroupStaging.of(trainer, engine)
-        self.offer = WeightOffer(*host_port(parts.engine_addresses.weight_source))
+        replicas = parts.engine_addresses
+        transport = parts.cfg.processes.weight_transport
+        self.offer = open_offer(transport, replicas.weight_source, replicas.api_key)
         self.pool = _replica_pool(parts, self.offer, self.staging)
         self._watch: asyncio.Future | None = None
         self.bytes_moved = 0  # what each replica pulls per version
@@ -314,7 +318,7 @@ class ReplicaSide:
         return None
 
 
-def _replica_pool(parts: RunParts, offer: WeightOffer, staging: GroupStaging) -> RemotePool:
+def _replica_pool(parts: RunParts, offer: Offerer, staging: GroupStaging) -> RemotePool:
     replicas: Replicas = parts.engine_addresses
     return RemotePool(
         replicas.urls,

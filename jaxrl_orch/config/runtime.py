@@ -15,6 +15,7 @@ from jaxrl_orch.config.section import section
 from jaxrl_orch.settings import Allowed, check_settings, require, setting
 
 DTYPES = ("float32", "bfloat16")
+WEIGHT_TRANSPORTS = ("http", "jax")
 _MESH_MEANING = "the mesh as ((axis, size), ...); (): the devices split evenly"
 
 
@@ -109,6 +110,16 @@ class ProcessesSettings:
     colocated: bool | None = setting(
         None, "engine and trainer on one set of devices; None: iff there is 1 device"
     )
+    weight_transport: str = setting(
+        "http",
+        "how weights move from trainer process 0 to the replicas. 'http': its weight server "
+        "(--weight_source) serves each version once over HTTP to holders of the run's API key, "
+        "refuses malformed requests and listens nowhere else; replicas only dial it. 'jax': "
+        "jax.experimental.transfer, device to device, but its port has no authentication and "
+        "aborts the process on malformed bytes (and each replica listens too): only on a "
+        "network no one else can reach",
+        Allowed.one_of(*WEIGHT_TRANSPORTS),
+    )
     weight_pull_timeout_s: float = setting(
         120.0, "a replica's pull of a new version longer: it fails", Allowed.above(0)
     )
@@ -141,6 +152,13 @@ class ProcessesSettings:
     tpu_topology: str | None = setting(
         None, "the slice this config is sized for, e.g. 'v5e:2x4' (python -m jaxrl_orch.tools.aot)"
     )
+
+    @property
+    def max_pull_s(self) -> float:
+        """The longest pull one weight update may ask a replica for: the pull's deadline plus
+        the update's extra. A longer one is refused, so no request holds a replica's load lock
+        past it."""
+        return self.weight_pull_timeout_s + self.weight_load_extra_s
 
 
 @section("Outputs")

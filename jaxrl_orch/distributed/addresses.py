@@ -3,7 +3,7 @@
 What it owns: ``Replicas`` (the three below together, as the run's parts carry them),
 ``replica_urls`` (``--engine_addresses``: one ``http://HOST:PORT`` per engine replica, in replica
 order; a replica binds the host and port of its own URL, the pool sends requests to it),
-``host_port`` (``--weight_source``: the ``HOST:PORT`` where the trainer leader's transfer server
+``host_port`` (``--weight_source``: the ``HOST:PORT`` where the trainer leader's weight server
 listens and every replica pulls from), ``bind_of`` (a URL's host and port) and ``read_api_key``
 (``--api_key_file``: the key replicas require and the pool sends, from a file only its owner
 may read or write).

@@ -18,7 +18,8 @@ What it owns
     ``EngineStager``: after every step each process runs one jitted program that casts the
     params to the engine's dtype and lays them out as the replicas' decode sharding, replicated
     over processes; the leader's shards then form an array on its own devices, laid out like a
-    replica's, which replicas pull device to device (``transfer``). No host round trip.
+    replica's, which each replica pulls (``offer_server``; with ``Processes.weight_transport =
+    'jax'`` device to device, ``transfer``). No relayout on either side.
 
 Lockstep: every process of the group issues the same collectives in the same order. The leader
 issues them from its trainer thread (per step: TRAIN, the step, the stage, maybe CHECKPOINT) or,

@@ -37,15 +37,9 @@ class LoraSource(TransferSource):
     """See the module docstring. ``scale``: the adapters' ``alpha / rank``."""
 
     def __init__(
-        self,
-        engine: ReplicaEngine,
-        address: str,
-        adapters: Any,
-        scale: float,
-        *,
-        host: str = "127.0.0.1",
+        self, engine: ReplicaEngine, address: str, adapters: Any, scale: float, **how: Any
     ) -> None:
-        super().__init__(engine, address, host=host)
+        super().__init__(engine, address, **how)  # transport, api_key, host: TransferSource's
         # Adapters are small: replicated, so each device merges its own shard of every weight.
         everywhere = NamedSharding(engine.mesh, PartitionSpec())
         self._adapter_shardings = jax.tree.map(lambda _: everywhere, adapters)

@@ -25,8 +25,9 @@ Lost means not answering, dead or alive
 
 Weights: ``start`` waits (bounded) until every replica answers, then loads the first version
 into each; ``load_weights(version, params)`` offers the params to each live replica
-(``transfer.WeightOffer``, one pull per offer, on the fixed address every replica was started
-with as its only weight source, so an update names just the offer's uuid) and awaits every pull
+(an ``offer_wire.Offerer``: ``offer_server.HttpWeightOffer`` by default; one pull per offer, on
+the fixed address every replica was started with as its only weight source, so an update names
+just the offer's uuid; each offer expires when the update's request would) and awaits every pull
 and swap (``contract.UPDATE_WEIGHTS``); a replica lost meanwhile is marked lost, a pull the replica
 answers as failed raises ``WeightPullError`` naming the replica and version. A LoRA run's
 pool is started with the frozen ``base`` too (in a replica's layout, ``base_layout``), and keeps
@@ -46,8 +47,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from jaxrl_orch.distributed.offer_wire import Offerer
 from jaxrl_orch.distributed.replica_client import RemoteEngineClient, ReplicaLost, WeightPullError
-from jaxrl_orch.distributed.transfer import WeightOffer
 from jaxrl_orch.serving.contract import Health
 from jaxrl_orch.types import Completion, SamplingParams
 
@@ -70,7 +71,7 @@ class RemotePool:
     def __init__(
         self,
         addresses: Sequence[str],
-        offer: WeightOffer,
+        offer: Offerer,
         deadlines: Deadlines,
         *,
         probe_interval_s: float = PROBE_INTERVAL_S,

@@ -2,8 +2,9 @@
 
 What it owns: assembling a replica from the serving parts, the same ones ``python -m
 jaxrl_orch.serve`` uses: ``ReplicaHost`` (an ``EngineHost`` that starts without weights and
-whose only weight source is a ``source.TransferSource`` bound to the trainer leader's transfer
-server), ``make_app`` (the routes, the API key) and ``HttpServer`` (the bind: loopback, or any
+whose only weight source is a ``source.TransferSource`` bound to the trainer leader's weight
+server, pulling with the run's transport and key), ``make_app`` (the routes, the API key, the
+longest pull a weight update may ask for) and ``HttpServer`` (the bind: loopback, or any
 address with an API key). ``replica_server`` builds the pair; ``serve_until_signal`` serves it
 until SIGTERM / SIGINT and then stops the driver.
 
@@ -15,15 +16,16 @@ operators and tests read (a LoRA run's replica first says ``replica R: holds the
 serves nothing until the first adapters arrive).
 
 Never: pulls from an address a request names (the update body has no address field), binds
-beyond loopback without an API key, or listens anywhere but the host of its own URL (the HTTP
-server and the weight receiver alike).
+beyond loopback without an API key, or listens anywhere but its own URL: with the default
+transport it only dials the trainer (``offer_pull``); with ``jax`` its weight receiver binds the
+host of its URL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Any
+from typing import Any, Protocol
 
 from jaxrl_orch.distributed.lora_source import LoraSource
 from jaxrl_orch.distributed.source import TransferSource
@@ -50,6 +52,16 @@ class ReplicaHost(EngineHost):
         )
 
 
+class ReplicaSettings(Protocol):
+    """What a replica reads of the run's ``Processes`` section (``config.runtime``)."""
+
+    replica_request_timeout_s: float
+    weight_transport: str
+
+    @property
+    def max_pull_s(self) -> float: ...
+
+
 def replica_server(
     engine: ReplicaEngine,
     *,
@@ -57,22 +69,25 @@ def replica_server(
     model: str,
     bind: tuple[str, int],
     weight_source: str,
-    request_timeout_s: float,
+    processes: ReplicaSettings,
     api_key: str | None = None,
     warm_up: bool = False,
     max_queued: int = MAX_QUEUED,
     lora: tuple[Any, float] | None = None,
 ) -> tuple[ReplicaHost, HttpServer]:
     """Replica ``replica`` of ``engine``: its host (no weights yet) and its server on ``bind``
-    (``(host, port)``, port 0: a free one), pulling only from ``weight_source`` (HOST:PORT);
-    a generation past ``request_timeout_s`` fails and frees its slot.
+    (``(host, port)``, port 0: a free one), pulling only from ``weight_source`` (HOST:PORT)
+    with the run's transport and key. From ``processes``: a generation past
+    ``replica_request_timeout_s`` fails and frees its slot; a weight update asking for a pull
+    longer than ``max_pull_s`` is refused (400), so none holds the load lock past it.
     ``lora``: ``(abstract adapters, alpha / rank)`` of a LoRA run, whose replicas hold the
     frozen base and merge each version's adapters into it (``lora_source``)."""
-    # Its receiver binds the replica's own host too: nothing here listens on every interface.
+    # With 'jax' its receiver binds the replica's own host: nothing listens on every interface.
+    how = {"transport": processes.weight_transport, "api_key": api_key, "host": bind[0]}
     if lora is None:
-        source = TransferSource(engine, weight_source, host=bind[0])
+        source = TransferSource(engine, weight_source, **how)
     else:
-        source = LoraSource(engine, weight_source, *lora, host=bind[0])
+        source = LoraSource(engine, weight_source, *lora, **how)
     host = ReplicaHost(
         engine,
         replica=replica,
@@ -81,7 +96,10 @@ def replica_server(
         warm_up=warm_up,
         max_queued=max_queued,
     )
-    app = make_app(host, api_key=api_key, limits=Limits(request_timeout_s=request_timeout_s))
+    limits = Limits(
+        request_timeout_s=processes.replica_request_timeout_s, max_pull_s=processes.max_pull_s
+    )
+    app = make_app(host, api_key=api_key, limits=limits)
     return host, HttpServer(app, host=bind[0], port=bind[1], api_key=api_key)
 
 

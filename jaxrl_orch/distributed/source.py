@@ -1,11 +1,14 @@
-"""TransferSource: a replica's one weight source, the trainer leader's transfer server.
+"""TransferSource: a replica's one weight source, the trainer leader's weight server.
 
-What it owns: fetching an offered pytree (``transfer.WeightOffer`` on the sender) into an
-engine's decode shardings and weight dtype. ``TransferSource(engine, address, host=...)`` is
-bound to ONE sender address when the server starts (``--weight_source``) and pulls through a
-receiver on ``host``, the server's own bind address (loopback by default); ``source(uuid,
-layout, timeout_s) -> params`` is what ``serving.host.EngineHost`` calls for a weight update
-(``serving.contract.UPDATE_WEIGHTS``), so a request names an offer, never where to pull from.
+What it owns: fetching an offered pytree (``offer_server.HttpWeightOffer`` on the sender, or
+``transfer.JaxWeightOffer`` when the run opts in) into an engine's decode shardings and weight
+dtype. ``TransferSource(engine, address, transport=..., api_key=..., host=...)`` is bound to ONE
+sender address when the server starts (``--weight_source``) and pulls with the run's transport
+(``Processes.weight_transport``): ``http`` dials the sender with the run's key
+(``offer_pull``) and listens nowhere; ``jax`` pulls through a receiver on ``host``, the
+server's own bind address. ``source(uuid, layout, timeout_s) -> params`` is what
+``serving.host.EngineHost`` calls for a weight update (``serving.contract.UPDATE_WEIGHTS``), so
+a request names an offer, never where to pull from.
 
 Layouts: the transfer copies shard for shard between identical layouts. A sender whose hosts
 have fewer devices than this replica's decode mesh (a v5e trainer host has 4 chips, a v5e-8
@@ -14,11 +17,13 @@ engine VM 8) names the layout it staged in (``layout``: mesh axis sizes and one 
 (``transfer_targets``), then reshards on its own devices into the decode sharding. A layout
 equal to the engine's own (or None) pulls straight into the decode sharding.
 
-Errors: ``TimeoutError`` when the pull does not finish within ``timeout_s`` (an offer never
-made, already pulled or expired, a stuck sender), naming the sender, the uuid and the timeout;
-``ValueError`` naming a layout that does not fit this engine or host, or the arrays of a pull
-that hold NaN or inf (``nonfinite_leaves``). Nothing is swapped in by this class, so a failure
-leaves the engine serving what it had.
+Errors: ``TimeoutError`` when the pull does not finish within ``timeout_s`` (a stuck sender;
+with ``jax`` also an offer never made, already pulled or expired), naming the sender, the uuid
+and the timeout; ``offer_pull.PullRefused`` when the sender has no such offer or refuses the
+key; ``ValueError`` naming a layout that does not fit this engine or host, a leaf whose shape,
+dtype or shards differ from what this engine takes (checked on every ``http`` pull before a
+byte is read), or the arrays of a pull that hold NaN or inf (``nonfinite_leaves``). Nothing is
+swapped in by this class, so a failure leaves the engine serving what it had.
 
 Threads: a call blocks (the HTTP server runs it in a worker thread); it only writes fresh
 arrays, never the engine's state, so the driver keeps decoding meanwhile.
@@ -33,18 +38,33 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_orch.distributed import transfer
+from jaxrl_orch.config.runtime import WEIGHT_TRANSPORTS
+from jaxrl_orch.distributed import offer_pull, transfer
 from jaxrl_orch.distributed.addresses import host_port
 from jaxrl_orch.inference.engine_api import ReplicaEngine
 from sharding.reshard import reshard
 
 
 class TransferSource:
-    def __init__(self, engine: ReplicaEngine, address: str, *, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        engine: ReplicaEngine,
+        address: str,
+        *,
+        transport: str = "http",
+        api_key: str | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
         sender, port = host_port(address, "weight source")
+        if transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(
+                f"weight transport must be one of {WEIGHT_TRANSPORTS}, got {transport!r}"
+            )
         self.engine = engine
         self.host = host
+        self.transport = transport
         self.address = f"{sender}:{port}" if ":" not in sender else f"[{sender}]:{port}"
+        self._api_key = api_key
         self._targets: Any = None
 
     def __call__(self, uuid: int, layout: Any, timeout_s: float) -> Any:
@@ -60,7 +80,7 @@ class TransferSource:
         if layout is not None and layout == own_layout(targets):
             layout = None  # staged in this engine's own layout: pull straight in
         into = targets if layout is None else self._layout_targets(targets, layout)
-        params = transfer.pull(self.address, int(uuid), into, float(timeout_s), host=self.host)
+        params = self._pull(int(uuid), into, float(timeout_s))
         if layout is not None:  # on this host's devices: into the decode sharding
             params = jax.block_until_ready(reshard(params, shardings))
         bad = nonfinite_leaves(params)
@@ -68,6 +88,11 @@ class TransferSource:
             shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
             raise ValueError(f"offer uuid={uuid} holds NaN or inf in {shown}; not swapped in")
         return params
+
+    def _pull(self, uuid: int, into: Any, timeout_s: float) -> Any:
+        if self.transport == "http":
+            return offer_pull.pull(self.address, uuid, into, timeout_s, api_key=self._api_key)
+        return transfer.pull(self.address, uuid, into, timeout_s, host=self.host)
 
     def own_layout(self) -> dict:
         """The engine's decode layout as a sender would name it."""

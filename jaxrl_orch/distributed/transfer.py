@@ -1,9 +1,19 @@
-"""Weights between processes, device to device, over ``jax.experimental.transfer``.
+"""Weights between processes, device to device, over ``jax.experimental.transfer``: the opt-in.
 
-Owns: ``WeightOffer`` (the sender: a transfer server in this process, on the port the run's
+Owns: ``JaxWeightOffer`` (the sender: a transfer server in this process, on the port the run's
 replicas pull from, that offers pytrees of arrays under fresh uuids), ``local_layout`` (the
-receiver's shardings rebuilt over this process's devices, for staging) and ``pull`` (the
-receiver: fetch an offered pytree straight into target shardings, with a deadline).
+receiver's shardings rebuilt over this process's devices, for staging; both transports use it)
+and ``pull`` (the receiver: fetch an offered pytree straight into target shardings, with a
+deadline).
+
+Why it is not the default (``Processes.weight_transport = 'jax'`` opts in; the default is
+``offer_server`` / ``offer_pull``): a transfer server has no authentication (anyone who reaches
+its port reads an offer by its uuid), it cannot bind a Unix socket (only HOST:PORT; and
+``localhost:0`` binds 0.0.0.0, so a host name is refused here), and its C++ socket server aborts
+the whole process on a malformed frame (8 bytes of frame size 2**32, little-endian, then 64
+zero bytes: SIGABRT at ``socket-server.cc:299``, rc 134), the receiver's server as much as the
+sender's (``tests/distributed/test_jax_transport.py``). Any TCP listener, loopback included,
+is reachable by every local user: so only on a network no one else can reach.
 
 What the transfer API requires (jax 0.10.2, verified on CPU between two processes):
 - Layout: it copies shard for shard, raw bytes, between IDENTICAL layouts. The receiver passes
@@ -29,8 +39,8 @@ What the transfer API requires (jax 0.10.2, verified on CPU between two processe
   ``block_until_ready``, which has no deadline, and ``pull``'s own ``timeout`` argument (an
   absolute ``datetime``) did NOT end the wait for a uuid never offered (still hanging after
   60 s). So ``pull`` polls ``is_ready`` until ``timeout_s`` and then drops the arrays: no
-  thread is left waiting, nothing grows (200 abandoned pulls of 4 MB: no thread, no memory
-  kept), later pulls over the same connection work and the process exits cleanly (verified).
+  thread is left waiting, later pulls over the same connection work and the process exits
+  cleanly (verified); but each abandoned pull leaves about 0.3 MB in the transfer library.
 - Addresses: every server binds the host it is given, never every interface. ``connect`` is a
   method of a server, so a receiver runs one too, on the host its caller binds (a replica: the
   host of its own URL; ``host`` of ``pull``): the receiver dials the sender for both control and
@@ -47,6 +57,7 @@ address), are made lazily and kept. This module never imports orchestration or t
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import itertools
 import secrets
 import threading
@@ -65,12 +76,19 @@ _connections: dict[tuple[str, str], Any] = {}  # (bind host, sender address) -> 
 
 
 def _start_server(host: str, port: int = 0) -> Any:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(
+            f"a jax.experimental.transfer server needs an IP address to bind, got {host!r}: "
+            "given a name (even 'localhost') it binds every interface"
+        ) from None
     client = jax.local_devices()[0].client
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6
     return transfer.start_transfer_server(client, f"{host}:{port}", [f"{host}:0"])
 
 
-class WeightOffer:
+class JaxWeightOffer:
     """The sending side (the trainer group's process 0): offers pytrees to be pulled once.
 
     ``port`` 0 binds a free one; a fixed port is where the run's replicas were told to pull
@@ -78,7 +96,7 @@ class WeightOffer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         if not 0 <= int(port) < 65536:
-            raise ValueError(f"WeightOffer port must be in [0, 65536), got {port!r}")
+            raise ValueError(f"JaxWeightOffer port must be in [0, 65536), got {port!r}")
         self._server = _start_server(host, int(port))
         self.address: str = self._server.address()
         # Random start: a receiver holding a uuid from an earlier offerer never pulls a new one.

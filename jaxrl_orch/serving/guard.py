@@ -1,10 +1,12 @@
 """What a request must pass before any route sees it: the control routes, the API key and the
 body size limit.
 
-What it owns: ``Limits`` (the server's bounds: ``max_body_bytes``, ``request_timeout_s``),
-``CONTROL`` (the routes that change the engine's state: pause, resume, weight updates) and
-``Guard``, a plain ASGI middleware (not Starlette's ``BaseHTTPMiddleware``, which would hide a
-client's disconnect from ``waiting.await_completions``).
+What it owns: ``Limits`` (the server's bounds: ``max_body_bytes``, ``request_timeout_s``,
+``max_pull_s``), ``CONTROL`` (the routes that change the engine's state: pause, resume, weight
+updates), ``Guard``, a plain ASGI middleware (not Starlette's ``BaseHTTPMiddleware``, which
+would hide a client's disconnect from ``waiting.await_completions``), and the key check itself
+(``bearer``, ``key_refusal``), which the trainer's weight server (``distributed.offer_server``)
+runs on its own requests too.
 
 Invariants:
 - A server built to withhold its control routes (``withhold_control``: the name of the setting
@@ -41,14 +43,17 @@ CONTROL = (("POST", "/pause"), ("POST", "/resume"), (UPDATE_WEIGHTS.method, UPDA
 class Limits:
     max_body_bytes: int = 32 * 2**20
     request_timeout_s: float = 600.0  # a generation that runs longer fails 504 and is cancelled
+    # The longest pull one weight update may ask for: the load lock is held that long at most.
+    # A run's replicas get their Processes section's (``ProcessesSettings.max_pull_s``).
+    max_pull_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be a positive int, got {self.max_body_bytes!r}")
-        if not self.request_timeout_s > 0:
-            raise ValueError(
-                f"request_timeout_s must be a positive number, got {self.request_timeout_s!r}"
-            )
+        for name in ("request_timeout_s", "max_pull_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
 class Guard:
@@ -57,7 +62,7 @@ class Guard:
     ) -> None:
         self.app = app
         self.limits = limits
-        self._key = f"Bearer {api_key}".encode() if api_key else None
+        self._key = bearer(api_key)
         self._withheld = withhold_control
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -85,12 +90,10 @@ class Guard:
         if self._withheld is not None and route in CONTROL:
             return 403, control_refused(route, self._withheld), None
         headers = dict(scope["headers"])
-        if self._key is not None and route not in OPEN:
-            given = headers.get(b"authorization")
-            if given is None:
-                return 401, "missing API key: send the header 'Authorization: Bearer <key>'", None
-            if not hmac.compare_digest(given, self._key):
-                return 401, "wrong API key in the Authorization header", None
+        if route not in OPEN:
+            refusal = key_refusal(headers.get(b"authorization"), self._key)
+            if refusal is not None:
+                return 401, refusal, None
         length = headers.get(b"content-length")
         if length is not None:
             try:
@@ -112,6 +115,25 @@ def control_refused(route: tuple[str, str], setting: str) -> str:
         f"{route[0]} {route[1]} is refused to every caller: this server's control routes "
         f"({routes}) belong to the run that serves it; {setting} = True hands them out"
     )
+
+
+def bearer(api_key: str | None) -> bytes | None:
+    """The ``Authorization`` header value a key requires (None: no key, nothing required)."""
+    return f"Bearer {api_key}".encode() if api_key else None
+
+
+def key_refusal(given: bytes | str | None, wanted: bytes | None) -> str | None:
+    """Why a request whose ``Authorization`` header is ``given`` is refused when ``wanted``
+    (``bearer(key)``) is required; None when it passes. Compared in constant time."""
+    if wanted is None:
+        return None
+    if given is None:
+        return "missing API key: send the header 'Authorization: Bearer <key>'"
+    if isinstance(given, str):
+        given = given.encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(given, wanted):
+        return "wrong API key in the Authorization header"
+    return None
 
 
 async def _reply(send: Any, status: int, message: str, param: str | None) -> None:

@@ -14,7 +14,7 @@ Two ways to hold a driver
     (``ready`` False and version -1 until then, unless ``params`` are given) and swaps later
     ones in between two decode steps. ``source(uuid, layout, timeout_s) -> params`` fetches an
     offered pytree into the engine's decode shardings: it is bound to one sender when the
-    server starts (``distributed.transfer``), so a request only ever names an offer, never an
+    server starts (``distributed.source``), so a request only ever names an offer, never an
     address. A LoRA run's source also has ``load_base`` (keeps the frozen base, returns
     nothing) and ``load_adapters`` (returns the base with the adapters merged in).
 

@@ -17,7 +17,9 @@ Invariants:
   frees its slot (``waiting.await_completions``).
 - Seeds of ``n > 1`` samples follow the driver's rule: sample i of seed s gets ``s + i``.
 - A weight update names an offer (``uuid``) of the one source the server was started with,
-  never an address; a failed pull leaves the host serving the weights it had.
+  never an address, and a pull deadline (``timeout_s``) of at most ``limits.max_pull_s``, so
+  no request holds the host's load lock longer; a failed pull leaves the host serving the
+  weights it had.
 
 Driven by the app's event loop; the driver's futures are awaited, never blocked on.
 """
@@ -96,6 +98,13 @@ def rl_routes(host: EngineHost, limits: Limits, metrics: Metrics) -> APIRouter:
 
     @router.api_route(UPDATE_WEIGHTS.path, methods=[UPDATE_WEIGHTS.method])
     async def update_weights(body: UpdateWeights) -> WeightsLoaded:
+        if body.timeout_s > limits.max_pull_s:  # checked before the load lock is waited for
+            raise ApiError(
+                400,
+                f"timeout_s={body.timeout_s:g} is over the longest pull this server takes: "
+                f"timeout_s must be at most {limits.max_pull_s:g}",
+                param="timeout_s",
+            )
         try:
             return await host.update_weights(
                 body.version, body.uuid, body.layout, timeout_s=body.timeout_s, part=body.part

@@ -2,7 +2,8 @@
 
 What it owns: the listening socket (bound before uvicorn starts, so ``port=0`` picks a free
 port and a taken port fails in the caller, not in a thread), the uvicorn server and, for
-``start_in_thread``, its thread and event loop.
+``start_in_thread``, its thread and event loop. ``check_bind`` (loopback unless there is a key)
+and ``bind_socket`` are also the trainer's weight server's (``distributed.offer_server``).
 
 Invariants:
 - Loopback only unless there is an API key: ``HttpServer(app, host="0.0.0.0")`` without
@@ -110,16 +111,7 @@ class HttpServer:
             thread.join(self.grace_s + 10.0)
 
     def _bind(self) -> socket.socket:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            self.host, self._want_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-        except OSError:
-            sock.close()
-            raise
+        sock = bind_socket(self.host, self._want_port)
         self._port = sock.getsockname()[1]
         return sock
 
@@ -148,6 +140,22 @@ class HttpServer:
         self._server.should_exit = self._stop_asked
         with contextlib.closing(sock):
             await self._server.serve(sockets=[sock])
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one), not yet listening; a taken
+    port raises ``OSError`` here, in the caller."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def is_loopback(host: str) -> bool:

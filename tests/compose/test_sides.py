@@ -116,8 +116,10 @@ class FakeChannel:
 
 
 class FakeOffer:
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+    """What ``open_offer`` was asked for: the run's transport, address and key."""
+
+    def __init__(self, transport: str, weight_source: str, api_key: str | None) -> None:
+        self.transport, self.weight_source, self.api_key = transport, weight_source, api_key
 
 
 class FakePool:
@@ -181,7 +183,7 @@ def replica_fakes(monkeypatch):
         return {"gathered": tree}
 
     monkeypatch.setattr(sides, "Channel", FakeChannel)
-    monkeypatch.setattr(sides, "WeightOffer", FakeOffer)
+    monkeypatch.setattr(sides, "open_offer", FakeOffer)
     monkeypatch.setattr(sides, "RemotePool", FakePool)
     monkeypatch.setattr(sides, "GroupStaging", FakeStaging)
     monkeypatch.setattr(sides, "final_policy", lambda t: {"policy of version": t.version})
@@ -191,16 +193,17 @@ def replica_fakes(monkeypatch):
     return gathered
 
 
-def _replica_plan(p: int) -> ReplicaPlan:
+def _replica_plan(p: int, replicas: Replicas = REPLICAS, **settings) -> ReplicaPlan:
     """Trainer process 0 of a group of ``p``, with one engine replica."""
     leader = Role("trainer", 0, p, 1)
-    plan = side_plan(_parts(leader, REPLICAS, **_group(p)), BuiltEngine("engine", True, False))
+    parts = _parts(leader, replicas, **_group(p), **settings)
+    plan = side_plan(parts, BuiltEngine("engine", True, False))
     assert isinstance(plan, ReplicaPlan)
     return plan
 
 
-def _replica_side(p: int) -> tuple[ReplicaPlan, ReplicaSide]:
-    plan = _replica_plan(p)
+def _replica_side(p: int, **plan) -> tuple[ReplicaPlan, ReplicaSide]:
+    plan = _replica_plan(p, **plan)
     return plan, plan.side(SimpleNamespace(version=5, params={"w": "trainer's"}))
 
 
@@ -310,10 +313,18 @@ def test_the_in_process_side_starts_on_the_trainers_weights_moves_and_swaps(mesh
 # ------------------------------------------------------------------ the replica side
 
 
+def test_the_replica_sides_offer_takes_the_runs_transport_and_key(replica_fakes):
+    keyed = Replicas(REPLICAS.urls, REPLICAS.weight_source, api_key="run key")
+    _, side = _replica_side(1, replicas=keyed, **{"Processes.weight_transport": "jax"})
+    assert (side.offer.transport, side.offer.api_key) == ("jax", "run key")
+    assert side.pool.offer is side.offer
+
+
 def test_the_replica_side_builds_its_pool_moves_swaps_starts_and_stops(replica_fakes):
     plan, side = _replica_side(2)
     pool = side.pool
-    assert (side.offer.host, side.offer.port) == ("127.0.0.1", 8470)  # --weight_source
+    offer = side.offer  # the run's default transport, on --weight_source
+    assert (offer.transport, offer.weight_source, offer.api_key) == ("http", "127.0.0.1:8470", None)
     assert pool.urls == REPLICAS.urls and pool.offer is side.offer
     assert pool.layout == FakeStaging.layout and pool.base_layout is None
     assert pool.deadlines is plan.parts.cfg.processes

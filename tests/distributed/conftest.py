@@ -6,7 +6,7 @@ import pytest
 from support.replica_main import make_engine
 from support.replica_procs import TRAINER_HOST, start_replica, stop_replica
 
-from jaxrl_orch.distributed.transfer import WeightOffer
+from jaxrl_orch.distributed.offer_server import HttpWeightOffer
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +23,16 @@ def compile_cache(tmp_path_factory):
 def replica(compile_cache, offer):
     """A fresh replica, holding no weights, pulling from ``offer``: ``(url, process)``."""
     address, proc, _ = start_replica(compile_cache, offer, "--max-queued", "3")
+    yield address, proc
+    stop_replica(proc)
+
+
+@pytest.fixture
+def bounded_replica(compile_cache, offer):
+    """A fresh replica whose weight updates may pull for at most 1 + 1 s (its Processes
+    section's ``max_pull_s``): ``(url, process)``."""
+    bound = ("--weight-pull-timeout-s", "1", "--weight-load-extra-s", "1")
+    address, proc, _ = start_replica(compile_cache, offer, *bound)
     yield address, proc
     stop_replica(proc)
 
@@ -45,4 +55,6 @@ def reference():
 def offer():
     # The trainer's host as another machine would see it: an address of its own, not the
     # replica's loopback default, which a replica on another host would dial instead.
-    return WeightOffer(host=TRAINER_HOST)
+    sender = HttpWeightOffer(host=TRAINER_HOST)
+    yield sender
+    sender.close()

@@ -295,3 +295,13 @@ def test_a_replica_beyond_loopback_needs_an_api_key():
     check_bind(Replicas(urls, "10.0.0.2:8470", api_key="s3cr3t"), role)
     check_bind(Replicas(urls, "10.0.0.2:8470"), Role("engine", 2, 2, 2))  # replica 0: loopback
     assert "s3cr3t" not in repr(Replicas(urls, "10.0.0.2:8470", api_key="s3cr3t"))  # never logged
+
+
+def test_the_trainers_weight_server_beyond_loopback_needs_an_api_key():
+    leader, peer = Role("trainer", 0, 2, 2), Role("trainer", 1, 2, 2)
+    urls = ("http://127.0.0.1:9000",)
+    with pytest.raises(ValueError, match=r"refusing to bind '10.0.0.2' without an API key"):
+        check_bind(Replicas(urls, "10.0.0.2:8470"), leader)
+    check_bind(Replicas(urls, "10.0.0.2:8470", api_key="s3cr3t"), leader)
+    check_bind(Replicas(urls, "127.0.0.1:8470"), leader)
+    check_bind(Replicas(urls, "10.0.0.2:8470"), peer)  # a peer serves nothing

@@ -17,6 +17,8 @@ from support.standin_replica import HeldDriver as _Driver
 from support.standin_replica import StandInEngine as _Engine
 from support.standin_replica import serve as _serve
 
+from jaxrl_orch.config.runtime import ProcessesSettings as Processes
+from jaxrl_orch.distributed.replica import replica_server
 from jaxrl_orch.distributed.replica_client import (
     KEEPALIVE_S,
     RemoteEngineClient,
@@ -277,3 +279,31 @@ def test_an_answer_without_a_version_per_token_is_refused_by_name():
         assert "replica 7 at http://127.0.0.1:" in err and GENERATE.path in err, err
         assert "policy_versions with one version per token" in err, err
     assert done.versions == [3, 3] and done.token_ids == [5, 6]
+
+
+def test_a_replica_pulls_with_the_runs_transport_and_key_and_bounds_its_pulls_by_the_run():
+    processes = Processes(
+        weight_transport="jax", weight_pull_timeout_s=7.0, weight_load_extra_s=2.0
+    )
+    host, server = replica_server(
+        _Engine(),
+        replica=0,
+        model="stand-in",
+        bind=("127.0.0.1", 0),
+        weight_source="127.0.0.2:8470",
+        processes=processes,
+        api_key="run key",
+    )
+    source = host._source
+    assert (source.transport, source.address, source.host) == ("jax", "127.0.0.2:8470", "127.0.0.1")
+    assert source._api_key == "run key"
+    assert server.app.state.limits.max_pull_s == 9.0 == processes.max_pull_s
+    default = replica_server(
+        _Engine(),
+        replica=0,
+        model="stand-in",
+        bind=("127.0.0.1", 0),
+        weight_source="127.0.0.2:8470",
+        processes=Processes(),
+    )[0]
+    assert default._source.transport == "http"

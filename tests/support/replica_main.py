@@ -1,14 +1,17 @@
 """A test engine replica: ``python -m support.replica_main --weight-source HOST:PORT
-[--host ADDR] [--max-queued N] [--lora-rank R]`` (``tests/`` on ``PYTHONPATH``).
+[--host ADDR] [--max-queued N] [--lora-rank R] [--weight-pull-timeout-s S]
+[--weight-load-extra-s S]`` (``tests/`` on ``PYTHONPATH``).
 
 Builds a ``DecodeEngine`` of ``tiny-byte`` on a tp=2 decode mesh over this process's 2 local
 CPU devices (the caller sets ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` and
 ``JAX_PLATFORMS=cpu``), serves it as the train command's replicas are served
 (``distributed.replica``: HTTP on a free port of ``--host``, 127.0.0.1 by default, weights
-pulled only from ``--weight-source``) and prints ``READY <url> <pid>`` once it answers. Runs
-until SIGTERM / SIGINT. ``make_engine`` is shared with the tests' in-process reference engine.
-With ``--lora-rank`` it is a LoRA run's replica (``lora_adapters``: rank-R adapters of
-tiny-byte on every projection, alpha 32): it takes the base once, then adapters.
+pulled only from ``--weight-source`` with the default transport, a weight update's pull bounded
+by the ``Processes`` section's ``max_pull_s``, from its defaults or the two flags) and prints
+``READY <url> <pid>`` once it answers. Runs until SIGTERM / SIGINT. ``make_engine`` is shared
+with the tests' in-process reference engine. With ``--lora-rank`` it is a LoRA run's replica
+(``lora_adapters``: rank-R adapters of tiny-byte on every projection, alpha 32): it takes the
+base once, then adapters.
 """
 
 from __future__ import annotations
@@ -57,14 +60,21 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1", help="the address this replica binds")
     parser.add_argument("--max-queued", type=int, default=MAX_QUEUED)
     parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--weight-pull-timeout-s", type=float, default=None)
+    parser.add_argument("--weight-load-extra-s", type=float, default=None)
     args = parser.parse_args()
+    deadlines = {
+        "weight_pull_timeout_s": args.weight_pull_timeout_s,
+        "weight_load_extra_s": args.weight_load_extra_s,
+    }
+    processes = Processes(**{k: v for k, v in deadlines.items() if v is not None})
     host, server = replica_server(
         make_engine(),
         replica=1,
         model="tiny-byte",
         bind=(args.host, 0),
         weight_source=args.weight_source,
-        request_timeout_s=Processes().replica_request_timeout_s,  # a run's, by default
+        processes=processes,  # a run's, by default
         max_queued=args.max_queued,
         lora=lora_adapters(args.lora_rank) if args.lora_rank else None,
     )
