@@ -7,8 +7,9 @@ What it owns: the processes of one run on this machine. It picks free loopback p
 trainer group's jax.distributed coordinator, one HTTP port per replica, passed as
 ``--engine_addresses=http://127.0.0.1:PORT,...``, and the trainer leader's weight server,
 passed to every process as ``--weight_source=127.0.0.1:PORT``: the leader offers there, each
-replica pulls only from there, with the run's key), gives every process its own ``--devices_per_process`` fake
-CPU devices (``XLA_FLAGS``) unless told to leave the devices alone, and starts ``python -m
+replica pulls only from there, with the run's key), gives every process its own
+``--devices_per_process`` fake CPU devices (``XLA_FLAGS``) unless told to leave the devices
+alone, and starts ``python -m
 jaxrl_orch.train`` once per process with the layout bound (``Processes.trainer_processes`` /
 ``engine_replicas``) and that process's ``--process_index``: 0..P-1 train (0 also runs the
 orchestrator), P..P+R-1 serve. Other flags go to every process; without ``--api_key_file``

@@ -16,6 +16,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -196,17 +197,18 @@ def test_offers_are_pulled_once_expire_and_release_their_arrays(sender, meshes):
     with pytest.raises(PullRefused, match=rf"uuid {once} .*HTTP 404: no offer uuid={once}"):
         pull(sender.address, once, targets, 30.0, api_key=KEY)
 
-    gc.collect()
-    before = len(jax.live_arrays())
     fresh = _tree(mine, seed=4)
     expiring = sender.offer(fresh, expire_s=0.2)
     del fresh
+    # Weak references to the shards the offer holds: other tests' arrays coming and going (a
+    # whole suite in one process) cannot move what these see, as a count of live arrays would.
+    held = [weakref.ref(x) for x in sender._offers[expiring].shards]
     gc.collect()
-    assert len(jax.live_arrays()) > before  # the offer holds its shards
+    assert held and all(r() is not None for r in held)  # the offer holds its shards
     while sender.outstanding:  # the sweep drops it without any request
         time.sleep(0.05)
     gc.collect()
-    assert len(jax.live_arrays()) == before  # and nothing of it is held any more
+    assert all(r() is None for r in held)  # and nothing of it is held any more
     with pytest.raises(PullRefused, match="HTTP 404.*never offered, already pulled, or expired"):
         pull(sender.address, expiring, targets, 30.0, api_key=KEY)
 
