@@ -125,13 +125,24 @@ def _refuse_unused_macros(gin_files: list[str], gin_params: list[str]) -> None:
         name = bare.group(1)
         if any(re.search(rf"%{name}\b", t) for t in texts):
             continue
-        meant = moved_name("TrainConfig", name)
-        hint = f"; did you mean '{meant} = ...'?" if meant else ""
+        meant = " or ".join(f"'{m} = ...'" for m in _meant(name))
+        hint = f"; did you mean {meant}?" if meant else ""
         raise ValueError(
             f"binding {param.strip()!r} names no section: a bare name is a gin macro, and no "
             f"gin file or binding reads %{name}{hint} (a setting is Section.name, e.g. "
             "'RL.steps = 40')"
         )
+
+
+def _meant(name: str) -> list[str]:
+    """The settings a bare ``name`` probably meant: a field of ``TrainConfig`` itself, else
+    every section's field of that name (or where an old flat name went)."""
+    sections = {attr for attr, _ in sections_of(TrainConfig)}
+    if name in TrainConfig.__dataclass_fields__ and name not in sections:
+        return [f"TrainConfig.{name}"]
+    found = [f"{cls.SECTION}.{name}" for cls in SECTIONS if name in cls.__dataclass_fields__]
+    moved = MOVED.get(("TrainConfig", name))
+    return found or ([moved] if moved else [])
 
 
 def make_config(settings: Mapping[str, Any] | None = None) -> TrainConfig:

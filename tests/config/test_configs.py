@@ -331,3 +331,28 @@ def test_a_verifiers_run_names_its_environment_and_leaves_the_prompts_to_it():
     assert load_config(["configs/verifiers.gin"], [override]).verifiers.env["taskset"] == {
         "id": "jaxrl-two-turn"
     }
+
+
+def test_a_bare_name_is_refused_unless_a_file_reads_it_as_a_macro(tmp_path):
+    """``--gin_param=seed=1`` is a gin macro nothing reads: gin would accept it and record it in
+    config.gin while the run trains with seed 0. Refused, naming the setting meant; a macro a
+    file reads (``%CHECKPOINT``) still binds."""
+    import gin
+
+    with pytest.raises(ValueError, match=r"'seed=1' names no section.*'TrainConfig.seed = \.\.\.'"):
+        load_config([], ["seed=1"])
+    both = r"'Warmup.steps = \.\.\.' or 'RL.steps = \.\.\.'"
+    with pytest.raises(ValueError, match=rf"'steps = 3' names no section.*{both}"):
+        load_config([], ["steps = 3"])
+    with pytest.raises(
+        ValueError,
+        match=r"'NOTHING = 2' names no section: .*reads %NOTHING \(a setting is Section.name",
+    ):
+        load_config([], ["NOTHING = 2"])
+    uses = tmp_path / "uses.gin"
+    uses.write_text("STEPS = 5\nRL.steps = %STEPS\n")
+    try:
+        assert load_config([str(uses)], ["STEPS = 7"]).rl.steps == 7
+        assert load_config([], ["TrainConfig.seed = 3"]).seed == 3
+    finally:
+        gin.clear_config()
