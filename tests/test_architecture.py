@@ -5,7 +5,8 @@ Orchestrator components never import each other (only the loop drives them); lay
 downwards; sharding/ knows nothing of models or RL; inference/ knows nothing of orchestration;
 algorithms/ are pure. The run's parts are built once, typed: every part a stage or a builder
 takes is annotated with its class or Protocol (never ``Any``), no class name is defined twice,
-and nothing is attached to a part after it is built. And the repository stands alone: its design
+nothing is attached to a part after it is built, and no constructor takes
+what is built from it (no construction cycle). And the repository stands alone: its design
 notes are docs/design.md, no file cites a document outside the repository, and every docs page a
 file cites exists.
 """
@@ -335,6 +336,116 @@ def test_the_class_name_check_catches_a_planted_twin():
     ]
     twice = {name: at for name, at in _class_names(files).items() if len(at) > 1}
     assert twice == {"Launcher": ["a.py:1", "b.py:6"], "Settings": ["a.py:2", "b.py:2"]}
+
+
+# Construction has no cycle (docs/design.md section 2.2): if class A's constructor takes a B,
+# B's constructor may not take an A, directly or through other classes, or one of them would have
+# to be built half-way and finished later.
+DATACLASS = re.compile(r"(dataclasses\.)?dataclass\b")
+
+
+def _constructor_annotations(cls: ast.ClassDef) -> list[ast.expr]:
+    """The annotations of what building ``cls`` takes: its ``__init__``'s parameters, or a
+    dataclass's fields (class-level annotated names without ``ClassVar``)."""
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            a = node.args
+            return [p.annotation for p in [*a.posonlyargs, *a.args, *a.kwonlyargs] if p.annotation]
+    if any(DATACLASS.match(ast.unparse(d)) for d in cls.decorator_list):
+        return [
+            n.annotation
+            for n in cls.body
+            if isinstance(n, ast.AnnAssign) and "ClassVar" not in ast.unparse(n.annotation)
+        ]
+    return []
+
+
+def _construction_graph(files: list[tuple[str, str]]) -> dict[str, set[str]]:
+    """For each class defined in ``files``, the other classes of ``files`` its constructor names
+    in an annotation (``A | None``, ``Sequence[A]`` and quoted names count; a class naming itself,
+    a tree built bottom-up, does not)."""
+    classes = {
+        node.name: node
+        for _, text in files
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.ClassDef)
+    }
+    graph = {}
+    for name, cls in classes.items():
+        named = set()
+        for annotation in _constructor_annotations(cls):
+            named |= set(re.findall(r"\b\w+\b", ast.unparse(annotation)))
+        graph[name] = (named & classes.keys()) - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected group of ``graph`` (a depth-first search that reports
+    each back edge's loop), each starting from its smallest name."""
+    found, state, path = {}, {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                loop = path[path.index(nxt) :]
+                start = loop.index(min(loop))
+                found.setdefault(frozenset(loop), loop[start:] + loop[:start])
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return sorted(found.values())
+
+
+def test_no_class_takes_in_its_constructor_what_is_built_from_it():
+    """The package's construction graph (class -> the classes its constructor takes) has no
+    cycle: the run is built in one order (docs/design.md section 2.2)."""
+    files = [(str(p.relative_to(ROOT)), p.read_text()) for p in _sources()]
+    graph = _construction_graph(files)
+    assert sum(map(len, graph.values())) >= 50, "the graph lost its edges"
+    assert not _cycles(graph), _cycles(graph)
+
+
+PLANTED_CYCLE = """
+import dataclasses
+
+
+class Trainer:
+    def __init__(self, hooks: "Side | None", params: dict) -> None: ...
+
+
+class Side:
+    def __init__(self, trainer: Trainer, pool: "Pool") -> None: ...
+
+
+class Pool:
+    def __init__(self, clients: list["Client"]) -> None: ...
+
+
+@dataclasses.dataclass
+class Client:
+    url: str
+    parent: Pool | None = None
+
+
+@dataclasses.dataclass
+class Node:
+    children: list["Node"]
+"""
+
+
+def test_the_cycle_check_catches_a_planted_loop():
+    """A planted module: a two-phase pair (the trainer takes the side built from it) and a
+    dataclass closing a loop through a list are found; a self-referential tree is not."""
+    graph = _construction_graph([("planted.py", PLANTED_CYCLE)])
+    assert graph["Side"] == {"Trainer", "Pool"} and graph["Node"] == set()
+    assert _cycles(graph) == [["Client", "Pool"], ["Side", "Trainer"]]
 
 
 ATTACHING = re.compile(r"(attach(_\w+)?|set_hooks|set_\w+_hooks?)")
