@@ -1,0 +1,185 @@
+"""``HFCheckpoint``: an HF checkpoint read straight onto the trainer's mesh, each device its shard.
+
+The checkpoint is a Llama-3-layout model (llama3 RoPE, untied head, grouped kv heads) with
+random weights everywhere (norms too, so a swapped name shows), written sharded over several
+files. What it must do: give ``load_hf_checkpoint``'s arrays bit for bit, each device holding
+only its shard; give the same bits from ``gs://`` (the local emulator); read a tensor whose
+first HF axis is sharded once in total, not once per device; and refuse each bad input with
+one line naming it, before any array is built.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from support.gcs_emulator import BUCKET, Emulator
+
+from jaxrl_orch.models.configs import ModelConfig, RopeScaling
+from jaxrl_orch.models.hf_import import load_hf_checkpoint, save_hf_checkpoint
+from jaxrl_orch.models.hf_sharded import HFCheckpoint
+from jaxrl_orch.models.lora_config import LoraConfig
+from jaxrl_orch.models.transformer import Transformer
+from jaxrl_orch.paths import copy_tree
+from jaxrl_orch.trainer import optim as optim_lib
+from jaxrl_orch.trainer import step as step_lib
+from jaxrl_orch.trainer.programs import build_programs
+
+LLAMA3 = ModelConfig(
+    vocab_size=256,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,  # 2 kv heads on tp 4: the rules shard head_dim instead (a cut inside a head)
+    head_dim=16,
+    d_ff=128,
+    tie_embeddings=False,
+    rope_theta=500000.0,
+    rope_scaling=RopeScaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=64
+    ),
+)
+INDEX = "model.safetensors.index.json"
+
+
+def _write(path, dtype=jnp.float32, seed=0):
+    """A checkpoint of random weights in ``dtype``, in several files; returns its index."""
+    config = dataclasses.replace(LLAMA3, dtype=dtype, param_dtype=dtype)
+    state = nnx.state(Transformer(config, rngs=nnx.Rngs(seed)), nnx.Param)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(state))))
+    state = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype), state)
+    names = save_hf_checkpoint(state, config, path, max_shard_size="40KB")
+    assert len(names) > 4  # config.json, the index and at least three files
+    return json.loads((path / INDEX).read_text())["weight_map"]
+
+
+def _mesh():
+    """The trainer's (fsdp, tp) mesh over all 8 devices."""
+    return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("fsdp", "tp"))
+
+
+def _trainer(config):
+    """The trainer's abstract params and their shardings on a (fsdp 2, tp 4) mesh."""
+    mesh = _mesh()
+    programs = build_programs(
+        config, mesh, step_lib.StepConfig(), optim_lib.OptimConfig(), row_len=16
+    )
+    return programs.abstract_params, programs.param_shardings
+
+
+def _leaves(tree):
+    """Leaves by their dict keys (a sharding tree holds them bare, a params tree in Params)."""
+    flat = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, Sharding))
+    dict_keys = lambda path: tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+    return {dict_keys(path): leaf for path, leaf in flat}
+
+
+@pytest.mark.parametrize(
+    "store, params", [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32")]
+)
+def test_the_trainer_mesh_gets_the_whole_read_bits_each_device_its_shard(tmp_path, store, params):
+    _write(tmp_path, jnp.dtype(store))
+    ckpt = HFCheckpoint(tmp_path)
+    config = ckpt.config(dtype=params, param_dtype=params)
+    abstract, shardings = _trainer(config)
+    got = _leaves(ckpt.load(abstract, shardings))
+    _, model = load_hf_checkpoint(tmp_path, dtype=jnp.dtype(params))
+    want = _leaves(nnx.state(model, nnx.Param))
+    assert got.keys() == want.keys() and len(got) == 2 + 1 + 2 * 9
+    sharded = 0
+    for key, sharding in _leaves(shardings).items():
+        array = got[key]
+        assert array.sharding == sharding and array.dtype == jnp.dtype(params), str(key)
+        np.testing.assert_array_equal(np.asarray(array), np.asarray(want[key]), err_msg=str(key))
+        for shard in array.addressable_shards:
+            assert shard.data.shape == sharding.shard_shape(array.shape), str(key)
+        sharded += sharding.shard_shape(array.shape) != array.shape
+    assert sharded >= 2 + 2 * 7  # every matrix is cut; only the norms may be whole
+
+
+def test_a_lora_base_loads_onto_the_base_shardings(tmp_path):
+    _write(tmp_path)
+    ckpt = HFCheckpoint(tmp_path)
+    config = dataclasses.replace(ckpt.config(), lora=LoraConfig(rank=2))
+    mesh = _mesh()
+    programs = build_programs(config, mesh, step_lib.StepConfig(), optim_lib.OptimConfig())
+    got = _leaves(ckpt.load(programs.abstract_base, programs.base_shardings))
+    want = _leaves(nnx.state(load_hf_checkpoint(tmp_path)[1], nnx.Param))
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=str(key))
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    emulator = Emulator()
+    emulator.point_here()
+    yield emulator
+    emulator.stop()
+
+
+def _count_reads(monkeypatch, ckpt):
+    """Bytes ``ckpt`` reads per file, every read counted where the bytes come in."""
+    counts: collections.Counter = collections.Counter()
+    read = ckpt.files.read_range
+
+    def counted(name, start, stop):
+        data = read(name, start, stop)
+        counts[name] += len(data)
+        return data
+
+    monkeypatch.setattr(ckpt.files, "read_range", counted)
+    return counts
+
+
+def test_gs_gives_the_same_bits_reading_each_first_axis_shard_once(gcs, tmp_path, monkeypatch):
+    weight_map = _write(tmp_path, jnp.bfloat16)
+    url = f"gs://{BUCKET}/ckpt-{tmp_path.name}"
+    copy_tree(tmp_path, url)
+    local = HFCheckpoint(tmp_path)
+    config = local.config(dtype="bfloat16", param_dtype="bfloat16")
+    abstract, shardings = _trainer(config)
+    want = _leaves(local.load(abstract, shardings))
+    remote = HFCheckpoint(url)
+    counts = _count_reads(monkeypatch, remote)
+    got = _leaves(remote.load(abstract, shardings))
+    for key in want:
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=str(key))
+
+    # The embedding and lm_head, vocab over 8 devices (their first HF axis): each byte of them
+    # is read once, not once per device; beyond that only the files' headers are read.
+    mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    counts.clear()
+    remote.load(
+        {"embed": bf16(256, 64), "lm_head": bf16(64, 256)},
+        {  # ours [E, V] is HF [V, E]: vocab is its rows too
+            "embed": NamedSharding(mesh, PartitionSpec("x", None)),
+            "lm_head": NamedSharding(mesh, PartitionSpec(None, "x")),
+        },
+    )
+    files = set(weight_map.values())
+    headers = sum(8 + int.from_bytes((tmp_path / f).read_bytes()[:8], "little") for f in files)
+    assert set(counts) == files
+    assert sum(counts.values()) - headers == 2 * 256 * 64 * 2
+
+
+def test_a_tensor_read_locally_is_read_once_per_distinct_box(tmp_path, monkeypatch):
+    """Devices that hold the same box (the replicated axis) share one read: 8 devices on a
+    (2, 4) mesh, the embedding cut 2 ways by rows, replicated 4 ways: 2 reads of half each."""
+    _write(tmp_path)
+    ckpt = HFCheckpoint(tmp_path)
+    boxes = []
+    read = ckpt.read
+    monkeypatch.setattr(ckpt, "read", lambda n, i, box: boxes.append(box) or read(n, i, box))
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    embed = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    ckpt.load({"embed": embed}, NamedSharding(mesh, PartitionSpec("a", None)))
+    assert sorted(boxes) == [((0, 128), (0, 64)), ((128, 256), (0, 64))]
