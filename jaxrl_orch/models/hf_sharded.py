@@ -1,7 +1,8 @@
 """Hugging Face checkpoints read straight onto a mesh: each device reads only its own shard.
 
 What it owns: ``HFCheckpoint(path)``, a lazy handle on an HF checkpoint directory (local or
-``gs://``, through ``paths.as_path``). ``config(**overrides)`` parses its ``config.json``;
+``gs://``, through ``paths.as_path``). ``config(**overrides)`` parses its ``config.json`` and
+``abstract()`` gives its model's abstract params;
 ``load(abstract, shardings, dtype=None)`` builds every param with
 ``jax.make_array_from_callback``: a device's callback maps its index into our layout to the box
 of the HF tensor that covers it (``hf_import.param_names`` names the tensor, ``_to_ours`` turns
@@ -30,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Sharding
 from safetensors import safe_open
 
@@ -42,6 +44,7 @@ from jaxrl_orch.models.hf_import import (
     param_names,
     read_json,
 )
+from jaxrl_orch.models.transformer import Transformer
 from jaxrl_orch.paths import as_path, is_url
 
 # safetensors' names of the float dtypes a checkpoint may store (``hf_import.STORAGE_DTYPES``).
@@ -155,6 +158,11 @@ class HFCheckpoint:
 
     def config(self, **overrides: Any) -> ModelConfig:
         return config_from_hf(read_json(self.files.root / "config.json"), **overrides)
+
+    def abstract(self) -> Any:
+        """The abstract params of the checkpoint's own model (``config()``'s ``Transformer``)."""
+        model = nnx.eval_shape(lambda: Transformer(self.config(), rngs=nnx.Rngs(0)))
+        return nnx.split(model)[1]
 
     def tensors(self) -> dict[str, TensorInfo]:
         """Every tensor of the checkpoint, from the headers of its files."""

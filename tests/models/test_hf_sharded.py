@@ -20,16 +20,20 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from safetensors import safe_open
+from safetensors.numpy import save_file
 from support.gcs_emulator import BUCKET, Emulator
 
+from jaxrl_orch.compose.model import pretrained_params
 from jaxrl_orch.models.configs import ModelConfig, RopeScaling
 from jaxrl_orch.models.hf_import import load_hf_checkpoint, save_hf_checkpoint
 from jaxrl_orch.models.hf_sharded import HFCheckpoint
 from jaxrl_orch.models.lora_config import LoraConfig
 from jaxrl_orch.models.transformer import Transformer
-from jaxrl_orch.paths import copy_tree
+from jaxrl_orch.paths import as_path, copy_tree
 from jaxrl_orch.trainer import optim as optim_lib
 from jaxrl_orch.trainer import step as step_lib
+from jaxrl_orch.trainer.params import initial_params
 from jaxrl_orch.trainer.programs import build_programs
 
 LLAMA3 = ModelConfig(
@@ -104,17 +108,23 @@ def test_the_trainer_mesh_gets_the_whole_read_bits_each_device_its_shard(tmp_pat
     assert sharded >= 2 + 2 * 7  # every matrix is cut; only the norms may be whole
 
 
-def test_a_lora_base_loads_onto_the_base_shardings(tmp_path):
+@pytest.mark.parametrize("lora", [None, LoraConfig(rank=2)])
+def test_a_trainer_starts_from_the_handle_model_name_gives(tmp_path, lora):
+    """``Model.name`` -> ``pretrained_params`` (a handle, nothing read) -> ``initial_params``
+    reads it onto the trainer's shardings (LoRA: the frozen base's)."""
     _write(tmp_path)
-    ckpt = HFCheckpoint(tmp_path)
-    config = dataclasses.replace(ckpt.config(), lora=LoraConfig(rank=2))
-    mesh = _mesh()
-    programs = build_programs(config, mesh, step_lib.StepConfig(), optim_lib.OptimConfig())
-    got = _leaves(ckpt.load(programs.abstract_base, programs.base_shardings))
-    want = _leaves(nnx.state(load_hf_checkpoint(tmp_path)[1], nnx.Param))
+    handle = pretrained_params(str(tmp_path))
+    assert isinstance(handle, HFCheckpoint)
+    config = dataclasses.replace(handle.config(), lora=lora)
+    programs = build_programs(config, _mesh(), step_lib.StepConfig(), optim_lib.OptimConfig())
+    params, frozen = initial_params(programs, config, _mesh(), 0, handle)
+    base = params if lora is None else frozen
+    shardings = programs.param_shardings if lora is None else programs.base_shardings
+    got, want = _leaves(base), _leaves(nnx.state(load_hf_checkpoint(tmp_path)[1], nnx.Param))
     assert got.keys() == want.keys()
-    for key in want:
-        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=str(key))
+    for key, sharding in _leaves(shardings).items():
+        assert got[key].sharding == sharding, str(key)
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), str(key))
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +193,66 @@ def test_a_tensor_read_locally_is_read_once_per_distinct_box(tmp_path, monkeypat
     embed = jax.ShapeDtypeStruct((256, 64), jnp.float32)
     ckpt.load({"embed": embed}, NamedSharding(mesh, PartitionSpec("a", None)))
     assert sorted(boxes) == [((0, 128), (0, 64)), ((128, 256), (0, 64))]
+
+
+def _rewrite(path, weight_map, name, tensor=None):
+    """Rewrite the file holding ``name`` with it replaced by ``tensor`` (None: without it)."""
+    file = path / weight_map[name]
+    with safe_open(file, framework="np") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not iterable
+    if tensor is None:
+        del tensors[name]
+    else:
+        tensors[name] = tensor
+    save_file(tensors, file, metadata={"format": "pt"})
+    return weight_map[name]
+
+
+def _refused(path, match, exc=ValueError):
+    """Loading ``path`` onto the trainer mesh fails with ``match``, before any array is built."""
+    ckpt = HFCheckpoint(path)
+    ckpt._build = lambda *_: pytest.fail("an array was built before the checks")
+    abstract, shardings = _trainer(LLAMA3)
+    with pytest.raises(exc, match=match) as info:
+        ckpt.load(abstract, shardings)
+    assert "\n" not in str(info.value)
+
+
+UP = "model.layers.1.mlp.up_proj.weight"
+
+
+def test_a_missing_config_or_shard_file_is_named(tmp_path):
+    weight_map = _write(tmp_path)
+    (tmp_path / weight_map[UP]).unlink()
+    _refused(tmp_path, rf"shard '{weight_map[UP]}' listed in {INDEX} is missing", FileNotFoundError)
+    (tmp_path / "config.json").unlink()
+    _refused(tmp_path, r"checkpoint file not found: '.*config\.json'", FileNotFoundError)
+    with pytest.raises(FileNotFoundError, match="checkpoint directory not found: '.*nowhere'"):
+        HFCheckpoint(tmp_path / "nowhere")
+
+
+def test_a_missing_misshapen_or_non_float_tensor_is_named(tmp_path):
+    weight_map = _write(tmp_path)
+    _rewrite(tmp_path, weight_map, UP)
+    _refused(tmp_path, rf"checkpoint '.*' is missing tensor '{UP}'", KeyError)
+    file = _rewrite(tmp_path, weight_map, UP, np.zeros((128, 32), np.float32))
+    _refused(
+        tmp_path,
+        rf"tensor '{UP}' in '{file}' has shape \(128, 32\), param "
+        r"layers/1/mlp/up_proj needs \(128, 64\)",
+    )
+    file = _rewrite(tmp_path, weight_map, UP, np.zeros((128, 64), np.int32))
+    _refused(tmp_path, rf"tensor '{UP}' in '{file}' is stored as I32; expected one of")
+
+
+def test_a_missing_gs_checkpoint_is_named(gcs, tmp_path):
+    with pytest.raises(
+        FileNotFoundError, match=f"checkpoint directory not found: 'gs://{BUCKET}/no"
+    ):
+        HFCheckpoint(f"gs://{BUCKET}/no-such-checkpoint")
+    _write(tmp_path)
+    url = f"gs://{BUCKET}/noconfig-{tmp_path.name}"
+    copy_tree(tmp_path, url)
+    (as_path(url) / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=f"checkpoint file not found: '{url}/config.json'"):
+        HFCheckpoint(url).config()
