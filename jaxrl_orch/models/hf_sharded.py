@@ -186,7 +186,10 @@ class HFCheckpoint:
             shards = [shard_of[_key(path)] for path, _ in leaves]
         config = self.config()
         plan = self.plan(config, leaves, shards, dtype)
-        arrays = [self._build(leaf, config.head_dim) for leaf in plan]
+        try:
+            arrays = [self._build(leaf, config.head_dim) for leaf in plan]
+        finally:  # unmap the files: their pages stop counting as this process's memory
+            self._local.clear()
         return jax.tree_util.tree_unflatten(treedef, arrays)
 
     def plan(
