@@ -19,8 +19,8 @@ Invariants: export then import gives bit-identical params (transposes and reshap
 tensor the model needs must be present and of the exact shape; a checkpoint feature this model
 does not implement (o-proj / MLP bias, sliding window, a RoPE type other than default / llama3,
 a non-SiLU activation) is refused naming it. RoPE needs no permutation: these families use the
-rotate-half pairing of ``rope.apply_rope``. Reads and writes files only; arrays land on the
-default device (callers reshard).
+rotate-half pairing of ``rope.apply_rope``. Reads and writes files only; ``load_hf_checkpoint``'s
+arrays land on the default device (a run reads through ``hf_sharded`` instead, onto its mesh).
 """
 
 from __future__ import annotations

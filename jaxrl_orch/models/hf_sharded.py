@@ -74,16 +74,19 @@ class CheckpointFiles:
         self.path = os.fspath(path)
         self.root = as_path(path)
         self.url = is_url(self.path)
-        try:
-            found = self.root.is_dir()
-        except Exception as exc:  # noqa: BLE001 - gcsfs raises many kinds; the cause is named
-            raise OSError(f"cannot reach checkpoint {self.path!r}: {exc}") from exc
-        if not found:
-            raise FileNotFoundError(f"checkpoint directory not found: {self.path!r}")
-        if self.url:
-            import fsspec
+        if not self.url:
+            if not os.path.isdir(self.path):
+                raise FileNotFoundError(f"checkpoint directory not found: {self.path!r}")
+            return
+        import fsspec  # gcsfs, epath's own gs:// backend (``paths.as_path`` checked it is here)
 
-            self._fs, self._base = fsspec.core.url_to_fs(self.path)
+        self._fs, self._base = fsspec.core.url_to_fs(self.path)
+        try:  # ``ls``, not ``isdir``: isdir answers False for a store it cannot reach
+            self._fs.ls(self._base)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"checkpoint directory not found: {self.path!r}") from None
+        except Exception as exc:  # noqa: BLE001 - gcsfs raises many kinds; the cause is named
+            raise OSError(f"cannot reach checkpoint {self.path!r}: {exc!r}") from exc
 
     def read_range(self, name: str, start: int, stop: int) -> bytes:
         if self.url:
