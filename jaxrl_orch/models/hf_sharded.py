@@ -64,6 +64,7 @@ class TensorInfo:
     dtype: str  # safetensors' name, e.g. "BF16"
     shape: tuple[int, ...]
     offset: int  # of its first byte in the file
+    nbytes: int  # as the header's data_offsets span
 
 
 class CheckpointFiles:
@@ -104,8 +105,9 @@ def read_header(files: CheckpointFiles, name: str) -> dict[str, TensorInfo]:
     header = json.loads(files.read_range(name, 8, 8 + n))
     header.pop("__metadata__", None)
     return {
-        key: TensorInfo(name, h["dtype"], tuple(h["shape"]), 8 + n + h["data_offsets"][0])
+        key: TensorInfo(name, h["dtype"], tuple(h["shape"]), 8 + n + begin, end - begin)
         for key, h in header.items()
+        for begin, end in [h["data_offsets"]]
     }
 
 
@@ -222,6 +224,12 @@ class HFCheckpoint:
                     f"tensor {name!r} in {info.file!r} is stored as {info.dtype}; expected one "
                     f"of {sorted(SAFETENSORS_DTYPES)}"
                 )
+            size = int(np.prod(info.shape)) * jnp.dtype(SAFETENSORS_DTYPES[info.dtype]).itemsize
+            if info.nbytes != size:
+                raise ValueError(
+                    f"tensor {name!r} in {info.file!r} spans {info.nbytes} bytes; its shape and "
+                    f"dtype need {size} (a corrupt header)"
+                )
             leaf_dtype = jnp.dtype(want.dtype if dtype is None else dtype)
             plan.append(Leaf(name, kind, info, tuple(want.shape), leaf_dtype, sharding))
         return plan
@@ -242,6 +250,8 @@ class HFCheckpoint:
         (r0, r1), rest = box[0], box[1:]
         row = int(np.prod(info.shape[1:], dtype=np.int64)) * dtype.itemsize
         data = self.files.read_range(info.file, info.offset + r0 * row, info.offset + r1 * row)
+        if len(data) != (r1 - r0) * row:  # past the end of a truncated file
+            raise ValueError(f"{info.file!r} in {self.path!r} is truncated (read {len(data)} B)")
         rows = np.frombuffer(data, dtype).reshape(r1 - r0, *info.shape[1:])
         return rows[(slice(None), *(slice(a, b) for a, b in rest))]
 

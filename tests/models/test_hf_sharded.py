@@ -256,3 +256,14 @@ def test_a_missing_gs_checkpoint_is_named(gcs, tmp_path):
     (as_path(url) / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match=f"checkpoint file not found: '{url}/config.json'"):
         HFCheckpoint(url).config()
+
+
+def test_a_truncated_gs_file_is_named(gcs, tmp_path):
+    weight_map = _write(tmp_path)
+    url = f"gs://{BUCKET}/truncated-{tmp_path.name}"
+    copy_tree(tmp_path, url)
+    file = weight_map[UP]
+    (as_path(url) / file).write_bytes((tmp_path / file).read_bytes()[:-100])
+    abstract, shardings = _trainer(LLAMA3)
+    with pytest.raises(ValueError, match=rf"'{file}' in '{url}' is truncated"):
+        HFCheckpoint(url).load(abstract, shardings)
