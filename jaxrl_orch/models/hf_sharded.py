@@ -10,10 +10,11 @@ what is read into our layout), reads only those bytes, casts them on the host an
 shard. Local files are read with ``safe_open(...).get_slice``; ``gs://`` files with ranged reads
 (the 8-byte header length and the JSON header once per file, then the byte range of the rows
 needed: a box on the HF tensor's first axis is one contiguous range; other axes are cut from the
-covering rows).
+covering rows, which the devices that need them share: each byte of a tensor crosses the
+network once).
 
-Invariants: no whole tensor is ever put on a device, and a callback holds at most one tensor's
-bytes on the host (less when the HF tensor's first axis is sharded); devices that hold the same
+Invariants: no whole tensor is ever put on a device, and while a param is built the host holds
+at most its tensor's bytes as read and its shards (never the model); devices that hold the same
 box (a replicated axis) share one read. Every check (config.json present, each indexed shard
 file present, each tensor present, of the shape the abstract param needs and of a float storage
 dtype) runs before the first array is built, and fails with one line naming the file or tensor
@@ -160,6 +161,10 @@ class HFCheckpoint:
         self.files = CheckpointFiles(path)
         self.path = self.files.path
         self._local: dict[str, Any] = {}  # local file name -> its open safe_open handle
+        # gs://: the rows of the param being built, by range: devices whose boxes differ only
+        # past the first HF axis (cut from the same rows) share one GET. Cleared per param, so
+        # it never holds more than that one tensor.
+        self._rows: dict[tuple[int, int], np.ndarray] = {}
 
     def config(self, **overrides: Any) -> ModelConfig:
         return config_from_hf(read_json(self.files.root / "config.json"), **overrides)
@@ -246,17 +251,24 @@ class HFCheckpoint:
     def _read_rows(self, info: TensorInfo, box: Box) -> np.ndarray:
         """The rows ``box`` spans on the first axis: one contiguous byte range; the other axes
         are cut from them."""
-        dtype = np.dtype(jnp.dtype(SAFETENSORS_DTYPES[info.dtype]))
         (r0, r1), rest = box[0], box[1:]
-        row = int(np.prod(info.shape[1:], dtype=np.int64)) * dtype.itemsize
-        data = self.files.read_range(info.file, info.offset + r0 * row, info.offset + r1 * row)
-        if len(data) != (r1 - r0) * row:  # past the end of a truncated file
-            raise ValueError(f"{info.file!r} in {self.path!r} is truncated (read {len(data)} B)")
-        rows = np.frombuffer(data, dtype).reshape(r1 - r0, *info.shape[1:])
-        return rows[(slice(None), *(slice(a, b) for a, b in rest))]
+        if (r0, r1) not in self._rows:
+            dtype = np.dtype(jnp.dtype(SAFETENSORS_DTYPES[info.dtype]))
+            row = int(np.prod(info.shape[1:], dtype=np.int64)) * dtype.itemsize
+            start = info.offset + r0 * row
+            data = self.files.read_range(info.file, start, start + (r1 - r0) * row)
+            if len(data) != (r1 - r0) * row:  # past the end of a truncated file
+                raise ValueError(
+                    f"{info.file!r} in {self.path!r} is truncated (read {len(data)} B)"
+                )
+            self._rows[r0, r1] = np.frombuffer(data, dtype).reshape(r1 - r0, *info.shape[1:])
+        return self._rows[r0, r1][(slice(None), *(slice(a, b) for a, b in rest))]
 
     def _build(self, leaf: Leaf, hd: int) -> jax.Array:
-        return jax.make_array_from_callback(leaf.shape, leaf.sharding, self._shard_fn(leaf, hd))
+        try:
+            return jax.make_array_from_callback(leaf.shape, leaf.sharding, self._shard_fn(leaf, hd))
+        finally:
+            self._rows.clear()
 
     def _shard_fn(self, leaf: Leaf, hd: int) -> Callable[[Any], np.ndarray]:
         done: dict[Box, np.ndarray] = {}  # devices holding the same box share one read
