@@ -3,9 +3,10 @@
 The checkpoint is a Llama-3-layout model (llama3 RoPE, untied head, grouped kv heads) with
 random weights everywhere (norms too, so a swapped name shows), written sharded over several
 files. What it must do: give ``load_hf_checkpoint``'s arrays bit for bit, each device holding
-only its shard; give the same bits from ``gs://`` (the local emulator); read a tensor whose
-first HF axis is sharded once in total, not once per device; and refuse each bad input with
-one line naming it, before any array is built.
+only its shard, on the trainer's shardings (``initial_params``, LoRA's base too) and on the
+engine's (``to_engine``); give the same bits from ``gs://`` (the local emulator), each byte read
+once, not once per device; and refuse each bad input with one line naming it, before any array
+is built.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from support.gcs_emulator import BUCKET, Emulator
 
+from jaxrl_orch.compose.engines import to_engine
 from jaxrl_orch.compose.model import pretrained_params
+from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.models.configs import ModelConfig, RopeScaling
 from jaxrl_orch.models.hf_import import load_hf_checkpoint, save_hf_checkpoint
 from jaxrl_orch.models.hf_sharded import HFCheckpoint
@@ -86,7 +89,13 @@ def _leaves(tree):
 
 
 @pytest.mark.parametrize(
-    "store, params", [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32")]
+    "store, params",
+    [
+        ("float32", "float32"),
+        ("bfloat16", "bfloat16"),
+        ("bfloat16", "float32"),
+        ("float32", "bfloat16"),
+    ],
 )
 def test_the_trainer_mesh_gets_the_whole_read_bits_each_device_its_shard(tmp_path, store, params):
     _write(tmp_path, jnp.dtype(store))
@@ -125,6 +134,20 @@ def test_a_trainer_starts_from_the_handle_model_name_gives(tmp_path, lora):
     assert got.keys() == want.keys()
     for key, sharding in _leaves(shardings).items():
         assert got[key].sharding == sharding, str(key)
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), str(key))
+
+
+def test_the_engine_reads_the_handle_onto_its_shardings_in_its_dtype(tmp_path):
+    """``serve``'s path: ``to_engine`` of the handle, on the decode mesh (tp 4) in bf16."""
+    _write(tmp_path)
+    handle = pretrained_params(str(tmp_path))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    engine = DecodeEngine(handle.config(), mesh=mesh, param_dtype=jnp.bfloat16)
+    got = _leaves(to_engine(handle, engine))
+    want = _leaves(nnx.state(load_hf_checkpoint(tmp_path, dtype=jnp.bfloat16)[1], nnx.Param))
+    assert got.keys() == want.keys()
+    for key, sharding in _leaves(engine.param_shardings).items():
+        assert got[key].sharding == sharding and got[key].dtype == jnp.bfloat16, str(key)
         np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), str(key))
 
 
