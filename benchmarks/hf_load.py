@@ -8,7 +8,9 @@ tp 4), in bf16, two ways, each in a fresh subprocess so its RSS is its own:
 
 - ``whole``: today's path, ``load_hf_checkpoint`` (every tensor read whole into host memory, the
   model built on device 0) then ``jax.device_put`` onto the shardings;
-- ``sharded``: ``HFCheckpoint.load``, each device's callback reading only its own box.
+- ``sharded``: ``HFCheckpoint.load``, each device's callback reading only its own box;
+- ``sharded_pread``: the same, local files read as ``gs://`` ones are (the rows' byte range,
+  no mmap: the mapped file pages of ``sharded`` count in its RSS while the load runs).
 
 Per path: ``baseline_rss`` (after jax is up and the shardings are built, before loading),
 ``peak_rss`` (``ru_maxrss``), ``load_peak_over_baseline``, ``largest_read_bytes`` (the largest
@@ -165,7 +167,10 @@ def child(path: str, how: str) -> dict:
         del state
     else:
         reads = []  # sizes only: holding the arrays would inflate the RSS measured
-        read = ckpt.read
+        # sharded_pread: local files read as gs:// ones are (pread of the rows), not mmapped
+        read = (
+            ckpt.read if how == "sharded" else lambda _name, info, box: ckpt._read_rows(info, box)
+        )
 
         def counted(name, info, box):
             out = read(name, info, box)
@@ -217,7 +222,7 @@ def main() -> None:
         ckpt_bytes = write_checkpoint(config, path, 2 * args.params)
         files = len([f for f in os.listdir(path) if f.endswith(".safetensors")])
         n = ckpt_bytes // 2
-        for how in ("whole", "sharded"):
+        for how in ("whole", "sharded", "sharded_pread"):
             row = {"path": how, "params": n, "checkpoint_bytes": ckpt_bytes, "files": files}
             row |= {"d_model": config.d_model, "devices": 8, "mesh": "fsdp2 x tp4"}
             row |= run_child(path, how)
