@@ -112,7 +112,7 @@ def build_host(args: argparse.Namespace, api_key: str | None) -> tuple[EngineHos
     engine = build_engine(cfg, model_cfg, decode_mesh, tokenizer).engine
     if args.checkpoint and not checkpoint_bindings(args.checkpoint):
         params = to_engine(workdir_params(cfg, args.checkpoint), engine)
-    elif (pretrained := pretrained_params(cfg.model.name, model_cfg)) is not None:
+    elif (pretrained := pretrained_params(cfg.model.name)) is not None:
         params = to_engine(pretrained, engine)
     else:
         params = engine.load_params(seed=cfg.seed)

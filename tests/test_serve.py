@@ -20,6 +20,7 @@ import numpy as np
 import openai
 import pytest
 from flax import nnx
+from jax.sharding import SingleDeviceSharding
 from support.checkout import ROOT, subprocess_env
 from support.runs import prepare, run
 from support.toy_rl import toy_config
@@ -70,7 +71,7 @@ def _in_process(ckpt: Path) -> tuple[list[int], list[float]]:
     _, cfg = build_model(make_config({"Model.name": str(ckpt)}))
     limits = EngineLimits(max_concurrent_decodes=4, max_target_length=96)
     engine = DecodeEngine(cfg, limits=limits)
-    driver = InferenceDriver(engine, to_engine(pretrained_params(str(ckpt), cfg), engine), 0)
+    driver = InferenceDriver(engine, to_engine(pretrained_params(str(ckpt)), engine), 0)
     driver.start()
     try:
         (f,) = driver.submit(PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
@@ -132,7 +133,9 @@ def test_a_workdir_serves_its_newest_checkpoint_which_is_the_policy_it_exported(
     ]
     restored = jax.tree.leaves(workdir_params(cfg, str(tmp_path)))
     _, model_cfg = build_model(cfg)
-    exported = jax.tree.leaves(pretrained_params(str(export), model_cfg))
+    ckpt = pretrained_params(str(export))  # read onto one device, in the run's param dtype
+    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))[1]
+    exported = jax.tree.leaves(ckpt.load(abstract, SingleDeviceSharding(jax.devices()[0])))
     assert len(restored) == len(exported) > 0
     for a, b in zip(restored, exported, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -34,6 +34,7 @@ from jaxrl_orch.inference.engine_api import RLEngine
 from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.inference.requests import accepts
 from jaxrl_orch.models.configs import ModelConfig
+from jaxrl_orch.models.hf_sharded import HFCheckpoint
 from jaxrl_orch.models.tokenizer import Tokenizer
 from jaxrl_orch.plugins import load_factory
 from sharding.reshard import reshard
@@ -100,8 +101,11 @@ def check_engine(engine: object, spec: str) -> RLEngine:
 
 def to_engine(params: Any, engine: RLEngine) -> Any:
     """``params`` on the engine's shardings, cast to its weight dtype first (bf16 on TPU/GPU:
-    half the bytes to move)."""
-    return reshard(params, engine.param_shardings, dtype=getattr(engine, "param_dtype", None))
+    half the bytes to move). An ``HFCheckpoint`` is read there, each device its own shard."""
+    dtype = getattr(engine, "param_dtype", None)
+    if isinstance(params, HFCheckpoint):
+        return params.load(params.abstract(), engine.param_shardings, dtype=dtype)
+    return reshard(params, engine.param_shardings, dtype=dtype)
 
 
 def reports_logprobs(engine: RLEngine) -> bool:

@@ -3,8 +3,10 @@
 What it owns: ``build_model`` gives the run's tokenizer and model config (with the run's
 precision, attention and remat: ``precision``); ``model_config`` resolves a preset or a local HF
 checkpoint directory and limits the logits to the tokenizer's ids (engine and trainer share it);
-``pretrained_params`` loads the weights of an HF checkpoint it names; ``hf_checkpoint_dir``
-tells a checkpoint from a preset name (nothing is downloaded).
+``pretrained_params`` gives a lazy handle on the HF checkpoint it names (``HFCheckpoint``: read
+later, straight onto whichever shardings take it: the trainer's, ``trainer.params``, or the
+engine's, ``compose.engines.to_engine``); ``hf_checkpoint_dir`` tells a checkpoint from a preset
+name (nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -12,14 +14,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
-
-from flax import nnx
 
 from jaxrl_orch.compose.precision import accel_model_config
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.models.configs import ModelConfig, get_config
-from jaxrl_orch.models.hf_import import config_from_hf, load_hf_checkpoint
+from jaxrl_orch.models.hf_import import config_from_hf
+from jaxrl_orch.models.hf_sharded import HFCheckpoint
 from jaxrl_orch.models.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -48,14 +48,12 @@ def build_model(cfg: TrainConfig) -> tuple[Tokenizer, ModelConfig]:
     return tokenizer, accel_model_config(model_config(cfg.model.name, tokenizer), cfg)
 
 
-def pretrained_params(name: str, model_cfg: ModelConfig) -> Any:
-    """The HF checkpoint's weights when ``name`` (``Model.name``) names one, else None."""
+def pretrained_params(name: str) -> HFCheckpoint | None:
+    """A handle on the HF checkpoint ``name`` (``Model.name``) names, else None. Nothing is
+    read here: the whole model never sits on one device or the host (an 8B model in bf16 is a
+    16 GB chip's whole memory); each device reads its own shard where it is placed."""
     path = hf_checkpoint_dir(name)
-    if path is None:
-        return None
-    mc = model_cfg
-    _, model = load_hf_checkpoint(path, dtype=mc.dtype, param_dtype=mc.param_dtype)
-    return nnx.split(model)[1]
+    return None if path is None else HFCheckpoint(path)
 
 
 def hf_checkpoint_dir(name: str) -> Path | None:

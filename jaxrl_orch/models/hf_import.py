@@ -8,17 +8,19 @@ families (``config.json`` plus ``model.safetensors`` or a sharded set indexed by
 - ``hf_to_params`` / ``params_to_hf``: pure name/layout maps between HF tensors (``nn.Linear``
   weights are ``[out, in]``) and our pure-dict params (kernels ``[in, ...out]``, heads split
   out as their own axis);
-- ``load_hf_checkpoint(path, dtype=...) -> (config, model)`` and
-  ``save_hf_checkpoint(model, config, path, max_shard_size=...)``;
-- ``export_hf_dir(params, config, workdir, tokenizer_json)``: a run's final policy written to
-  ``workdir/export`` atomically (via ``export.tmp``).
+- ``param_names(config)``: our param path -> (HF tensor name, layout kind), the one name map
+  (``models.hf_sharded`` reads each device's shard through it and ``_to_ours``);
+- ``checkpoint_files(path)``: the safetensors files of a directory (local or ``gs://``);
+- ``load_hf_checkpoint(path, dtype=...) -> (config, model)`` (every tensor read whole, onto the
+  default device: small models and a reference for ``hf_sharded``) and
+  ``save_hf_checkpoint(model, config, path, max_shard_size=...)``.
 
 Invariants: export then import gives bit-identical params (transposes and reshapes only); every
 tensor the model needs must be present and of the exact shape; a checkpoint feature this model
 does not implement (o-proj / MLP bias, sliding window, a RoPE type other than default / llama3,
 a non-SiLU activation) is refused naming it. RoPE needs no permutation: these families use the
-rotate-half pairing of ``rope.apply_rope``. Reads and writes files only; arrays land on the
-default device (callers reshard).
+rotate-half pairing of ``rope.apply_rope``. Reads and writes files only; ``load_hf_checkpoint``'s
+arrays land on the default device (a run reads through ``hf_sharded`` instead, onto its mesh).
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -39,6 +39,7 @@ from safetensors.numpy import save_file
 
 from jaxrl_orch.models.configs import ModelConfig, RopeScaling
 from jaxrl_orch.models.transformer import Transformer
+from jaxrl_orch.paths import as_path
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -221,74 +222,76 @@ def _to_hf(w: np.ndarray, kind: str) -> np.ndarray:
     raise AssertionError(kind)
 
 
-def hf_to_params(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, Any]:
-    """Pure-dict params (``nnx.to_pure_dict`` layout) from HF-named tensors."""
-
-    def take(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise KeyError(f"checkpoint is missing tensor {name!r}")
-        return np.asarray(tensors[name])
-
-    layers = {}
-    for i in range(config.n_layers):
-        layer: dict[str, Any] = {}
-        for hf_name, path, kind in _layer_map(config):
-            node = layer
-            for key in path[:-1]:
-                node = node.setdefault(key, {})
-            node[path[-1]] = _to_ours(take(f"model.layers.{i}.{hf_name}"), kind, config.head_dim)
-        layers[i] = layer
-    params: dict[str, Any] = {
-        "embed": take("model.embed_tokens.weight"),
-        "layers": layers,
-        "final_norm": {"weight": take("model.norm.weight")},
+def param_names(config: ModelConfig) -> dict[tuple[Any, ...], tuple[str, str]]:
+    """Our param path (``nnx.to_pure_dict`` keys) -> (HF tensor name, layout kind): the one
+    name map every reader and writer of HF checkpoints goes through."""
+    names = {
+        ("embed",): ("model.embed_tokens.weight", "copy"),
+        ("final_norm", "weight"): ("model.norm.weight", "copy"),
     }
     if not config.tie_embeddings:
-        params["lm_head"] = take("lm_head.weight").T
+        names[("lm_head",)] = ("lm_head.weight", "transpose")
+    for i in range(config.n_layers):
+        for hf_name, path, kind in _layer_map(config):
+            names[("layers", i, *path)] = (f"model.layers.{i}.{hf_name}", kind)
+    return names
+
+
+def hf_to_params(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, Any]:
+    """Pure-dict params (``nnx.to_pure_dict`` layout) from HF-named tensors."""
+    params: dict[str, Any] = {}
+    for path, (name, kind) in param_names(config).items():
+        if name not in tensors:
+            raise KeyError(f"checkpoint is missing tensor {name!r}")
+        node = params
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = _to_ours(np.asarray(tensors[name]), kind, config.head_dim)
     return params
 
 
 def params_to_hf(params: dict[str, Any], config: ModelConfig) -> dict[str, np.ndarray]:
     """HF-named ``[out, in]`` tensors from pure-dict params (inverse of ``hf_to_params``)."""
-    out = {
-        "model.embed_tokens.weight": params["embed"],
-        "model.norm.weight": params["final_norm"]["weight"],
-    }
-    for i in range(config.n_layers):
-        layer = params["layers"][i]
-        for hf_name, path, kind in _layer_map(config):
-            node = layer
-            for key in path:
-                node = node[key]
-            out[f"model.layers.{i}.{hf_name}"] = _to_hf(np.asarray(node), kind)
-    if not config.tie_embeddings:
-        out["lm_head.weight"] = np.asarray(params["lm_head"]).T
-    return {k: np.ascontiguousarray(np.asarray(v)) for k, v in out.items()}
+    out = {}
+    for path, (name, kind) in param_names(config).items():
+        node = params
+        for key in path:
+            node = node[key]
+        out[name] = np.ascontiguousarray(_to_hf(np.asarray(node), kind))
+    return out
 
 
-def _read_json(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint file not found: {path!r}")
-    with open(path) as f:
-        return json.load(f)
+def read_json(path: Any) -> dict[str, Any]:
+    """A JSON file of a checkpoint directory (local or ``gs://``), named when absent."""
+    path = as_path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint file not found: {os.fspath(path)!r}")
+    return json.loads(path.read_text())
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[str]:
+    """The safetensors file names of a checkpoint directory (local or ``gs://``): those its
+    sharded index names, else the single file; an indexed shard that is absent is refused."""
+    root = as_path(path)
+    if (root / _INDEX).is_file():
+        files = sorted(set(read_json(root / _INDEX)["weight_map"].values()))
+    elif (root / _SINGLE).is_file():
+        files = [_SINGLE]
+    else:
+        raise FileNotFoundError(f"no {_SINGLE} or {_INDEX} in checkpoint directory {str(path)!r}")
+    for name in files:
+        if not (root / name).is_file():
+            raise FileNotFoundError(
+                f"shard {name!r} listed in {_INDEX} is missing from {str(path)!r}"
+            )
+    return files
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of a checkpoint directory (single file or sharded index), as NumPy."""
-    path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, _INDEX)):
-        weight_map = _read_json(os.path.join(path, _INDEX))["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(path, _SINGLE)):
-        files = [_SINGLE]
-    else:
-        raise FileNotFoundError(f"no {_SINGLE} or {_INDEX} in checkpoint directory {path!r}")
+    """All tensors of a local checkpoint directory (single file or sharded index), as NumPy."""
     tensors: dict[str, np.ndarray] = {}
-    for name in files:
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"shard {name!r} listed in {_INDEX} is missing from {path!r}")
-        with safe_open(file, framework="np") as f:
+    for name in checkpoint_files(path):
+        with safe_open(os.path.join(path, name), framework="np") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 tensors[key] = f.get_tensor(key)
     return tensors
@@ -302,7 +305,7 @@ def load_hf_checkpoint(
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path!r}")
     overrides = {"dtype": dtype, "param_dtype": dtype, **config_overrides}
-    config = config_from_hf(_read_json(os.path.join(path, "config.json")), **overrides)
+    config = config_from_hf(read_json(os.path.join(path, "config.json")), **overrides)
     params = hf_to_params(read_safetensors(path), config)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     expected = nnx.to_pure_dict(abstract)
@@ -382,19 +385,3 @@ def save_hf_checkpoint(
     with open(os.path.join(path, _INDEX), "w") as f:
         json.dump(index, f, indent=2)
     return ["config.json", *names, _INDEX]
-
-
-def export_hf_dir(
-    params: Any, cfg: ModelConfig, workdir: str | Path, tokenizer_json: str | Path | None
-) -> Path:
-    """``params`` as an HF checkpoint in ``workdir/export`` (plus ``tokenizer_json`` if given),
-    replaced whole via ``export.tmp``: a crash mid-write never leaves a half-written export."""
-    out = Path(workdir) / "export"
-    tmp = Path(workdir) / "export.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_hf_checkpoint(params, cfg, tmp)
-    if tokenizer_json is not None:
-        shutil.copy(tokenizer_json, tmp / "tokenizer.json")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out

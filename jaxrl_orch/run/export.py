@@ -39,7 +39,8 @@ from etils import epath
 from jaxrl_orch.compose.parts import RunParts
 from jaxrl_orch.compose.trainers import rl_model
 from jaxrl_orch.models.byte_hf import save_byte_tokenizer
-from jaxrl_orch.models.hf_import import export_hf_dir, save_hf_checkpoint
+from jaxrl_orch.models.configs import ModelConfig
+from jaxrl_orch.models.hf_import import save_hf_checkpoint
 from jaxrl_orch.models.peft_export import save_peft_adapter
 from jaxrl_orch.models.tokenizer import tokenizer_json_path
 from jaxrl_orch.orchestrator.metrics.writers import stage
@@ -60,7 +61,7 @@ def export_policy(
     with tempfile.TemporaryDirectory() as local:
         staging = Path(local) if is_url(dest) else Path(os.fspath(parts.workdir), "export.staging")
         shutil.rmtree(staging, ignore_errors=True)
-        out = export_hf_dir(params, parts.model_cfg, staging, tok)
+        out = _export_hf_dir(params, parts.model_cfg, staging, tok)
         for sidecar in TOKENIZER_SIDECARS if tok is not None else ():
             if (src := Path(tok).with_name(sidecar)).is_file():
                 (out / sidecar).write_bytes(src.read_bytes())
@@ -114,3 +115,19 @@ def _export_adapter(
     save_peft_adapter(adapters, lora_cfg, out, base_dir)  # replaces `out` whole, so first
     if checkpoint is None:
         save_hf_checkpoint(state, parts.model_cfg, out / "base")
+
+
+def _export_hf_dir(
+    params: Any, cfg: ModelConfig, workdir: str | Path, tokenizer_json: str | Path | None
+) -> Path:
+    """``params`` as an HF checkpoint in ``workdir/export`` (plus ``tokenizer_json`` if given),
+    replaced whole via ``export.tmp``: a crash mid-write never leaves a half-written export."""
+    out = Path(workdir) / "export"
+    tmp = Path(workdir) / "export.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf_checkpoint(params, cfg, tmp)
+    if tokenizer_json is not None:
+        shutil.copy(tokenizer_json, tmp / "tokenizer.json")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

@@ -56,7 +56,7 @@ def run_warmup(
     ckpt = Checkpointer(own, max_to_keep=1, async_save=False)
     latest = ckpt.latest_step()
     resuming = latest is not None or has_steps(parts.workdir / "checkpoints")
-    init = None if resuming else pretrained_params(parts.cfg.model.name, parts.model_cfg)
+    init = None if resuming else pretrained_params(parts.cfg.model.name)
     trainer = build_trainer(parts, "sft", cfg.warmup.learning_rate, init_params=init)
     info: dict[str, float] = {"sft_steps": float(cfg.warmup.steps)}
     try:

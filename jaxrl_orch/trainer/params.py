@@ -1,10 +1,11 @@
 """A trainer's first params, and what a LoRA run's frozen base is known by.
 
 ``initial_params`` returns ``(params, frozen)``: what the step trains and the frozen base.
-Without LoRA, ``params`` is every weight (``init_params``, e.g. imported HF weights or the
-warm-up's, moved onto the shardings; or fresh ones from ``seed`` by a jitted init whose outputs
-land sharded) and ``frozen`` is None. With LoRA, ``init_params`` (or a fresh model) is the base,
-moved onto the frozen shardings (QLoRA: quantized there, ``models.qlora``), and ``params`` are
+Without LoRA, ``params`` is every weight (``init_params``: the warm-up's arrays, moved onto the
+shardings, or an ``HFCheckpoint`` read straight onto them, each device its own shard; or fresh
+ones from ``seed`` by a jitted init whose outputs land sharded) and ``frozen`` is None. With
+LoRA, ``init_params`` (or a fresh model) is the base, placed the same way on the frozen
+shardings (QLoRA: quantized there, ``models.qlora``), and ``params`` are
 fresh adapters from ``seed`` (``B = 0``: the run starts exactly at the base); the jitted init
 returns only them, so no random base is built beside a given one. ``BaseWeights`` gives the
 base back dense, alone or merged with adapters.
@@ -25,6 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxrl_orch.models.hf_sharded import HFCheckpoint
 from jaxrl_orch.models.lora import merge_adapters
 from jaxrl_orch.models.lora_config import LoraConfig
 from jaxrl_orch.models.qlora import dequantize_base, quantize_base
@@ -39,8 +41,7 @@ def initial_params(
     build = lambda: Transformer(model_config, rngs=nnx.Rngs(seed))
     if model_config.lora is None:
         if init_params is not None:
-            _check_same_shapes(init_params, programs.abstract_params)
-            return jax.device_put(init_params, programs.param_shardings), None
+            return _place(init_params, programs.abstract_params, programs.param_shardings), None
         with jax.set_mesh(mesh):
             fresh = jax.jit(lambda: nnx.split(build())[1], out_shardings=programs.param_shardings)
             return fresh(), None
@@ -54,8 +55,7 @@ def initial_params(
         if init_params is None:
             return jax.jit(adapters_and_base, out_shardings=shardings)()
         adapters = jax.jit(lambda: adapters_and_base()[0], out_shardings=shardings[0])()
-    _check_same_shapes(init_params, programs.abstract_base)
-    base = jax.device_put(init_params, programs.base_shardings)
+    base = _place(init_params, programs.abstract_base, programs.base_shardings)
     qtype = model_config.lora.quantize
     if qtype is not None:  # QLoRA: held quantized from here on
         quantized = lambda b: quantize_base(b, programs.abstract_frozen, qtype)
@@ -88,6 +88,15 @@ def fingerprint(frozen: Any) -> str:
         h.update(f"{jax.tree_util.keystr(path)}:{x.shape}:{x.dtype}:".encode())
         h.update(np.float32(total).tobytes())
     return h.hexdigest()[:16]
+
+
+def _place(init_params: Any, abstract: Any, shardings: Any) -> Any:
+    """``init_params`` on ``shardings``: a checkpoint handle is read there shard by shard (its
+    own checks name a tensor that does not fit), arrays are moved there."""
+    if isinstance(init_params, HFCheckpoint):
+        return init_params.load(abstract, shardings)
+    _check_same_shapes(init_params, abstract)
+    return jax.device_put(init_params, shardings)
 
 
 def _check_same_shapes(params: Any, abstract: Any) -> None:
