@@ -2,8 +2,9 @@
 runs against a fake `gcloud` on PATH that records every call's argument list and answers the
 describe/list calls from a script: the trainer slice plus engine VMs, created directly or
 through queued resources (ACTIVE after several polls, FAILED, a timeout), set up on every
-worker (with the extras a config needs, and the user's own code from --with), launched with each process's role (--process_index, --coordinator_address,
---engine_addresses), and torn down (everything of the run, idempotently)."""
+worker (with the extras a config needs, and the user's own code from --with), launched with
+each process's role (--process_index, --coordinator_address, --engine_addresses), and torn
+down (everything of the run, idempotently)."""
 
 from __future__ import annotations
 
