@@ -564,6 +564,17 @@ def test_setup_with_lands_under_user_on_the_host(gcloud, tmp_path):
     assert (user / ".projects" / "proj" / "pyproject.toml").is_file()
 
 
+def test_setup_with_one_taskset_module(tmp_path):
+    """The common case: one module file, no project among the paths."""
+    (tmp_path / "my_tasks.py").write_text("")
+    proc = _run("setup.sh", "--dry-run", f"--with={tmp_path / 'my_tasks.py'}")
+    assert proc.returncode == 0, proc.stderr
+    tar = [shlex.split(x) for x in proc.stdout.splitlines() if x.startswith("tar ")]
+    assert tar == [[*tar[0][:-3], "-C", str(tmp_path), "my_tasks.py"]]
+    command = _flag(_gcloud_lines(proc.stdout)[-1], "command")
+    assert "tar -xzf ~/jaxrl-orch-user.tar.gz -C user" in command and ".projects" not in command
+
+
 def test_setup_refuses_a_missing_with_path_naming_it(gcloud, tmp_path):
     missing = str(tmp_path / "my_taskz.py")
     proc = gcloud.run("setup.sh", f"--with={missing}")

@@ -112,7 +112,9 @@ check_user_paths() {
     [[ "$seen" != *" $base "* ]] || die "--with: two paths are named '$base'; rename one"
     seen+="$base "
     USER_TAR_ARGS+=(-C "$(dirname "$abs")" "$base")
-    [[ -f "$abs/pyproject.toml" ]] && USER_PROJECTS+=("$base")
+    if [[ -f "$abs/pyproject.toml" ]]; then
+      USER_PROJECTS+=("$base")
+    fi
   done
 }
 
