@@ -2,8 +2,9 @@
 runs against a fake `gcloud` on PATH that records every call's argument list and answers the
 describe/list calls from a script: the trainer slice plus engine VMs, created directly or
 through queued resources (ACTIVE after several polls, FAILED, a timeout), set up on every
-worker, launched with each process's role (--process_index, --coordinator_address,
---engine_addresses), and torn down (everything of the run, idempotently)."""
+worker (with the extras a config needs, and the user's own code from --with), launched with
+each process's role (--process_index, --coordinator_address, --engine_addresses), and torn
+down (everything of the run, idempotently)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -437,6 +439,153 @@ def test_setup_clones_repo_url_at_ref():
     assert subprocess.run(["bash", "-n", "-c", command]).returncode == 0
 
 
+REPO = SCRIPTS_DIR.parent
+# The interpreter that derives extras from a config: this one, which imports the checkout.
+DERIVE_ENV = {**BASE_ENV, "TPU_LOCAL_PYTHON": sys.executable}
+
+
+def _installs(command: str) -> str:
+    """The extras of the `pip install -e '.[...]'` in a setup ssh --command."""
+    return re.search(r"pip install -e '\.\[([^\]]*)\]'", command)[1]
+
+
+def test_setup_derives_the_extras_of_a_verifiers_config_on_every_worker(gcloud, tmp_path):
+    env = {**DERIVE_ENV, "TMPDIR": str(tmp_path)}
+    gin = str(REPO / "configs" / "verifiers.gin")
+    proc = gcloud.run("setup.sh", "--engine-replicas=1", f"--gin-file={gin}", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "the config needs the extras: tpu,verifiers" in proc.stderr
+    ssh = [c for c in gcloud.calls() if c[4] == "ssh"]
+    assert [c[5] for c in ssh] == ["rl-tpu", "rl-tpu-engine-0"]
+    assert all(_installs(_flag(c, "command")) == "tpu,gcs,verifiers" for c in ssh)
+    # a binding counts as the train command counts it; --extras adds to what is derived
+    rt = str(REPO / "configs" / "reverse_text.gin")
+    args = [f"--gin-file={rt}", "--gin-param=Outputs.wandb_project = 'p'", "--extras=verifiers,tpu"]
+    proc = _run("setup.sh", "--dry-run", *args, env=DERIVE_ENV)
+    assert proc.returncode == 0, proc.stderr
+    assert _installs(_flag(_gcloud_lines(proc.stdout)[-1], "command")) == "tpu,gcs,verifiers,wandb"
+
+
+def test_setup_refuses_an_undeclared_extra_naming_it(gcloud):
+    proc = gcloud.run("setup.sh", "--extras=verifiers,vllm")
+    assert proc.returncode == 2
+    assert "extra 'vllm' is not declared in pyproject.toml" in proc.stderr
+    allowed = proc.stderr.split("allowed:", 1)[1].split()
+    assert {"tpu", "gcs", "verifiers", "wandb"} <= set(allowed) and "vllm" not in allowed
+    assert gcloud.calls() == []
+    proc = _run("setup.sh", "--dry-run", env={**BASE_ENV, "TPU_EXTRAS": "gpu"})
+    assert proc.returncode == 2 and "extra 'gpu'" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "gin", "words"),
+    [
+        ({"TPU_LOCAL_PYTHON": "/nonexistent/python3"}, "verifiers.gin", "pass"),
+        ({}, "nope.gin", "refused"),
+    ],
+)
+def test_setup_says_when_it_cannot_derive_the_extras(env, gin, words, gcloud):
+    proc = gcloud.run("setup.sh", f"--gin-file={REPO / 'configs' / gin}", env={**DERIVE_ENV, **env})
+    assert proc.returncode == 2
+    if words == "pass":
+        assert "cannot derive the extras" in proc.stderr and "--extras LIST" in proc.stderr
+    else:
+        assert "nope.gin' does not exist" in proc.stderr and words in proc.stderr
+    assert gcloud.calls() == []
+
+
+def _user_code(root: Path) -> tuple[list[str], Path]:
+    """A taskset module, a package and a pyproject.toml project; each would leave a marker file
+    if anything ran it."""
+    marker = root / "ran"
+    code = f"open({str(marker)!r}, 'w').close()\n"
+    root.mkdir()
+    (root / "my_tasks.py").write_text(code)
+    (root / "my_pkg" / "__pycache__").mkdir(parents=True)
+    (root / "my_pkg" / "__init__.py").write_text(code)
+    (root / "my_pkg" / "__pycache__" / "x.pyc").write_bytes(b"")
+    (root / "proj" / "proj").mkdir(parents=True)
+    (root / "proj" / "pyproject.toml").write_text("[project]\nname = 'proj'\n")
+    (root / "proj" / "setup.py").write_text(code)
+    return [str(root / "my_tasks.py"), f"{root / 'my_pkg'}/", str(root / "proj")], marker
+
+
+def test_setup_with_ships_user_code_to_every_worker_of_every_vm(gcloud, tmp_path):
+    paths, marker = _user_code(tmp_path / "mine")
+    env = {**BASE_ENV, "TMPDIR": str(tmp_path), "TPU_WORKER": "0,1"}
+    flags = [f"--with={p}" for p in paths]
+    proc = gcloud.run("setup.sh", "--engine-replicas=2", *flags, env=env)
+    assert proc.returncode == 0, proc.stderr
+    calls = gcloud.calls()
+    vms = [("rl-tpu", "0,1"), ("rl-tpu-engine-0", "all"), ("rl-tpu-engine-1", "all")]
+    assert [(c[4], c[5] if c[4] == "ssh" else c[6], _flag(c, "worker")) for c in calls] == [
+        step
+        for vm, worker in vms
+        for step in [
+            ("scp", f"{vm}:jaxrl-orch-src.tar.gz", worker),
+            ("scp", f"{vm}:jaxrl-orch-user.tar.gz", worker),
+            ("ssh", vm, worker),
+        ]
+    ]
+    with tarfile.open(calls[1][5]) as tar:
+        names = set(tar.getnames())
+    assert {"my_tasks.py", "my_pkg/__init__.py", "proj/pyproject.toml"} <= names
+    assert not any("__pycache__" in n for n in names)
+    for c in calls[2::3]:
+        command = _flag(c, "command")
+        assert "rm -rf user; mkdir -p user; tar -xzf ~/jaxrl-orch-user.tar.gz -C user" in command
+        # a project is installed from outside user/, where it would shadow its own package
+        assert "mv user/proj user/.projects/proj" in command
+        assert command.index("pip install -e '.[tpu,gcs]'") < command.index(
+            "pip install -e user/.projects/proj"
+        )
+    assert not marker.exists()  # nothing of the user's ran here
+
+
+def test_setup_with_lands_under_user_on_the_host(gcloud, tmp_path):
+    """The ssh command's unpacking steps, run in a host's home: user/ holds the modules."""
+    paths, _ = _user_code(tmp_path / "mine")
+    env = {**BASE_ENV, "TMPDIR": str(tmp_path)}
+    repo = "--repo-url=https://example.com/r.git"
+    proc = gcloud.run("setup.sh", repo, f"--with={paths[0]}", f"--with={paths[2]}", env=env)
+    assert proc.returncode == 0, proc.stderr
+    [scp, ssh] = gcloud.calls()
+    home = tmp_path / "home"
+    (home / "jaxrl-orch" / "user" / "stale").mkdir(parents=True)
+    shutil.copy(scp[5], home / "jaxrl-orch-user.tar.gz")
+    steps = _flag(ssh, "command").split("; ")
+    unpack = steps[steps.index("rm -rf user") : steps.index("mv user/proj user/.projects/proj") + 1]
+    host_env = {**os.environ, "HOME": str(home)}
+    script = "cd jaxrl-orch; " + "; ".join(unpack)
+    proc = subprocess.run([BASH, "-ec", script], cwd=home, env=host_env, capture_output=True)
+    assert proc.returncode == 0, proc.stderr.decode()
+    user = home / "jaxrl-orch" / "user"
+    assert sorted(p.name for p in user.iterdir()) == [".projects", "my_tasks.py"]
+    assert (user / ".projects" / "proj" / "pyproject.toml").is_file()
+
+
+def test_setup_with_one_taskset_module(tmp_path):
+    """The common case: one module file, no project among the paths."""
+    (tmp_path / "my_tasks.py").write_text("")
+    proc = _run("setup.sh", "--dry-run", f"--with={tmp_path / 'my_tasks.py'}")
+    assert proc.returncode == 0, proc.stderr
+    tar = [shlex.split(x) for x in proc.stdout.splitlines() if x.startswith("tar ")]
+    assert tar == [[*tar[0][:-3], "-C", str(tmp_path), "my_tasks.py"]]
+    command = _flag(_gcloud_lines(proc.stdout)[-1], "command")
+    assert "tar -xzf ~/jaxrl-orch-user.tar.gz -C user" in command and ".projects" not in command
+
+
+def test_setup_refuses_a_missing_with_path_naming_it(gcloud, tmp_path):
+    missing = str(tmp_path / "my_taskz.py")
+    proc = gcloud.run("setup.sh", f"--with={missing}")
+    assert proc.returncode == 2
+    assert f"--with '{missing}' does not exist" in proc.stderr
+    assert gcloud.calls() == []
+    (tmp_path / "notes.txt").write_text("")
+    proc = _run("setup.sh", "--dry-run", f"--with={tmp_path / 'notes.txt'}")
+    assert proc.returncode == 2 and "neither a Python module file" in proc.stderr
+
+
 # ---------------------------------------------------------------- launch.sh
 
 
@@ -491,6 +640,8 @@ def test_launch_starts_engines_then_every_trainer_worker_with_their_roles(gcloud
     for command in commands:
         assert subprocess.run(["bash", "-n", "-c", command]).returncode == 0
         assert command.startswith("cd jaxrl-orch && . .venv/bin/activate")
+        # setup.sh --with's code, importable by every process
+        assert 'export PYTHONPATH="$PWD/user${PYTHONPATH:+:$PYTHONPATH}"' in command
         assert "umask 077 && rm -f logs/engine.key" in command
         # A host already running refuses the launch before the key is written: its run keeps
         # the key its replicas hold.
@@ -522,7 +673,9 @@ def _trainer_host(tmp_path, command, env, curl_out=None):
     (home / "jaxrl-orch" / ".venv" / "bin" / "activate").write_text("")
     stubs = tmp_path / "stubs"
     stubs.mkdir()
-    (stubs / "python").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > argv.txt\n')
+    # argv.txt last: a test that saw it may read the rest
+    stub = 'printf "%s" "$PYTHONPATH" > pythonpath.txt; printf "%s\\n" "$@" > argv.txt'
+    (stubs / "python").write_text(f"#!/bin/sh\n{stub}\n")
     if curl_out is None:
         (stubs / "curl").write_text("#!/bin/sh\nexit 7\n")
     else:
@@ -571,6 +724,15 @@ def test_launch_trainer_worker_reads_its_id_from_tpu_metadata(tmp_path):
     [log] = (remote_dir / "logs").glob("trainer-1-*.log")
     assert (remote_dir / "logs" / "train.pid").read_text().strip().isdigit()
     assert "started trainer process 1 pid" in proc.stdout and log.name in proc.stdout
+
+
+@pytest.mark.parametrize(("inherited", "tail"), [({}, ""), ({"PYTHONPATH": "/opt/x"}, ":/opt/x")])
+def test_launch_puts_the_user_code_first_on_pythonpath(tmp_path, inherited, tail):
+    env = {"TPU_WORKER_ID": "0", **inherited}
+    proc, remote_dir = _trainer_host(tmp_path, _dry_trainer_command(), env=env)
+    assert proc.returncode == 0, proc.stderr
+    _wait_for(remote_dir / "argv.txt")
+    assert (remote_dir / "pythonpath.txt").read_text() == f"{remote_dir}/user{tail}"
 
 
 def test_launch_trainer_worker_prefers_tpu_worker_id(tmp_path):

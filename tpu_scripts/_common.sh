@@ -40,6 +40,13 @@ ENGINE_PORT="${TPU_ENGINE_PORT:-50051}"
 WEIGHT_PORT="${TPU_WEIGHT_PORT:-8477}"
 TRAINER_HOSTS="${TPU_TRAINER_HOSTS:-}"
 ASSUME_YES="${TPU_ASSUME_YES:-0}"
+EXTRAS="${TPU_EXTRAS:-}"
+LOCAL_PYTHON="${TPU_LOCAL_PYTHON:-python3}"
+# Repeatable flags (setup.sh): each use adds one. --gin-file also sets GIN_FILE (launch.sh's
+# one file; the last given wins there).
+GIN_FILES=()
+GIN_PARAMS=()
+WITH_PATHS=()
 
 die() {
   echo "error: $*" >&2
@@ -110,7 +117,13 @@ _set_flag() {
     --ref) REPO_REF="$value" ;;
     --remote-dir) REMOTE_DIR="$value" ;;
     --python) PYTHON="$value" ;;
-    --gin-file) GIN_FILE="$value" ;;
+    --gin-file)
+      GIN_FILE="$value"
+      GIN_FILES+=("$value")
+      ;;
+    --gin-param) GIN_PARAMS+=("$value") ;;
+    --extras) EXTRAS="$value" ;;
+    --with) WITH_PATHS+=("$value") ;;
     --workdir) WORKDIR="$value" ;;
     --coordinator-port) COORDINATOR_PORT="$value" ;;
     --engine-port) ENGINE_PORT="$value" ;;

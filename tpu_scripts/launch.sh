@@ -14,6 +14,7 @@
 # needs a key; a fresh random one is written (mode 600) on every host of the run, after the
 # host's pid check, so a launch refused there leaves a running run's key alone.
 # Arguments after `--` are passed to every process unchanged (for example --gin_param=...).
+# Every process has REMOTE_DIR/user (setup.sh --with: the user's own modules) on its PYTHONPATH.
 # Refuses to start on a host where the pid recorded by a previous launch is alive.
 #
 # --workdir: a gs:// URL whenever the run spans more than one host (all processes read and
@@ -117,7 +118,10 @@ extra="$(quote_all ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})"
 
 dir="$(quote "$REMOTE_DIR")"
 stamp="$(date -u +%Y%m%dT%H%M%SZ)"
-prelude="cd $dir && . .venv/bin/activate && mkdir -p logs || exit 1"
+# user/: the --with code setup.sh shipped (a user's taskset module), importable by every process
+# and by the subprocesses its environment starts; first, so it is what an import finds.
+prelude="cd $dir && . .venv/bin/activate && mkdir -p logs || exit 1; \
+export PYTHONPATH=\"\$PWD/user\${PYTHONPATH:+:\$PYTHONPATH}\""
 pidcheck="if [ -f logs/train.pid ] && kill -0 \"\$(cat logs/train.pid)\" 2>/dev/null; then \
 echo \"\$(hostname): training already running (pid \$(cat logs/train.pid))\" >&2; exit 1; fi"
 
