@@ -30,7 +30,7 @@ from etils import epath
 from jaxrl_orch.compose.checks import check_examples
 from jaxrl_orch.compose.data import DataSources, build_data
 from jaxrl_orch.compose.engines import engine_factory, engine_limits
-from jaxrl_orch.compose.model import build_model
+from jaxrl_orch.compose.model import build_model, tokenizer_spec
 from jaxrl_orch.compose.placement import Placement, build_placement, group_placement
 from jaxrl_orch.compose.replica import check_bind
 from jaxrl_orch.config.train import TrainConfig
@@ -124,7 +124,7 @@ def env_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         scratch = Path(tempfile.mkdtemp(prefix="jaxrl_orch_tokenizer_"))
         return {
             "env": vf.env,
-            "tokenizer_dir": tokenizer_dir_for(cfg.model.tokenizer, scratch),
+            "tokenizer_dir": tokenizer_dir_for(tokenizer_spec(cfg.model), scratch),
             "renderer": vf.renderer,
             "max_prompt_len": engine_limits(cfg).max_prefill_length,
             "holdout_every": vf.holdout_every,

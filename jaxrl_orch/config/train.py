@@ -47,8 +47,20 @@ Lora = bind(LoraConfig)
 
 @section("Model")
 class ModelSettings:
-    name: str = setting("tiny-byte", "a preset name, or an HF checkpoint directory (config.json)")
-    tokenizer: str = setting("byte", "'byte', or a tokenizer.json path / a directory holding one")
+    name: str = setting(
+        "tiny-byte",
+        "a preset name, or an HF checkpoint directory (config.json), local or gs://",
+    )
+    tokenizer: str | None = setting(
+        None,
+        "None: the checkpoint's own (tokenizer.json, chat template) when Model.name is one, else "
+        "'byte'; or 'byte', or a tokenizer.json path / a directory holding one (local or gs://)",
+    )
+    random_init: bool = setting(
+        False,
+        "start a preset of a published model (qwen*, llama*) from random weights; without it "
+        "such a preset is refused: name its checkpoint in Model.name",
+    )
     compute_dtype: str = setting(
         "auto",
         "matmuls and activations; 'auto': bfloat16 on TPU/GPU, else float32 (python -m "

@@ -34,6 +34,8 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from jaxrl_orch.paths import as_path
+
 # The named special tokens transformers passes to a template (``special_tokens_map``).
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -58,11 +60,10 @@ def token_str(value: object) -> str | None:
 
 def read_tokenizer_config(directory: str | os.PathLike) -> dict[str, Any]:
     """``tokenizer_config.json`` of ``directory`` as a dict; ``{}`` when there is none."""
-    path = os.path.join(os.fspath(directory), CONFIG_FILE)
-    if not os.path.isfile(path):
+    path = as_path(directory) / CONFIG_FILE  # local or gs://: a checkpoint's own directory
+    if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
+    cfg = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(cfg, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
     return cfg
@@ -116,17 +117,15 @@ def find_chat_template(
 ) -> tuple[str, str] | None:
     """``(template, origin)`` a checkpoint directory ships, or None (see the module docstring).
     ``config`` is its already-read ``tokenizer_config.json``, if the caller has it."""
-    directory = os.fspath(directory)
-    jinja_path = os.path.join(directory, TEMPLATE_FILE)
-    if os.path.isfile(jinja_path):
-        with open(jinja_path, encoding="utf-8") as f:
-            return f.read(), jinja_path
+    jinja_path = as_path(directory) / TEMPLATE_FILE
+    if jinja_path.is_file():
+        return jinja_path.read_text(encoding="utf-8"), os.fspath(jinja_path)
     if config is None:
         config = read_tokenizer_config(directory)
     value = config.get("chat_template")
     if value is None:
         return None
-    origin = os.path.join(directory, CONFIG_FILE)
+    origin = os.fspath(as_path(directory) / CONFIG_FILE)
     return select_template(value, origin), origin
 
 

@@ -11,7 +11,8 @@ Presets:
 - ``qwen2.5-0.5b``, ``qwen2.5-1.5b``, ``qwen2.5-3b``, ``qwen3-0.6b``, ``llama-3.2-1b``,
   ``llama-3.1-8b``, ``qwen2.5-7b``, ``qwen3-8b``: the published shapes of those checkpoints
   (from their ``config.json``), so ``hf_import.load_hf_checkpoint`` of the real weights agrees
-  with ``get_config`` of the same name.
+  with ``get_config`` of the same name. ``PUBLISHED`` names these: a run starts one from its
+  checkpoint, or at random only when asked to.
 
 Invariants checked on construction: positive sizes, ``n_heads`` divisible by ``n_kv_heads``
 (grouped-query attention), even ``head_dim`` (RoPE rotates pairs). This module never touches
@@ -312,6 +313,10 @@ _PRESETS: dict[str, ModelConfig] = {
 }
 
 CONFIG_NAMES: tuple[str, ...] = tuple(_PRESETS)
+# The presets that stand for a published model: their point is that model's weights, so a run
+# of one without its checkpoint (a random initialisation) must be asked for (``Model.random_init``).
+# The byte presets have no published weights: random is what they are.
+PUBLISHED: frozenset[str] = frozenset(CONFIG_NAMES) - {"tiny-byte", "small-byte"}
 
 
 def get_config(name: str, **overrides: Any) -> ModelConfig:

@@ -41,6 +41,7 @@ from jaxrl_orch.models.chat_template import (
     token_str,
 )
 from jaxrl_orch.models.configs import BYTE_VOCAB_SIZE
+from jaxrl_orch.paths import as_path
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -240,16 +241,16 @@ class HFTokenizer:
         the template's ``bos_token`` / ``eos_token`` / ``pad_token``."""
         from tokenizers import Tokenizer as _RustTokenizer
 
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer file not found: {path!r}")
-        directory = os.path.dirname(path)
+        path = as_path(path)  # local or gs://: read as text, nothing downloaded elsewhere
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer file not found: {os.fspath(path)!r}")
+        directory = path.parent
         cfg = read_tokenizer_config(directory)
         explicit = {"eos_token": eos_token, "bos_token": bos_token, "pad_token": pad_token}
         cfg = {**cfg, **{k: v for k, v in explicit.items() if v is not None}}
         template = ChatTemplate.from_dir(directory, cfg)
         return cls(
-            _RustTokenizer.from_file(path),
+            _RustTokenizer.from_str(path.read_text(encoding="utf-8")),
             eos_token=token_str(cfg.get("eos_token")),
             bos_token=token_str(cfg.get("bos_token")),
             pad_token=token_str(cfg.get("pad_token")),
@@ -307,7 +308,7 @@ class HFTokenizer:
 
 def load_tokenizer(spec: str | os.PathLike | None = "byte") -> ByteTokenizer | HFTokenizer:
     """``"byte"``/``None`` -> ``ByteTokenizer``; a ``tokenizer.json`` path or a directory
-    holding one (e.g. an HF checkpoint directory) -> ``HFTokenizer``."""
+    holding one (e.g. an HF checkpoint directory, local or ``gs://``) -> ``HFTokenizer``."""
     if spec is None or spec == "byte":
         return ByteTokenizer()
     return HFTokenizer.from_file(tokenizer_json_path(spec))
@@ -316,12 +317,12 @@ def load_tokenizer(spec: str | os.PathLike | None = "byte") -> ByteTokenizer | H
 def tokenizer_json_path(spec: str | os.PathLike) -> str:
     """The ``tokenizer.json`` a non-byte tokenizer spec names (the file, or one in the
     directory); raises ``ValueError`` naming the spec when there is none."""
-    path = os.fspath(spec)
-    if os.path.isdir(path):
-        path = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(path):
+    path = as_path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
         raise ValueError(
             f"tokenizer spec {os.fspath(spec)!r} is neither 'byte' nor a tokenizer.json file "
             "nor a directory containing one"
         )
-    return path
+    return os.fspath(path)

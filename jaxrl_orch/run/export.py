@@ -36,6 +36,7 @@ from typing import Any
 
 from etils import epath
 
+from jaxrl_orch.compose.model import tokenizer_spec
 from jaxrl_orch.compose.parts import RunParts
 from jaxrl_orch.compose.trainers import rl_model
 from jaxrl_orch.models.byte_hf import save_byte_tokenizer
@@ -44,7 +45,7 @@ from jaxrl_orch.models.hf_import import save_hf_checkpoint
 from jaxrl_orch.models.peft_export import save_peft_adapter
 from jaxrl_orch.models.tokenizer import tokenizer_json_path
 from jaxrl_orch.orchestrator.metrics.writers import stage
-from jaxrl_orch.paths import copy_tree, is_url
+from jaxrl_orch.paths import as_path, copy_tree, is_url
 
 TOKENIZER_SIDECARS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -56,14 +57,14 @@ def export_policy(
     dest = parts.workdir / "export"
     stage("export", f"the final policy as an HF checkpoint to {dest}")
     checkpoint = None if adapters is None else _checkpoint_base(parts, base)
-    name = parts.cfg.model.tokenizer
+    name = tokenizer_spec(parts.cfg.model)
     tok = None if name == "byte" else tokenizer_json_path(name)
     with tempfile.TemporaryDirectory() as local:
         staging = Path(local) if is_url(dest) else Path(os.fspath(parts.workdir), "export.staging")
         shutil.rmtree(staging, ignore_errors=True)
         out = _export_hf_dir(params, parts.model_cfg, staging, tok)
         for sidecar in TOKENIZER_SIDECARS if tok is not None else ():
-            if (src := Path(tok).with_name(sidecar)).is_file():
+            if (src := as_path(tok).parent / sidecar).is_file():
                 (out / sidecar).write_bytes(src.read_bytes())
         if name == "byte":
             save_byte_tokenizer(out)
@@ -80,16 +81,15 @@ def export_policy(
     return dest
 
 
-def _checkpoint_base(parts: RunParts, base: Any) -> Path | None:
+def _checkpoint_base(parts: RunParts, base: Any) -> Path | str | None:
     """The HF checkpoint directory the RL base is exactly, or None (a warm-up changed it, QLoRA
     trained over its dequantized weights, or the model is a preset, initialised at random): then
     ``base`` is exported and must be given."""
     warmup = parts.cfg.warmup
     name = parts.cfg.model.name
-    path = Path(name)
     exact = not (warmup.steps or warmup.from_workdir) and parts.cfg.lora.quantize is None
-    if exact and (path / "config.json").is_file():
-        return path.resolve()
+    if exact and (as_path(name) / "config.json").is_file():  # a gs:// checkpoint is named as is
+        return name if is_url(name) else Path(name).resolve()
     if base is None:
         raise ValueError(
             f"export_policy: the LoRA run's base is not the checkpoint {name!r} (Warmup.steps="
@@ -100,7 +100,7 @@ def _checkpoint_base(parts: RunParts, base: Any) -> Path | None:
 
 
 def _export_adapter(
-    parts: RunParts, adapters: Any, base: tuple[Path | None, Any], out: Path, final: Any
+    parts: RunParts, adapters: Any, base: tuple[Path | str | None, Any], out: Path, final: Any
 ) -> None:
     """The PEFT adapter in ``out`` (the staging copy of ``final``) over ``base``: the checkpoint
     directory it names, else the frozen state, written to ``out/base``."""
@@ -127,7 +127,7 @@ def _export_hf_dir(
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf_checkpoint(params, cfg, tmp)
     if tokenizer_json is not None:
-        shutil.copy(tokenizer_json, tmp / "tokenizer.json")
+        (tmp / "tokenizer.json").write_bytes(as_path(tokenizer_json).read_bytes())  # or gs://
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

@@ -19,6 +19,7 @@ import json
 from typing import Any
 
 from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.models.configs import CONFIG_NAMES
 from jaxrl_orch.paths import Pathish, as_path, write_atomic
 
 FILE = "run_identity.json"
@@ -46,6 +47,10 @@ def identity(cfg: TrainConfig) -> dict[str, Any]:
         value: Any = cfg
         for part in key.split("."):
             value = getattr(value, part)
+        if key == "model.tokenizer" and value is None:
+            # The default names the tokenizer Model.name implies (compose.model.tokenizer_spec):
+            # recorded as that, a run recorded before the default existed ('byte') resumes.
+            value = "byte" if cfg.model.name in CONFIG_NAMES else cfg.model.name
         out[key] = json.loads(json.dumps(value))  # as the file holds it (tuples are lists)
     return out
 

@@ -47,7 +47,7 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.typing import DTypeLike  # noqa: E402
 
 from jaxrl_orch.compose.engines import build_engine  # noqa: E402
-from jaxrl_orch.compose.model import model_config  # noqa: E402
+from jaxrl_orch.compose.model import model_config, tokenizer_spec  # noqa: E402
 from jaxrl_orch.compose.placement import build_placement  # noqa: E402
 from jaxrl_orch.compose.precision import accel_model_config  # noqa: E402
 from jaxrl_orch.compose.trainers import optim_config, rl_model, step_config  # noqa: E402
@@ -177,7 +177,8 @@ def compile_lora_merge(model_cfg: ModelConfig, eparams: Any, mesh: Mesh) -> jax.
 
 
 def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], dict[str, Any]]:
-    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    # No weights are read: a published model's preset compiles without its checkpoint.
+    tokenizer = load_tokenizer(tokenizer_spec(cfg.model))
     model_cfg = accel_model_config(model_config(cfg.model.name, tokenizer), cfg, "tpu")
     placement = build_placement(cfg, len(devices), devices=devices)
     decode_mesh = placement.decode_mesh

@@ -336,7 +336,7 @@ def test_a_verifiers_run_names_its_environment_and_leaves_the_prompts_to_it():
 def test_a_bare_name_is_refused_unless_a_file_reads_it_as_a_macro(tmp_path):
     """``--gin_param=seed=1`` is a gin macro nothing reads: gin would accept it and record it in
     config.gin while the run trains with seed 0. Refused, naming the setting meant; a macro a
-    file reads (``%CHECKPOINT``) still binds."""
+    file reads (``%VERIFIERS_ENV``) still binds."""
     import gin
 
     with pytest.raises(ValueError, match=r"'seed=1' names no section.*'TrainConfig.seed = \.\.\.'"):

@@ -1,6 +1,7 @@
-"""configs/pretrained.gin: a pretrained checkpoint's settings parse, name the checkpoint once for
-weights and tokenizer, and validate against a Qwen-style checkpoint directory (its own
-tokenizer and chat template, every bundled prompt within the engine's and the row's limits)."""
+"""configs/pretrained.gin: a pretrained checkpoint's settings parse, name the checkpoint once
+(``Model.name``: its weights, and its tokenizer by default), and validate against a Qwen-style
+checkpoint directory (its own tokenizer and chat template, every bundled prompt within the
+engine's and the row's limits)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _repo_root(monkeypatch):
 
 def test_no_warm_up_a_pretrained_learning_rate_and_the_checkpoints_tokenizer():
     cfg = load_config([CONFIG], [])
-    assert cfg.model.name == cfg.model.tokenizer == PLACEHOLDER
+    assert cfg.model.name == PLACEHOLDER and cfg.model.tokenizer is None  # the checkpoint's own
     assert cfg.warmup.steps == 0 and cfg.warmup.demonstrations == ()
     assert cfg.rl.learning_rate == 1e-6 and cfg.rl.lr_warmup_steps == 10
     assert cfg.model.param_dtype == "float32"  # a 1e-6 step needs fp32 master weights
@@ -37,8 +38,8 @@ def test_no_warm_up_a_pretrained_learning_rate_and_the_checkpoints_tokenizer():
 
 
 def test_one_binding_names_the_checkpoint_for_weights_and_tokenizer():
-    cfg = load_config([CONFIG], ["CHECKPOINT = '/data/ckpt'"])
-    assert cfg.model.name == cfg.model.tokenizer == "/data/ckpt"
+    cfg = load_config([CONFIG], ["Model.name = 'gs://bucket/ckpt'"])
+    assert cfg.model.name == "gs://bucket/ckpt" and cfg.model.tokenizer is None
     cfg = load_config([CONFIG], ["Model.name = '/a'", "Model.tokenizer = '/b'"])
     assert (cfg.model.name, cfg.model.tokenizer) == ("/a", "/b")
 
@@ -47,7 +48,7 @@ def test_the_placeholder_fails_naming_the_path():
     from support.runs import prepare
 
     cfg = load_config([CONFIG], [])
-    with pytest.raises(ValueError, match=f"{PLACEHOLDER}.*neither 'byte'|{PLACEHOLDER}.*exist"):
+    with pytest.raises(ValueError, match=f"model directory '{PLACEHOLDER}' does not exist"):
         prepare(cfg, Path("unused"))
 
 
@@ -63,7 +64,7 @@ def test_validates_against_a_qwen_style_checkpoint(tmp_path):
     shape = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
     model = ModelConfig(vocab_size=320, qkv_bias=True, max_seq_len=512, **shape)
     save_hf_checkpoint(Transformer(model, rngs=nnx.Rngs(0)), model, ckpt)
-    cfg = load_config([CONFIG], [f"CHECKPOINT = '{ckpt}'"])
+    cfg = load_config([CONFIG], [f"Model.name = '{ckpt}'"])
     parts = prepare(cfg, tmp_path / "run")  # every bundled prompt, templated, fits
     assert parts.tokenizer.chat_template_origin == str(ckpt / "tokenizer_config.json")
     assert parts.env.instruction == "Reverse in <answer></answer>:"

@@ -38,6 +38,7 @@ from pydantic import TypeAdapter
 from jaxrl_orch.envs.base import EnvTokenizer, stop_ids_of, with_stop_ids
 from jaxrl_orch.envs.vf.bridge import EngineBridge, check_sampling_keys
 from jaxrl_orch.envs.vf.traces import episode_rollout
+from jaxrl_orch.paths import as_path, is_url
 from jaxrl_orch.types import InferenceClient, Rollout, SamplingParams
 
 EXAMPLES = {
@@ -271,5 +272,29 @@ def tokenizer_dir_for(spec: str, cache_dir: Path) -> str:
 
     if spec == "byte":
         return str(save_byte_tokenizer(cache_dir / "byte_tokenizer"))
+    if is_url(spec):  # renderers reads a local directory: copy the tokenizer's files only
+        return _local_tokenizer_copy(spec, cache_dir / "tokenizer")
     path = Path(spec)
     return str(path.parent if path.is_file() else path)
+
+
+# The files of a tokenizer directory that a loader of it reads (never the weights beside them).
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
+
+
+def _local_tokenizer_copy(url: str, dest: Path) -> str:
+    """The tokenizer files of the object-storage directory ``url`` (or of the tokenizer.json it
+    names) copied to ``dest``."""
+    src = as_path(url)
+    if src.name == "tokenizer.json":
+        src = src.parent
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in _TOKENIZER_FILES:
+        if (src / name).is_file():
+            (dest / name).write_bytes((src / name).read_bytes())
+    return str(dest)
