@@ -153,7 +153,7 @@ def test_save_peft_adapter_refuses_a_config_without_lora(tmp_path):
 def _parts(workdir, model_name: str, model_cfg: ModelConfig, warmup_steps: int) -> RunParts:
     """The fields of ``RunParts`` that ``export_policy`` reads; the rest belong to other stages."""
     cfg = TrainConfig(
-        model=Model(name=model_name),
+        model=Model(name=model_name, tokenizer="byte"),  # the checkpoint holds no tokenizer
         warmup=Warmup(steps=warmup_steps),
         lora=Lora(rank=4, alpha=8.0, targets=ALL),
     )
