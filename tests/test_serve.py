@@ -31,6 +31,7 @@ from jaxrl_orch.config.load import make_config
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.inference.limits import EngineLimits
+from jaxrl_orch.models.byte_hf import save_byte_tokenizer
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.models.hf_import import save_hf_checkpoint
 from jaxrl_orch.models.transformer import Transformer
@@ -85,6 +86,7 @@ def _in_process(ckpt: Path) -> tuple[list[int], list[float]]:
 def test_a_served_checkpoint_answers_the_token_endpoint_and_the_openai_client(tmp_path):
     preset = get_config("tiny-byte")
     save_hf_checkpoint(Transformer(preset, rngs=nnx.Rngs(3)), preset, tmp_path / "hf")
+    save_byte_tokenizer(tmp_path / "hf")  # as an export writes it: the server reads it from there
     proc = _serve(f"--checkpoint={tmp_path / 'hf'}", "--port=0")
     try:
         url, _ = _url(proc)

@@ -19,6 +19,7 @@ from support.tiny_tokenizers import write_bpe
 from support.toy_rl import toy_config
 
 from jaxrl_orch.config.train import TrainConfig
+from jaxrl_orch.models.byte_hf import save_byte_tokenizer
 from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.models.hf_import import load_hf_checkpoint, save_hf_checkpoint
 from jaxrl_orch.models.transformer import Transformer
@@ -51,6 +52,7 @@ def test_run_starts_from_an_hf_checkpoint_and_exports_the_trained_policy(tmp_pat
     preset = get_config("tiny-byte")
     source = Transformer(preset, rngs=nnx.Rngs(7))
     save_hf_checkpoint(source, preset, tmp_path / "hf")
+    save_byte_tokenizer(tmp_path / "hf")  # the run reads the checkpoint's own tokenizer
     start = _leaves(nnx.state(source))
 
     parts = prepare(_cfg(str(tmp_path / "hf")), tmp_path / "run")
