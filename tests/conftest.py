@@ -51,3 +51,15 @@ def _no_gin_bindings_between_tests():
     gin.clear_config()
     yield
     gin.clear_config()
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """A local GCS emulator (``support.gcs_emulator``) this process's gs:// clients point at, for
+    one test module; its ``BUCKET`` is there."""
+    from support.gcs_emulator import Emulator
+
+    emulator = Emulator()
+    emulator.point_here()
+    yield emulator
+    emulator.stop()

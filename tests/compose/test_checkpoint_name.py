@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 from support.chat_checkpoints import write_qwen_tokenizer
 from support.checkout import ROOT
-from support.gcs_emulator import BUCKET, Emulator
+from support.gcs_emulator import BUCKET
 
 from jaxrl_orch.compose.model import build_model, pretrained_params, tokenizer_spec
 from jaxrl_orch.config.train import ModelSettings, TrainConfig
@@ -35,14 +35,6 @@ SHAPE = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=
 MODEL = ModelConfig(vocab_size=320, qkv_bias=True, max_seq_len=512, **SHAPE)
 TEXT = "<|im_start|>user\nhello world<|im_end|>"
 TURN = [{"role": "user", "content": "reverse this"}]
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    emulator = Emulator()
-    emulator.point_here()
-    yield emulator
-    emulator.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
-from support.gcs_emulator import BUCKET, Emulator
+from support.gcs_emulator import BUCKET
 
 from jaxrl_orch.compose.engines import to_engine
 from jaxrl_orch.compose.model import pretrained_params
@@ -149,14 +149,6 @@ def test_the_engine_reads_the_handle_onto_its_shardings_in_its_dtype(tmp_path):
     for key, sharding in _leaves(engine.param_shardings).items():
         assert got[key].sharding == sharding and got[key].dtype == jnp.bfloat16, str(key)
         np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), str(key))
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    emulator = Emulator()
-    emulator.point_here()
-    yield emulator
-    emulator.stop()
 
 
 def _count_reads(monkeypatch, ckpt):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.gcs_emulator import BUCKET, Emulator
+from support.gcs_emulator import BUCKET
 from support.train_cmd import train_cmd, train_env
 
 from jaxrl_orch.orchestrator.store import RolloutStore
@@ -21,14 +21,6 @@ from jaxrl_orch.paths import JsonlAppender, as_path, copy_tree, is_url, write_at
 from jaxrl_orch.run.history import read_rows, trim_for_rl
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_newest_intact
 from jaxrl_orch.types import Rollout
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    emulator = Emulator()
-    emulator.point_here()
-    yield emulator
-    emulator.stop()
 
 
 def test_a_url_stays_a_url_and_bad_ones_are_named(tmp_path):
