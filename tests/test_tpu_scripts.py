@@ -595,6 +595,30 @@ def _multi_host_layout(gcloud, trainer_ips=("10.0.0.2", "10.0.0.3"), engines=2):
         gcloud.respond(f"tpu-vm describe rl-tpu-engine-{i}", f"10.0.1.{i + 10}\n")
 
 
+def test_launch_passes_every_file_of_a_composition_in_order(gcloud):
+    _multi_host_layout(gcloud)
+    files = [
+        "configs/model/checkpoint.gin",
+        "configs/slice/v5e_16.gin",
+        "configs/env/verifiers.gin",
+    ]
+    proc = gcloud.run(
+        "launch.sh",
+        "--engine-replicas=2",
+        "--workdir=gs://bucket/run1",
+        *(f"--gin-file={f}" for f in files),
+        "--",
+        "--gin_param=CHECKPOINT = 'gs://bucket/ckpt'",
+    )
+    assert proc.returncode == 0, proc.stderr
+    for command in (_flag(c, "command") for c in gcloud.calls()[3:]):
+        argv = _train_argv(command)
+        assert [a for a in argv if a.startswith("--gin_file=")] == [
+            f"--gin_file={f}" for f in files
+        ]
+        assert argv[-1] == "--gin_param=CHECKPOINT = 'gs://bucket/ckpt'"
+
+
 def test_launch_starts_engines_then_every_trainer_worker_with_their_roles(gcloud):
     _multi_host_layout(gcloud)
     proc = gcloud.run(

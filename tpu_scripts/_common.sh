@@ -42,8 +42,8 @@ TRAINER_HOSTS="${TPU_TRAINER_HOSTS:-}"
 ASSUME_YES="${TPU_ASSUME_YES:-0}"
 EXTRAS="${TPU_EXTRAS:-}"
 LOCAL_PYTHON="${TPU_LOCAL_PYTHON:-python3}"
-# Repeatable flags (setup.sh): each use adds one. --gin-file also sets GIN_FILE (launch.sh's
-# one file; the last given wins there).
+# Repeatable flags: each use adds one. GIN_FILE is the default when no --gin-file is given;
+# setup.sh and launch.sh use every file given (a composition: one file per concern).
 GIN_FILES=()
 GIN_PARAMS=()
 WITH_PATHS=()

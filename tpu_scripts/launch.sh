@@ -27,9 +27,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 ALLOWED_FLAGS="--project --zone --name --engine-replicas --remote-dir --gin-file --workdir \
 --coordinator-port --engine-port --weight-port --trainer-hosts"
 USAGE="usage: $(basename "$0") [--dry-run] --project P --zone Z --name NAME [--engine-replicas R]
-  [--remote-dir DIR] [--gin-file configs/tpu_v5e_8.gin] [--workdir gs://BUCKET/run|runs/x]
+  [--remote-dir DIR] [--gin-file configs/tpu_v5e_8.gin]... [--workdir gs://BUCKET/run|runs/x]
   [--coordinator-port 8476] [--engine-port 50051] [--weight-port 8477] [--trainer-hosts N]
   [-- extra train args]
+--gin-file: repeatable, one file per concern (configs/model, slice, env, tune, algo).
 --trainer-hosts: the slice's worker count if you know it; a real run checks it against the
   slice, a dry run (which resolves nothing) assumes it (default 1).
 env: TPU_PROJECT TPU_ZONE TPU_NAME TPU_ENGINE_REPLICAS TPU_REMOTE_DIR TPU_GIN_FILE TPU_WORKDIR
@@ -99,7 +100,13 @@ fi
 WORKDIR="${WORKDIR:-runs/$NAME}"
 
 coordinator="${trainer_ips[0]}:$COORDINATOR_PORT"
-common=("--gin_file=$GIN_FILE" "--workdir=$WORKDIR"
+# Every --gin-file given (a composition: one file per concern), else the default's one.
+gin_args=("--gin_file=$GIN_FILE")
+if ((${#GIN_FILES[@]})); then
+  gin_args=()
+  for f in "${GIN_FILES[@]}"; do gin_args+=("--gin_file=$f"); done
+fi
+common=("${gin_args[@]}" "--workdir=$WORKDIR"
   "--gin_param=Processes.trainer_processes = $P"
   "--gin_param=Processes.engine_replicas = $R"
   "--coordinator_address=$coordinator")

@@ -59,8 +59,9 @@ def check_weights(model: ModelSettings) -> None:
     if model.name in PUBLISHED and not model.random_init:
         raise ValueError(
             f"model {model.name!r} is the preset of a published model but no checkpoint is "
-            "named: set Model.name='/path/or/gs://bucket/dir' (its HF checkpoint) to start from "
-            "its weights, or Model.random_init=True to train it from random weights"
+            "named: set CHECKPOINT='/path/or/gs://bucket/dir' (its HF checkpoint; with a file of "
+            "configs/model/, else Model.name) to start from its weights, or "
+            "Model.random_init=True to train it from random weights"
         )
 
 

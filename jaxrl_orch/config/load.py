@@ -6,6 +6,10 @@ names the bad file, binding or value), ``make_config`` (scripts and tests: ``{"R
 nested ones included, in listing order). A refused config leaves no bindings behind for the next
 ``TrainConfig()``.
 
+Files compose by concern (``config.concerns``): files side by side that disagree on a setting,
+a file of one concern binding another's, and a macro nothing binds are refused before gin parses
+them; a refusal of the built config names the file that bound each setting it names.
+
 Two mistakes gin would let through or answer obscurely are named here:
 - a binding of a name that moved (``TrainConfig.rl_steps``, ``RL.tis_cap``) names where it went
   (``RL.steps``, ``Loss.tis_cap``);
@@ -22,6 +26,7 @@ from typing import Any
 
 import gin
 
+from jaxrl_orch.config.concerns import compose
 from jaxrl_orch.config.section import sections_of
 from jaxrl_orch.config.train import TrainConfig
 
@@ -90,7 +95,8 @@ def load_config(gin_files: list[str], gin_params: list[str]) -> TrainConfig:
     for f in gin_files:
         if not Path(f).is_file():
             raise ValueError(f"gin file {f!r} does not exist")
-    _refuse_unused_macros(gin_files, gin_params)
+    composition = compose(gin_files, gin_params)
+    _refuse_unused_macros(composition.reads, gin_params)
     gin.clear_config()
     try:
         gin.parse_config_files_and_bindings(gin_files, gin_params)
@@ -99,9 +105,9 @@ def load_config(gin_files: list[str], gin_params: list[str]) -> TrainConfig:
         raise ValueError(f"bad gin config: {exc}{_moved_hint(str(exc))}") from exc
     try:
         return TrainConfig()
-    except ValueError:
+    except ValueError as exc:
         gin.clear_config()  # a refused config must not linger for the next TrainConfig()
-        raise
+        raise ValueError(composition.explain(str(exc))) from exc
 
 
 def _moved_hint(message: str) -> str:
@@ -115,15 +121,15 @@ def _moved_hint(message: str) -> str:
 _BARE = re.compile(r"^\s*([A-Za-z_]\w*)\s*=")
 
 
-def _refuse_unused_macros(gin_files: list[str], gin_params: list[str]) -> None:
-    """A bare ``NAME = value`` binding must be a macro some file or binding reads (``%NAME``)."""
-    texts = [Path(f).read_text() for f in gin_files] + list(gin_params)
+def _refuse_unused_macros(reads: frozenset[str], gin_params: list[str]) -> None:
+    """A bare ``NAME = value`` binding must be a macro some file (included ones too) or binding
+    reads (``%NAME``)."""
     for param in gin_params:
         bare = _BARE.match(param)
         if bare is None:
             continue
         name = bare.group(1)
-        if any(re.search(rf"%{name}\b", t) for t in texts):
+        if name in reads or any(re.search(rf"%{name}\b", p) for p in gin_params):
             continue
         meant = " or ".join(f"'{m} = ...'" for m in _meant(name))
         hint = f"; did you mean {meant}?" if meant else ""

@@ -150,7 +150,14 @@ class ProcessesSettings:
         Allowed.at_least(1).because("replicas are probed each second"),
     )
     tpu_topology: str | None = setting(
-        None, "the slice this config is sized for, e.g. 'v5e:2x4' (python -m jaxrl_orch.tools.aot)"
+        None,
+        "the slice this config is sized for, e.g. 'v5e:2x4'; with engine replicas, the trainer "
+        "group's slice (python -m jaxrl_orch.tools.aot)",
+    )
+    replica_topology: str | None = setting(
+        None,
+        "each engine replica's own slice, e.g. 'v5e:2x2' (a v5e-4 VM): where python -m "
+        "jaxrl_orch.tools.aot compiles the engine's programs; None: Processes.tpu_topology",
     )
 
     @property

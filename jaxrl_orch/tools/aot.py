@@ -2,12 +2,13 @@
 
 What it owns: building, from a gin config, the programs a run compiles -- the RL train step on
 the trainer mesh, the engine's prefill and decode step (``steps_per_call`` steps of every slot)
-on the decode mesh, and the trainer-to-engine reshard's source-side cast -- against abstract
-``ShapeDtypeStruct`` arguments laid on a TPU topology's devices
-(``jax.experimental.topologies.get_topology_desc``, which needs ``libtpu``: the ``tpu`` extra),
-compiling them deviceless (MaxText's ``train_compile.py`` is the model), and reading what XLA
-says about each: per-chip memory (arguments, outputs, temporaries, generated code; donated
-arguments counted once), FLOPs and bytes accessed.
+on the decode mesh (a multi-process layout: the trainer group's mesh on
+``Processes.tpu_topology``, one replica's on ``Processes.replica_topology``), and the
+trainer-to-engine reshard's source-side cast -- against abstract ``ShapeDtypeStruct`` arguments
+laid on a TPU topology's devices (``jax.experimental.topologies.get_topology_desc``, which
+needs ``libtpu``: the ``tpu`` extra), compiling them deviceless (MaxText's ``train_compile.py``
+is the model), and reading what XLA says about each: per-chip memory (arguments, outputs,
+temporaries, generated code; donated arguments counted once), FLOPs and bytes accessed.
 
 Estimates (``aot_report``): a roofline time per program, ``max(flops / peak, bytes / HBM
 bandwidth)`` from the chip's published figures (``CHIPS``). XLA's cost analysis counts a loop
@@ -48,7 +49,7 @@ from jax.typing import DTypeLike  # noqa: E402
 
 from jaxrl_orch.compose.engines import build_engine  # noqa: E402
 from jaxrl_orch.compose.model import model_config, tokenizer_spec  # noqa: E402
-from jaxrl_orch.compose.placement import build_placement  # noqa: E402
+from jaxrl_orch.compose.placement import Placement, build_placement  # noqa: E402
 from jaxrl_orch.compose.precision import accel_model_config  # noqa: E402
 from jaxrl_orch.compose.trainers import optim_config, rl_model, step_config  # noqa: E402
 from jaxrl_orch.config.load import load_config  # noqa: E402
@@ -60,6 +61,7 @@ from jaxrl_orch.models.transformer import Transformer  # noqa: E402
 from jaxrl_orch.tools import aot_report  # noqa: E402
 from jaxrl_orch.trainer import step as step_lib  # noqa: E402
 from jaxrl_orch.trainer.programs import build_programs  # noqa: E402
+from sharding.mesh import make_meshes  # noqa: E402
 from sharding.reshard import cast_program  # noqa: E402
 from sharding.rules import abstract_arrays  # noqa: E402
 
@@ -176,11 +178,28 @@ def compile_lora_merge(model_cfg: ModelConfig, eparams: Any, mesh: Mesh) -> jax.
     return merge.lower(eparams, adapters).compile()
 
 
-def compile_all(cfg: TrainConfig, devices: list[Any]) -> tuple[list[Compiled], dict[str, Any]]:
+def aot_placement(cfg: TrainConfig, devices: list[Any], replica_devices: list[Any] | None) -> Any:
+    """One process's placement on ``devices``; with engine replicas, the trainer group's mesh
+    on ``devices`` (its whole slice) and a replica's decode mesh on ``replica_devices``."""
+    if not cfg.processes.engine_replicas:
+        return build_placement(cfg, len(devices), devices=devices)
+    replica_devices = replica_devices or devices
+    trainer_shape = dict(cfg.trainer.mesh) or {"fsdp": len(devices)}
+    decode_shape = dict(cfg.engine.mesh) or {"tp": len(replica_devices)}
+    n_tr = math.prod(trainer_shape.values())
+    n_dec = math.prod(decode_shape.values())
+    _, trainer = make_meshes({"tp": n_tr}, trainer_shape, devices=devices, colocated=True)
+    decode, _ = make_meshes(decode_shape, {"fsdp": n_dec}, devices=replica_devices, colocated=True)
+    return Placement(False, decode, trainer)
+
+
+def compile_all(
+    cfg: TrainConfig, devices: list[Any], replica_devices: list[Any] | None = None
+) -> tuple[list[Compiled], dict[str, Any]]:
     # No weights are read: a published model's preset compiles without its checkpoint.
     tokenizer = load_tokenizer(tokenizer_spec(cfg.model))
     model_cfg = accel_model_config(model_config(cfg.model.name, tokenizer), cfg, "tpu")
-    placement = build_placement(cfg, len(devices), devices=devices)
+    placement = aot_placement(cfg, devices, replica_devices)
     decode_mesh = placement.decode_mesh
     trainer_mesh = placement.trainer_mesh
     n_tr = trainer_mesh.devices.size
@@ -288,7 +307,16 @@ def main(argv: list[str] | None = None) -> int:
                 "no topology: pass --topology (e.g. v5e:2x4) or set Processes.tpu_topology"
             )
         chip, devices = topology_devices(topology)
-        programs, info = compile_all(cfg, devices)
+        replica_devices = None
+        if cfg.processes.engine_replicas and cfg.processes.replica_topology:
+            replica_chip, replica_devices = topology_devices(cfg.processes.replica_topology)
+            if replica_chip != chip:
+                raise ValueError(
+                    f"Processes.replica_topology {cfg.processes.replica_topology!r} is not a "
+                    f"{chip} slice like Processes.tpu_topology {topology!r}: the report compares "
+                    "every program against one chip's HBM"
+                )
+        programs, info = compile_all(cfg, devices, replica_devices)
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

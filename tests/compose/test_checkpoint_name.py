@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import jax
 import numpy as np
@@ -151,8 +152,11 @@ def test_the_tpu_configs_say_what_to_set_to_train(monkeypatch, gin):
     assert tokenizer_spec(cfg.model) == "byte" and pretrained_params(cfg.model.name) is None
     with pytest.raises(ValueError, match="Model.random_init=True"):
         build_model(cfg)
-    text = (ROOT / gin).read_text()
-    assert "Model.random_init=True" in text and "Model.tokenizer" not in text
+    # Its model file says what to set, and binds no tokenizer (the checkpoint's own is the default).
+    model_file = re.search(r"include '(configs/model/[\w.]+\.gin)'", (ROOT / gin).read_text())
+    text = (ROOT / model_file.group(1)).read_text()
+    assert "Model.random_init = True" in text and "CHECKPOINT = 'gs://" in text
+    assert "Model.tokenizer" not in text
 
 
 def test_the_default_tokenizer_is_recorded_as_the_one_it_names(tmp_path):

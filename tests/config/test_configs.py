@@ -6,12 +6,14 @@ from support.checkout import ROOT
 from jaxrl_orch.train import load_config
 
 CONFIGS = sorted((ROOT / "configs").glob("*.gin"))
+# A recipe around your own checkpoint names it on the command line (configs/model/checkpoint.gin).
+NAMED = {"pretrained.gin": ["CHECKPOINT = '/data/Qwen2.5-0.5B-Instruct'"]}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_parses(path, monkeypatch):
     monkeypatch.chdir(ROOT)  # includes are relative to the repository root
-    cfg = load_config([str(path)], [])
+    cfg = load_config([str(path)], NAMED.get(path.name, []))
     assert cfg.rl.steps >= 1 and cfg.rl.batch_size == cfg.rl.prompts_per_step * cfg.rl.group_size
     assert path.read_text().startswith("#")  # each opens with what it runs and how
 
