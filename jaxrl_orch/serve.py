@@ -9,8 +9,9 @@ tokenizer, engine settings), the weights to serve, and the server's life. It pri
 
 Weights (``--checkpoint``):
 - none: a fresh init of the config's model (``TrainConfig.seed``), for trying the surface out;
-- an HF checkpoint directory (``config.json`` + safetensors, e.g. a run's ``export/``): its
-  weights, and its tokenizer when it holds one;
+- an HF checkpoint directory (``config.json`` + safetensors, e.g. a run's ``export/``), local
+  or ``gs://``: its weights, read shard by shard onto the engine's mesh, and its tokenizer when
+  it holds one;
 - a train command's workdir: its ``export/`` when the run finished, else its newest RL
   checkpoint (or its warm-up's), restored as the train command restores it.
 ``--weight_source=HOST:PORT`` lets a weight update (``serving.contract.UPDATE_WEIGHTS``) pull
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -44,6 +44,7 @@ from jaxrl_orch.distributed.addresses import read_api_key
 from jaxrl_orch.distributed.group import Role
 from jaxrl_orch.distributed.replica import serve_until_signal
 from jaxrl_orch.distributed.source import TransferSource
+from jaxrl_orch.paths import as_path
 from jaxrl_orch.serving.app import make_app
 from jaxrl_orch.serving.guard import Limits
 from jaxrl_orch.serving.host import EngineHost
@@ -75,7 +76,7 @@ def checkpoint_bindings(checkpoint: str | None) -> list[str]:
     """Bindings that point the config at an HF checkpoint (a directory or a workdir's export)."""
     if checkpoint is None:
         return []
-    path = Path(checkpoint)
+    path = as_path(checkpoint)  # a local directory or gs://, as a run's workdir and export are
     hf = path if (path / "config.json").is_file() else path / "export"
     if not (hf / "config.json").is_file():
         if not path.is_dir():

@@ -141,3 +141,44 @@ def test_a_workdir_serves_its_newest_checkpoint_which_is_the_policy_it_exported(
     assert len(restored) == len(exported) > 0
     for a, b in zip(restored, exported, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_gs_checkpoint_or_workdir_is_served_where_it_lies(gcs, tmp_path):
+    """A run on a TPU VM exports to its gs:// workdir: the server names that export (or the
+    checkpoint directory itself) and reads its weights and tokenizer from there."""
+    from argparse import Namespace
+
+    from support.gcs_emulator import BUCKET
+
+    from jaxrl_orch.paths import copy_tree
+    from jaxrl_orch.serve import build_host
+
+    preset = get_config("tiny-byte")
+    export = tmp_path / "run" / "export"
+    save_hf_checkpoint(Transformer(preset, rngs=nnx.Rngs(3)), preset, export)
+    save_byte_tokenizer(export)
+    workdir = f"gs://{BUCKET}/served-{tmp_path.name}"
+    copy_tree(tmp_path / "run", workdir)
+    bindings = [f"Model.name = '{workdir}/export'", f"Model.tokenizer = '{workdir}/export'"]
+    assert checkpoint_bindings(workdir) == bindings
+    assert checkpoint_bindings(f"{workdir}/export") == bindings
+    with pytest.raises(ValueError, match="does not exist; name an HF checkpoint directory"):
+        checkpoint_bindings(f"gs://{BUCKET}/no-such-run")
+    args = Namespace(
+        gin_file=["configs/reverse_text.gin"],
+        gin_param=SETTINGS,
+        checkpoint=workdir,
+        weight_source=None,
+        served_model_name="policy",
+        host="127.0.0.1",
+    )
+    host, _ = build_host(args, None)
+    try:  # the engine serves the export's very weights, read from the bucket
+        engine = host.driver.engine
+        want = jax.tree.leaves(to_engine(pretrained_params(str(export)), engine))
+        got = jax.tree.leaves(host.driver._swap.params)
+    finally:
+        host.stop()
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

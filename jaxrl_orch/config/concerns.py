@@ -69,6 +69,7 @@ _OWNER = {
     "VERIFIERS_ENV": "env",
 }
 _MACRO_READ = re.compile(r"%([A-Za-z_][\w.]*)")
+_GIN_NOTE = re.compile(r"\n\s*In call to configurable .*$")
 _SETTING = re.compile(r"\b([A-Z][A-Za-z]*\.[a-z_][a-z0-9_]*)\b")
 
 
@@ -106,7 +107,9 @@ class Composition:
         return None if found is None else f"{setting} = {found.value} ({found.where})"
 
     def explain(self, message: str) -> str:
-        """``message`` plus where each setting it names was bound, if a file bound it."""
+        """``message`` plus where each setting it names was bound, if a file bound it (gin's
+        own "In call to configurable" note dropped: the section is in the setting's name)."""
+        message = _GIN_NOTE.sub("", message)
         named = dict.fromkeys(_SETTING.findall(message))
         lines = [w for w in map(self.where, named) if w is not None]
         return f"{message} [bound in: {'; '.join(lines)}]" if lines else message

@@ -19,6 +19,7 @@ import re
 import textwrap
 from pathlib import Path
 
+from jaxrl_orch.config.concerns import CONCERNS
 from jaxrl_orch.config.section import sections_of
 from jaxrl_orch.settings import allowed_of, meaning_of, section_name
 
@@ -154,4 +155,10 @@ def configs_help(configs_dir: Path | None = None) -> list[str]:
         lines.append(f"  {shown(f)}")
         if summary:
             lines.extend(_wrap(summary, max_lines=2))  # a pointer; the file says the rest
+    concerns = [c for c in CONCERNS if (configs_dir / c).is_dir()]
+    if concerns:
+        lines.append("Or compose a run from one --gin_file of each concern:")
+    for concern in concerns:
+        names = ", ".join(p.stem for p in sorted((configs_dir / concern).glob("*.gin")))
+        lines.append(f"  {shown(configs_dir / concern)}/: {names}")
     return lines

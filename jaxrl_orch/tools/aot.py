@@ -240,6 +240,10 @@ def compile_all(
         out.append(Compiled("reshard", cast, n_tr, mc["reshard"]))
     info = {
         "model": cfg.model.name,
+        "data_env": cfg.data.env,
+        "trainer_processes": cfg.processes.trainer_processes,
+        "engine_replicas": cfg.processes.engine_replicas,
+        "replica_topology": cfg.processes.replica_topology,
         "model_config": {
             k: str(v)
             for k, v in dataclasses.asdict(model_cfg).items()

@@ -1,8 +1,8 @@
 """``python -m jaxrl_orch.tools.aot``: the TPU configs fit (deviceless compile for v5e / v6e), the
 report's contract, and the errors and exit codes.
 
-The two shipped TPU configs take minutes each to compile for TPU on 2 CPU cores, so when
-``test_tpu_configs_fit`` is selected, ``tests/conftest.py`` starts both, one after the other,
+The TPU compositions (``RUNS``) take minutes each to compile for TPU on 2 CPU cores, so when
+``test_tpu_configs_fit`` is selected, ``tests/conftest.py`` starts them, one after the other,
 in one background process right after collection (``start_background``): the compiles overlap
 the rest of the run, and the test waits for them. A run that deselects the test (the default
 ``-m "not slow"``) starts nothing; the process group is killed at exit if still running.
@@ -29,12 +29,22 @@ from jaxrl_orch.models.configs import get_config
 from jaxrl_orch.tools import aot, aot_report
 
 CONFIGS = {"v5e": "configs/tpu_v5e_8.gin", "v6e": "configs/tpu_v6e_8.gin"}
-LORA = "configs/tpu_v5e_8_lora.gin"
-# Every compile the slow tests read: name -> the command's arguments.
+
+
+def composed(model: str, slice_: str, env: str, tune: str, algo: str = "grpo") -> str:
+    """The aot command's arguments for one file of each concern (configs/<concern>/*.gin)."""
+    concerns = ("model", "slice", "env", "tune", "algo")
+    files = zip(concerns, (model, slice_, env, tune, algo), strict=True)
+    return " ".join(f"--gin_file=configs/{c}/{name}.gin" for c, name in files)
+
+
+# Every compile the slow tests read: name -> the command's arguments. The 8B runs are the
+# composition a user trains their own verifiers taskset with.
 RUNS = {name: f"--gin_file={cfg}" for name, cfg in CONFIGS.items()}
-RUNS["lora"] = f"--gin_file={LORA}"
-RUNS["lora_off"] = f"--gin_file={LORA} --gin_param=Lora.rank=0"
-RUNS["qlora"] = f"--gin_file={LORA} --gin_param=\"Lora.quantize='int8'\""  # through sh -c
+RUNS["lora"] = composed("llama3.1_8b", "v5e_8", "verifiers", "lora")
+RUNS["lora_off"] = composed("llama3.1_8b", "v5e_8", "verifiers", "full")
+RUNS["qlora"] = composed("llama3.1_8b", "v5e_8", "verifiers", "qlora")
+RUNS["v5e16"] = composed("qwen2.5_0.5b", "v5e_16", "reverse_text", "full")
 _OUT = Path(tempfile.mkdtemp(prefix="aot_test_"))
 _script = " && ".join(
     f"{sys.executable} -m jaxrl_orch.tools.aot {args} --json > {_OUT / name}.json "
@@ -99,7 +109,7 @@ def test_the_8b_lora_config_fits_and_every_weight_does_not():
     assert rc == 0, (_OUT / "lora.err").read_text()[-3000:]
     r = json.loads((_OUT / "lora.json").read_text())
     assert r["model"] == "llama-3.1-8b" and r["fits"] is True
-    assert r["lora"]["rank"] == 16
+    assert r["lora"]["rank"] == 16 and r["data_env"] == "verifiers"
     assert {"train_step", "prefill", "decode_step", "lora_merge"} <= set(r["programs"])
     for prog, p in r["programs"].items():
         assert p["bytes_per_chip"] <= 0.9 * r["hbm_bytes_per_chip"], prog
@@ -108,6 +118,20 @@ def test_the_8b_lora_config_fits_and_every_weight_does_not():
     assert int((_OUT / "lora_off.rc").read_text()) == 1
     err = (_OUT / "lora_off.err").read_text()
     assert "does not fit: train_step needs" in err and "GiB over" in err
+
+
+@pytest.mark.slow
+def test_a_multi_host_slice_compiles_the_group_on_its_slice_and_the_engine_on_a_replicas():
+    """configs/slice/v5e_16.gin: the trainer group's step SPMD over the v5e-16's 16 chips (4
+    hosts), the engine on one v5e-4 replica's 4; every program fits."""
+    start_background().wait(timeout=3600)
+    assert int((_OUT / "v5e16.rc").read_text()) == 0, (_OUT / "v5e16.err").read_text()[-3000:]
+    r = json.loads((_OUT / "v5e16.json").read_text())
+    assert r["topology"] == "v5e:4x4" and r["replica_topology"] == "v5e:2x2" and r["fits"]
+    assert (r["trainer_processes"], r["engine_replicas"]) == (4, 2)
+    assert r["trainer_mesh"] == {"fsdp": 8, "tp": 2} and r["decode_mesh"] == {"tp": 4}
+    assert r["programs"]["train_step"]["chips"] == 16
+    assert r["programs"]["decode_step"]["chips"] == 4
 
 
 @pytest.mark.slow
