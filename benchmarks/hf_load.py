@@ -4,25 +4,33 @@ What it measures: a synthetic Llama-layout checkpoint of about ``--params`` para
 grouped kv heads, untied head, several safetensors files indexed like a real one; random
 weights written file by file, so the writer never holds the model) is loaded onto the trainer's
 ``param_shardings`` (``trainer.programs.build_programs``) on an 8-device CPU mesh (fsdp 2 x
-tp 4), in bf16, two ways, each in a fresh subprocess so its RSS is its own:
+tp 4), in bf16, each way in a fresh subprocess so its RSS is its own:
 
-- ``whole``: today's path, ``load_hf_checkpoint`` (every tensor read whole into host memory, the
-  model built on device 0) then ``jax.device_put`` onto the shardings;
-- ``sharded``: ``HFCheckpoint.load``, each device's callback reading only its own box;
-- ``sharded_pread``: the same, local files read as ``gs://`` ones are (the rows' byte range,
-  no mmap: the mapped file pages of ``sharded`` count in its RSS while the load runs).
+- ``whole``: the loader before ``HFCheckpoint``, ``load_hf_checkpoint`` (every tensor read whole
+  into host memory, the model built on device 0) then ``jax.device_put`` onto the shardings;
+- ``sharded``: ``HFCheckpoint.load`` as it is, local files read by byte range (``pread``);
+- ``sharded_mmap``: the same with each read a ``safe_open`` slice (the files mmapped), as the
+  loader read local files before: what the mapped pages cost.
 
-Per path: ``baseline_rss`` (after jax is up and the shardings are built, before loading),
-``peak_rss`` (``ru_maxrss``), ``load_peak_over_baseline``, ``largest_read_bytes`` (the largest
-tensor bytes one read returned: a whole tensor for ``whole``), ``device0_full_model_bytes``
-(what device 0 held before the reshard: the whole model for ``whole``, nothing for
-``sharded``), ``max_device_bytes`` (the most shard bytes any device holds at the end) and
-``wall_s``, and ``rss_file_after`` / ``rss_anon_after`` (after the load: mapped file pages, which
-``safe_open``'s mmap brings in and the kernel may drop, vs the process's own memory); the
-``_x_ckpt`` fields are ratios to the checkpoint's bytes. On CPU the 8 devices
-share host memory, so every device byte is also host RSS; on a TPU host ``whole`` would put the
-whole model on one chip (an 8B model in bf16 fills a 16 GB chip) where ``sharded`` puts an
-eighth of it on each.
+The goal: while it loads, no device holds more than its own shard plus one tensor, and the
+loader's host memory stays below 1.5x the largest tensor it reads. On CPU the 8 devices are
+host memory, so the loaded model is itself in the RSS (on a TPU host it is in HBM): what the
+loader costs the host is ``transient_host_bytes`` = peak RSS - the baseline - the bytes of the
+loaded arrays' buffers (each buffer once: CPU devices that hold the same box may share one).
+
+Per way: ``baseline_rss`` (after jax is up and the shardings are built, before loading),
+``peak_rss`` (``ru_maxrss``), ``load_peak_over_baseline``, ``device_host_bytes`` (the loaded
+arrays' distinct buffers), ``transient_host_bytes``, ``largest_tensor_bytes`` (the largest HF
+tensor the load reads), ``transient_x_largest_tensor`` and ``rss_goal_met`` (<= 1.5);
+``largest_read_bytes`` (the most bytes one read returned: a whole tensor for ``whole``, a chunk
+of rows for ``sharded``, a box for ``sharded_mmap``); ``max_device_bytes`` (the most shard
+bytes a device holds at the end), ``max_device_peak_bytes`` (the most a device held at once
+during the load: everything put on it for the sharded ways, where nothing is freed; for
+``whole``, device 0's whole model beside its shard) and ``device_goal_met`` (every device's
+peak <= its shard + the largest tensor); ``device0_full_model_bytes`` (what device 0 held
+before the reshard); ``rss_file_after`` / ``rss_anon_after`` (after the load: mapped file pages
+vs the process's own memory) and ``wall_s``; the ``_x_ckpt`` fields are ratios to the
+checkpoint's bytes.
 
 How to run
     python benchmarks/hf_load.py --json                  # ~1e9 parameters (2 GB of bf16)
@@ -51,6 +59,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from jaxrl_orch.models.configs import ModelConfig  # noqa: E402
@@ -142,12 +151,29 @@ def _status_kb(field: str) -> int:
     return -1
 
 
-def _device_bytes(tree: object) -> dict:
+def _device_bytes(tree: object) -> tuple[dict, int]:
+    """Shard bytes per device, and the bytes of the distinct buffers behind them."""
     per: dict = {}
+    buffers: dict = {}
     for leaf in jax.tree.leaves(tree):
         for shard in leaf.addressable_shards:
             per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
-    return per
+            buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+    return per, sum(buffers.values())
+
+
+def _count_device_puts(put: dict) -> None:
+    """Bytes ``jax.device_put`` sends to each device from now on, in ``put``."""
+    device_put = jax.device_put
+
+    def counted(x, device=None, **kwargs):
+        pairs = zip(x, device, strict=True) if isinstance(device, list) else [(x, device)]
+        for value, dev in pairs:
+            if isinstance(dev, jax.Device):
+                put[dev] = put.get(dev, 0) + np.asarray(value).nbytes
+        return device_put(x, device, **kwargs)
+
+    jax.device_put = counted
 
 
 def child(path: str, how: str) -> dict:
@@ -156,41 +182,63 @@ def child(path: str, how: str) -> dict:
     config = ckpt.config(dtype=BF16, param_dtype=BF16)
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("fsdp", "tp"))
     programs = build_programs(config, mesh, step_lib.StepConfig(), optim_lib.OptimConfig())
+    largest_tensor = max(t.nbytes for t in ckpt.tensors().values())
     baseline = _rss()
-    largest = max(int(np.prod(t.shape)) * 2 for t in ckpt.tensors().values())
-    device0 = 0
+    device0, reads, put = 0, [0], {}  # sizes only: holding the arrays would inflate the RSS
     start = time.perf_counter()
     if how == "whole":
         state = nnx.split(load_hf_checkpoint(path, dtype=BF16)[1])[1]
         device0 = sum(x.nbytes for x in jax.tree.leaves(state))
         params = jax.block_until_ready(jax.device_put(state, programs.param_shardings))
         del state
+        reads = [largest_tensor]
     else:
-        reads = []  # sizes only: holding the arrays would inflate the RSS measured
-        # sharded_pread: local files read as gs:// ones are (pread of the rows), not mmapped
-        read = (
-            ckpt.read if how == "sharded" else lambda _name, info, box: ckpt._read_rows(info, box)
-        )
+        handles: dict = {}
+        if how == "sharded":
+            read_range = ckpt.files.read_range
 
-        def counted(name, info, box):
-            out = read(name, info, box)
-            reads.append(out.nbytes)
-            return out
+            def counted_range(name, start, stop, **kwargs):
+                out = read_range(name, start, stop, **kwargs)
+                reads.append(len(out))
+                return out
 
-        ckpt.read = counted
+            ckpt.files.read_range = counted_range
+        else:
+
+            def mmap_read(name, info, box):
+                if info.file not in handles:
+                    handles[info.file] = safe_open(os.path.join(path, info.file), "np")
+                out = handles[info.file].get_slice(name)[tuple(slice(a, b) for a, b in box)]
+                reads.append(out.nbytes)
+                return out
+
+            ckpt.read = mmap_read
+        _count_device_puts(put)
         params = jax.block_until_ready(
             ckpt.load(programs.abstract_params, programs.param_shardings)
         )
-        largest = max(reads)
+        handles.clear()  # unmapped, as the loader did once a load was done
     wall = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    held, host_bytes = _device_bytes(params)
+    if how == "whole":  # device 0 held the model while the reshard made every shard
+        first = jax.devices()[0]
+        put = {d: n + (device0 if d == first else 0) for d, n in held.items()}
+    transient = peak - baseline - host_bytes
     return {
         "baseline_rss": baseline,
         "peak_rss": peak,
         "load_peak_over_baseline": peak - baseline,
-        "largest_read_bytes": largest,
+        "device_host_bytes": host_bytes,
+        "transient_host_bytes": transient,
+        "largest_tensor_bytes": largest_tensor,
+        "transient_x_largest_tensor": round(transient / largest_tensor, 3),
+        "rss_goal_met": transient <= 1.5 * largest_tensor,
+        "largest_read_bytes": max(reads),
+        "max_device_bytes": max(held.values()),
+        "max_device_peak_bytes": max(put.values()),
+        "device_goal_met": all(put[d] <= n + largest_tensor for d, n in held.items()),
         "device0_full_model_bytes": device0,
-        "max_device_bytes": max(_device_bytes(params).values()),
         "rss_file_after": _status_kb("RssFile"),
         "rss_anon_after": _status_kb("RssAnon"),
         "wall_s": round(wall, 2),
@@ -222,11 +270,11 @@ def main() -> None:
         ckpt_bytes = write_checkpoint(config, path, 2 * args.params)
         files = len([f for f in os.listdir(path) if f.endswith(".safetensors")])
         n = ckpt_bytes // 2
-        for how in ("whole", "sharded", "sharded_pread"):
+        for how in ("whole", "sharded", "sharded_mmap"):
             row = {"path": how, "params": n, "checkpoint_bytes": ckpt_bytes, "files": files}
             row |= {"d_model": config.d_model, "devices": 8, "mesh": "fsdp2 x tp4"}
             row |= run_child(path, how)
-            for key in ("load_peak_over_baseline", "largest_read_bytes", "max_device_bytes"):
+            for key in ("load_peak_over_baseline", "transient_host_bytes", "max_device_bytes"):
                 row[f"{key}_x_ckpt"] = round(row[key] / ckpt_bytes, 3)
             print(json.dumps(row) if args.json else row, flush=True)
 

@@ -28,6 +28,7 @@ from support.gcs_emulator import BUCKET
 from jaxrl_orch.compose.engines import to_engine
 from jaxrl_orch.compose.model import pretrained_params
 from jaxrl_orch.inference.engine import DecodeEngine
+from jaxrl_orch.models import hf_sharded
 from jaxrl_orch.models.configs import ModelConfig, RopeScaling
 from jaxrl_orch.models.hf_import import load_hf_checkpoint, save_hf_checkpoint
 from jaxrl_orch.models.hf_sharded import HFCheckpoint
@@ -156,8 +157,8 @@ def _count_reads(monkeypatch, ckpt):
     counts: collections.Counter = collections.Counter()
     read = ckpt.files.read_range
 
-    def counted(name, start, stop):
-        data = read(name, start, stop)
+    def counted(name, start, stop, **kwargs):
+        data = read(name, start, stop, **kwargs)
         counts[name] += len(data)
         return data
 
@@ -165,10 +166,15 @@ def _count_reads(monkeypatch, ckpt):
     return counts
 
 
+def _headers(path, files):
+    """Bytes of the files' headers (the 8-byte length and the JSON)."""
+    return sum(8 + int.from_bytes((path / f).read_bytes()[:8], "little") for f in files)
+
+
 def test_gs_gives_the_same_bits_each_byte_read_once(gcs, tmp_path, monkeypatch):
     weight_map = _write(tmp_path, jnp.bfloat16)
     files = set(weight_map.values())
-    headers = sum(8 + int.from_bytes((tmp_path / f).read_bytes()[:8], "little") for f in files)
+    headers = _headers(tmp_path, files)
     tensors = json.loads((tmp_path / INDEX).read_text())["metadata"]["total_size"]
     url = f"gs://{BUCKET}/ckpt-{tmp_path.name}"
     copy_tree(tmp_path, url)
@@ -212,6 +218,66 @@ def test_a_tensor_read_locally_is_read_once_per_distinct_box(tmp_path, monkeypat
     embed = jax.ShapeDtypeStruct((256, 64), jnp.float32)
     ckpt.load({"embed": embed}, NamedSharding(mesh, PartitionSpec("a", None)))
     assert sorted(boxes) == [((0, 128), (0, 64)), ((128, 256), (0, 64))]
+
+
+def test_a_local_load_reads_byte_ranges_each_once_never_mapping_a_file(tmp_path, monkeypatch):
+    """Local files are read as gs:// ones are: by range, each byte once, and never mmapped
+    (the mapped pages would count in the process's RSS); the bits are the files'."""
+    weight_map = _write(tmp_path, jnp.bfloat16)
+    files = set(weight_map.values())
+    tensors = json.loads((tmp_path / INDEX).read_text())["metadata"]["total_size"]
+    ckpt = HFCheckpoint(tmp_path)
+    counts = _count_reads(monkeypatch, ckpt)
+    mapped = []
+    read = ckpt.read
+
+    def read_box(name, info, box):
+        data = read(name, info, box)
+        with open("/proc/self/maps") as f:
+            mapped.extend(line for line in f if str(tmp_path) in line)
+        return data
+
+    monkeypatch.setattr(ckpt, "read", read_box)
+    config = ckpt.config(dtype="bfloat16", param_dtype="bfloat16")
+    abstract, shardings = _trainer(config)
+    got = _leaves(ckpt.load(abstract, shardings))
+    want = _leaves(nnx.state(load_hf_checkpoint(tmp_path, dtype=jnp.bfloat16)[1], nnx.Param))
+    for key in want:
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), str(key))
+    assert mapped == []
+    assert set(counts) == files and sum(counts.values()) == _headers(tmp_path, files) + tensors
+
+
+def test_rows_read_in_small_chunks_give_the_same_bits_each_byte_once(tmp_path, monkeypatch):
+    """A chunk of one row (one head where rows are heads) at a time, each cut into every box of
+    its group and cast there (float32 stored, bf16 params): the same bits, each byte read once,
+    no read past one step of rows."""
+    weight_map = _write(tmp_path)
+    files = set(weight_map.values())
+    tensors = json.loads((tmp_path / INDEX).read_text())["metadata"]["total_size"]
+    monkeypatch.setattr(hf_sharded, "_CHUNK", 1)
+    ckpt = HFCheckpoint(tmp_path)
+    sizes = []
+    read = ckpt.files.read_range
+
+    def read_range(name, start, stop, **kwargs):
+        data = read(name, start, stop, **kwargs)
+        sizes.append((start, len(data)))
+        return data
+
+    monkeypatch.setattr(ckpt.files, "read_range", read_range)
+    config = ckpt.config(dtype="bfloat16", param_dtype="bfloat16")
+    abstract, shardings = _trainer(config)
+    got = _leaves(ckpt.load(abstract, shardings))
+    want = _leaves(nnx.state(load_hf_checkpoint(tmp_path, dtype=jnp.bfloat16)[1], nnx.Param))
+    bits = lambda x: np.asarray(x).view(np.uint8)
+    for key in want:
+        np.testing.assert_array_equal(bits(got[key]), bits(want[key]), err_msg=str(key))
+    tensor_reads = [n for start, n in sizes if start > 8]  # past each file's header length
+    assert sum(n for _, n in sizes) == _headers(tmp_path, files) + tensors
+    # The widest HF row is d_ff float32s (512 B), a head's rows 16 x 64 of them (4 KB); the
+    # smallest matrix is 32 KB.
+    assert max(tensor_reads) <= 16 * 64 * 4 < 64 * 128 * 4
 
 
 def _rewrite(path, weight_map, name, tensor=None):
