@@ -118,7 +118,9 @@ def test_a_checkpoint_without_a_tokenizer_says_to_set_model_tokenizer(gcs, tmp_p
 def test_a_published_preset_without_weights_needs_random_init(preset):
     with pytest.raises(ValueError, match=f"model '{preset}' is the preset of a published.*"):
         build_model(_cfg(preset))
-    with pytest.raises(ValueError, match=r"Model.name='/path/or/gs://.*Model.random_init=True"):
+    with pytest.raises(
+        ValueError, match=r"CHECKPOINT='/path/or/gs://.*else Model.name.*Model.random_init=True"
+    ):
         build_model(_cfg(preset))
     tok, model_cfg = build_model(_cfg(preset, random_init=True))
     assert isinstance(tok, ByteTokenizer)
