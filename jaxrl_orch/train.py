@@ -185,6 +185,7 @@ def outputs_line(workdir: str | Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()  # what a restart's cost is measured from (run.restart)
     args = parse_args(argv)
     if args.list_config:
         print(listing.format_config_listing())
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         # Heavy imports (jax) only after the config checks.
         from jaxrl_orch.run import stages
 
-        parts, claim = _prepare(stages, cfg, args)
+        parts, claim = _prepare(stages, cfg, args, started)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -247,7 +248,7 @@ def _report_finished(workdir: str, summary: dict[str, Any]) -> int:
 
 
 def _prepare(
-    stages: ModuleType, cfg: TrainConfig, args: argparse.Namespace
+    stages: ModuleType, cfg: TrainConfig, args: argparse.Namespace, started: float
 ) -> tuple[RunParts | dict[str, Any], Any]:
     """This process's role (joining the trainer group's cluster first), the workdir claimed
     when this process writes it (``owner``; a launcher's claim is adopted), then the run's
@@ -271,7 +272,7 @@ def _prepare(
         done = stages.finished(cfg, workdir, role)
         if done is not None:
             return done, claim
-        return stages.prepare(cfg, workdir, role, replicas), claim
+        return stages.prepare(cfg, workdir, role, replicas, started), claim
     except BaseException:
         if claim is not None:
             claim.release()

@@ -21,8 +21,10 @@ for _flag in xla_flags(8).split():
 
 # One XLA compilation cache for the session, started empty: a program compiled again (a resumed
 # run, a second engine of the same shape, a subprocess of the same model) loads instead of
-# compiling. Subprocesses inherit it through the environment. jit's in-memory caches, which the
-# tests that count compiles read, are unaffected.
+# compiling. Subprocesses inherit it through the environment, and every run's default
+# ``Processes.compile_cache = 'auto'`` takes it from there (``compose.compile_cache``): no test
+# run writes into the user's own cache. jit's in-memory caches, which the tests that count
+# compiles read, are unaffected.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="jaxrl-orch-tests-xla-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)

@@ -219,7 +219,7 @@ def _fake_stages(run: Any = None) -> types.ModuleType:
     module.made = []
     module.finished = lambda cfg, workdir, role: None
 
-    def prepare(cfg, workdir, role, engine_addresses=()):
+    def prepare(cfg, workdir, role, engine_addresses=(), started=None):
         module.made.append(_FakeParts(cfg, workdir, role))
         workdir.mkdir(parents=True, exist_ok=True)
         return module.made[-1]

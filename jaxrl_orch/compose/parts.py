@@ -4,7 +4,10 @@ What it owns: ``RunParts``, the frozen, typed record every stage of ``run/`` rec
 a mutable experiment object: the settings, the workdir (local or ``gs://``), this process's
 role, where the run's engine replicas are (``engine_addresses``: their URLs, the weight source,
 the API key; empty for one process), the tokenizer and the model config (the run's precision,
-attention and remat), the meshes, the environment and its demonstrator, and the data sources.
+attention and remat), the meshes, the environment and its demonstrator, the data sources, the
+compilation cache (``compile_cache``, set up before anything else: nothing has compiled yet)
+and when the command started (``started``, ``time.monotonic()``: what a restart cost is
+measured from).
 Stages read it; nothing writes to it. ``build_run`` validates before any work: the mesh shapes
 against the devices, the environment, the data (every example checked to fit, ``checks``), the
 engine setting, ``Warmup.from_workdir`` and that what this process will listen on may bind
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,7 @@ import jax
 from etils import epath
 
 from jaxrl_orch.compose.checks import check_examples
+from jaxrl_orch.compose.compile_cache import CompileCache, use_compile_cache
 from jaxrl_orch.compose.data import DataSources, build_data
 from jaxrl_orch.compose.engines import engine_factory, engine_limits
 from jaxrl_orch.compose.model import build_model, tokenizer_spec
@@ -60,6 +65,8 @@ class RunParts:
     env: RunEnv
     demonstrator: MixedDemonstrator | None
     data: DataSources
+    compile_cache: CompileCache
+    started: float
 
     @property
     def sampled_eval(self) -> str:
@@ -80,9 +87,16 @@ class RunParts:
 
 
 def build_run(
-    cfg: TrainConfig, workdir: Pathish, role: Role, engine_addresses: Replicas = Replicas()
+    cfg: TrainConfig,
+    workdir: Pathish,
+    role: Role,
+    engine_addresses: Replicas = Replicas(),
+    started: float | None = None,
 ) -> RunParts:
-    """The run's parts, every check done (see the module docstring)."""
+    """The run's parts, every check done (see the module docstring). ``started``: when the
+    command started (``time.monotonic()``); None: now."""
+    started = time.monotonic() if started is None else started
+    compile_cache = use_compile_cache(cfg.processes.compile_cache)
     check_bind(engine_addresses, role)  # before minutes of building, not after
     tokenizer, model_cfg = build_model(cfg)
     if role.kind == "single":
@@ -108,6 +122,8 @@ def build_run(
         env=env,
         demonstrator=demonstrator,
         data=build_data(cfg, env),
+        compile_cache=compile_cache,
+        started=started,
     )
     check_examples(parts, engine_limits(cfg).max_prefill_length)
     _announce_data(parts)

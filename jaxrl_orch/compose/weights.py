@@ -84,7 +84,8 @@ class StepTimes:
 class WeightPath:
     """The trainer thread's hops (see the module docstring). ``checkpoint(v)`` writes version
     ``v`` with the orchestrator's state; it runs every ``checkpoint_every`` versions before
-    ``last_step`` (the final version is saved after the drain, with the final state)."""
+    ``last_step`` (the final version is saved after the drain, with the final state).
+    ``on_trained()`` runs first, as each version reaches the path (``run.restart``)."""
 
     def __init__(
         self,
@@ -95,7 +96,9 @@ class WeightPath:
         *,
         checkpoint_every: int,
         last_step: int,
+        on_trained: Callable[[], None] | None = None,
     ) -> None:
+        self.on_trained = on_trained
         self.side = side
         self.times = times
         self.publisher = publisher
@@ -104,6 +107,8 @@ class WeightPath:
         self.last_step = last_step
 
     def on_publish(self, version: int, params: Any, metrics: dict[str, float]) -> None:
+        if self.on_trained is not None:
+            self.on_trained()
         t0 = time.perf_counter()
         moved = self.side.move(params)
         transfer_s = time.perf_counter() - t0

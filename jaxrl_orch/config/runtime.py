@@ -1,17 +1,20 @@
 """The sections that say how and where a run executes: ``Engine`` (the decoding engine),
 ``Orchestrator`` (staleness, concurrency and timeouts of the loop), ``Processes`` (a
-multi-process layout and its network timeouts) and ``Outputs`` (checkpoints, logging, export).
+multi-process layout, its network timeouts and the compilation cache its processes share) and
+``Outputs`` (checkpoints, logging, export).
 
 Each field declares its default, range and meaning once (``jaxrl_orch.settings``); the
 ``Orchestrator`` section's fields are the loop's own (``config.orchestrator.loop_setting``).
 Read by ``compose.engines`` and ``compose.sides`` (Engine), ``TrainConfig.loop`` (Orchestrator),
-``distributed`` and the composition root (Processes), ``run`` (Outputs). Pure: no JAX.
+``distributed`` and the composition root (Processes; ``compose.compile_cache`` the cache),
+``run`` (Outputs). Pure: no JAX.
 """
 
 from __future__ import annotations
 
 from jaxrl_orch.config.orchestrator import loop_setting
 from jaxrl_orch.config.section import section
+from jaxrl_orch.paths import is_url
 from jaxrl_orch.settings import Allowed, check_settings, require, setting
 
 DTYPES = ("float32", "bfloat16")
@@ -159,6 +162,26 @@ class ProcessesSettings:
         "each engine replica's own slice, e.g. 'v5e:2x2' (a v5e-4 VM): where python -m "
         "jaxrl_orch.tools.aot compiles the engine's programs; None: Processes.tpu_topology",
     )
+    compile_cache: str | None = setting(
+        "auto",
+        "the local directory where every process of the run (the trainer, its peers, engine "
+        "replicas) keeps its compiled XLA programs, so a restart loads them instead of "
+        "compiling ('~' expanded; shared by the runs of one machine). 'auto': JAX's own "
+        "$JAX_COMPILATION_CACHE_DIR when set, else $XDG_CACHE_HOME/jaxrl_orch/xla (default "
+        "~/.cache/jaxrl_orch/xla). None or '': off. A URL (gs://) is refused: such a cache was "
+        "seen not to hit (docs/faults.md, 'A restart's cost'). A Processes setting, not an "
+        "Outputs one: it belongs to the machine, outlives the workdir and is never under a "
+        "gs:// workdir",
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        require(
+            not (self.compile_cache and is_url(self.compile_cache)),
+            f"Processes.compile_cache = {self.compile_cache!r} is a URL: a compilation cache in "
+            "object storage was seen not to hit (docs/faults.md, 'A restart's cost'); give a "
+            "local directory (a mounted bucket's path is one), 'auto', or None for none",
+        )
 
     @property
     def max_pull_s(self) -> float:

@@ -48,8 +48,10 @@ class LoopHooks:
     batch ``step`` is shipped, with ``state()`` for a checkpoint; ``step_metrics(step, row)``
     makes each step row wait until that step is trained and adds the trainer's numbers
     (``StepLedger``); ``engine_held()`` names what holds the engine back that the loop cannot
-    see (a caller's pause), or None: a stall error leads with it."""
+    see (a caller's pause), or None: a stall error leads with it; ``on_landed()`` runs for each
+    episode the loop takes (train or eval), before it is routed."""
 
     on_step: Callable[[int, dict[str, Any]], Any] | None = None
     step_metrics: Callable[[int, dict[str, float]], dict[str, float] | None] | None = None
     engine_held: Callable[[], str | None] | None = None
+    on_landed: Callable[[], None] | None = None

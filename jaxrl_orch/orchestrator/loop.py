@@ -66,6 +66,7 @@ class Orchestrator:
         self.policy = policy
         self.on_step = hooks.on_step
         self.engine_held = hooks.engine_held
+        self.on_landed = hooks.on_landed
         self.parts = parts
         self.gate = parts.gate
         self.dispatcher = parts.dispatcher
@@ -205,6 +206,8 @@ class Orchestrator:
 
     def _route(self, episode: list[Rollout]) -> None:
         self.progress.moved()
+        if self.on_landed is not None:
+            self.on_landed()
         landed = float(self.policy.version)
         for r in episode:
             r.metrics["orch/landed_version"] = landed

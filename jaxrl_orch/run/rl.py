@@ -12,7 +12,8 @@ What it owns: ``run_rl(parts, params, stop)``, which builds the stage's parts in
    params, the newest RL checkpoint restored onto it, and the side built from the trainer
    (the engine starts on the restored weights, so no rollout comes from older ones);
 4. the history trimmed to the restored step, the orchestrator (``compose.orchestrator``) with
-   the weight path's publisher, the side's pool and swap and the step times, restored too;
+   the weight path's publisher, the side's pool and swap, the step times and the restart clock
+   (``restart``: the first rollout's and the first step's seconds), restored too;
 5. the weight path (``compose.weights.WeightPath``: move, checkpoint, publish on the trainer's
    thread), handed to the trainer when it starts.
 
@@ -47,6 +48,7 @@ from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
 from jaxrl_orch.run.export import export_policy
 from jaxrl_orch.run.history import rl_summary, trim_for_rl
+from jaxrl_orch.run.restart import RestartClock
 from jaxrl_orch.run.stop import StopFlag
 from jaxrl_orch.run.summary import eval_line, merge_evals
 from jaxrl_orch.run.telemetry import rl_telemetry
@@ -116,10 +118,11 @@ async def _lead(
     _trim_history(parts, start_step)
     times = StepTimes(side.engine_seconds, synchronous=cfg.orchestrator.synchronous)
     publisher = InProcessPublisher()
-    orch = _orchestrator(parts, built, side, trainer, publisher, times)
+    restart = RestartClock(parts.started, parts.compile_cache)
+    orch = _orchestrator(parts, built, side, trainer, publisher, times, restart)
     if orch_state:
         orch.restore(orch_state)
-    path = _weight_path(parts, side, trainer, ckpt, orch, times, publisher)
+    path = _weight_path(parts, side, trainer, ckpt, orch, times, publisher, restart)
     await side.start()
     trainer.start(path.on_publish, copy_params=parts.placement.colocated)
     drain = asyncio.ensure_future(_drain_on_stop(stop, orch, cfg.orchestrator.drain_timeout_s))
@@ -136,6 +139,7 @@ async def _lead(
     names = (parts.env.name, parts.sampled_eval)
     summary = rl_summary(parts.workdir, cfg, names, orch, (trainer.version, start_step, secs))
     summary.update(side.summary())
+    summary.update(restart.summary())
     exported = export_policy(parts, **policy) if cfg.outputs.export_hf else None
     summary["export_dir"] = None if exported is None else str(exported)
     return summary
@@ -149,6 +153,7 @@ def _weight_path(
     orch: Orchestrator,
     times: StepTimes,
     publisher: InProcessPublisher,
+    restart: RestartClock,
 ) -> WeightPath:
     """The trainer thread's hops; its checkpoint takes the orchestrator's state from the loop."""
     loop = asyncio.get_running_loop()
@@ -161,7 +166,15 @@ def _weight_path(
 
     every = parts.cfg.outputs.checkpoint_every
     last = parts.cfg.rl.steps
-    return WeightPath(side, times, publisher, checkpoint, checkpoint_every=every, last_step=last)
+    return WeightPath(
+        side,
+        times,
+        publisher,
+        checkpoint,
+        checkpoint_every=every,
+        last_step=last,
+        on_trained=restart.trained,
+    )
 
 
 def _finish(
@@ -188,6 +201,7 @@ def _orchestrator(
     trainer: Trainer,
     publisher: InProcessPublisher,
     times: StepTimes,
+    restart: RestartClock,
 ) -> Orchestrator:
     cfg = parts.cfg
     env = parts.env
@@ -213,7 +227,10 @@ def _orchestrator(
             engine_logprobs=built.logprobs,
         ),
         hooks=LoopHooks(
-            on_step=times.on_ship, step_metrics=times.step_metrics, engine_held=side.held
+            on_step=times.on_ship,
+            step_metrics=times.step_metrics,
+            engine_held=side.held,
+            on_landed=restart.landed,
         ),
         telemetry=rl_telemetry(parts, side, trainer, trainer.version + 1),
     )

@@ -59,17 +59,21 @@ def finished(cfg: TrainConfig, workdir: Any, role: Role) -> dict[str, Any] | Non
 
 
 def prepare(
-    cfg: TrainConfig, workdir: Pathish, role: Role, engine_addresses: Replicas = Replicas()
+    cfg: TrainConfig,
+    workdir: Pathish,
+    role: Role,
+    engine_addresses: Replicas = Replicas(),
+    started: float | None = None,
 ) -> RunParts:
     """The run's parts, every check done: fails before any work, naming the bad value.
     ``engine_addresses``: where a multi-process run's replicas are (``--engine_addresses``,
-    ``--weight_source``, ``--api_key_file``). A resume that would change what the workdir's
-    run is (its model, data or layout: ``identity``) is refused here, before any checkpoint
-    is read."""
+    ``--weight_source``, ``--api_key_file``); ``started``: when the command started
+    (``time.monotonic()``; None: now). A resume that would change what the workdir's run is
+    (its model, data or layout: ``identity``) is refused here, before any checkpoint is read."""
     if role.leader:
         check_resume(workdir, cfg)
         check_history(workdir)
-    return build_run(cfg, workdir, role, engine_addresses)
+    return build_run(cfg, workdir, role, engine_addresses, started)
 
 
 def write_config(parts: RunParts, text: str) -> None:
@@ -81,7 +85,14 @@ def write_config(parts: RunParts, text: str) -> None:
 
 
 def run(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
-    """Every stage of this process's role, in order; returns the summary's keys."""
+    """Every stage of this process's role, in order; returns the summary's keys, with what the
+    run's compiles found in the compilation cache (``compile_cache``: its dir, hits, misses)."""
+    summary = _stages(parts, stop)
+    summary["compile_cache"] = parts.compile_cache.summary()
+    return summary
+
+
+def _stages(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
     cfg = parts.cfg
     role = parts.role
     if role.kind == "engine":

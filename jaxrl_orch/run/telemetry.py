@@ -3,7 +3,8 @@
 Step and eval rows: ``metrics.jsonl``, TensorBoard (``tb/steps``), the console, a progress bar,
 the pre-RL eval record (``history.BeforeRLRecorder``) and, when ``Outputs.wandb_project``
 is set, a Weights & Biases run (``orchestrator.metrics.wandb``; the ``wandb`` extra). Gauges:
-``gauges.jsonl`` and ``tb/``, pulled from the components plus the driver and the trainer.
+``gauges.jsonl`` and ``tb/``, pulled from the components plus the driver, the trainer and the
+compilation cache (``compile_cache/hits``, ``compile_cache/misses``).
 Rollouts and error records: ``rollouts/``. Every path is under the workdir, local or ``gs://``.
 """
 
@@ -72,7 +73,7 @@ def rl_telemetry(parts: RunParts, side: EngineSide, trainer: Trainer, start_step
     return Telemetry(
         writers=writers,
         gauge_writers=[JsonlWriter(wd / "gauges.jsonl"), TensorBoardWriter(wd / "tb")],
-        gauge_sources=[side, trainer],
+        gauge_sources=[side, trainer, parts.compile_cache],
         log_interval_s=cfg.outputs.log_interval_s,
         store_dir=os.fspath(wd / "rollouts"),
     )

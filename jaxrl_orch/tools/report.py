@@ -3,8 +3,9 @@
 What it owns: ``write_report(workdir)``, which writes next to the run's ``metrics.jsonl`` and
 ``summary.json`` (read by ``report_data``) the plots of ``plots`` -- ``reward.png``,
 ``age_hist.png``, ``timeline.png``, ``behaviour.png`` (two or more eval steps), ``sft_loss.png``
-(if the run had SFT) -- and ``report.md``: eval reward before/after, steps, wall time, age
-max/p99 against the bound, the behaviour table, the plots; and the CLI
+(if the run had SFT) -- and ``report.md``: eval reward before/after, steps, wall time, what the
+start cost (``start_cost_text``: seconds to the first rollout and train step, the compile
+cache's hits and misses), age max/p99 against the bound, the behaviour table, the plots; and the CLI
 (``python -m jaxrl_orch.tools.report WORKDIR``).
 
 Invariants: a plot whose inputs are absent is skipped, with the reason in ``report.md`` and the
@@ -93,6 +94,31 @@ def _age_lines(summary: dict, train: Sequence[dict]) -> list[str]:
     ]
 
 
+def start_cost_text(summary: dict) -> str | None:
+    """What the start cost (``summary.json``'s ``restart`` and ``compile_cache``) in words:
+    ``warm start: first rollout 3.1 s, first train step 4.0 s after the command started;
+    compile cache DIR: 40 hits, 2 misses (95%)``; None for a run that has neither."""
+    restart = summary.get("restart")
+    cache = summary.get("compile_cache")
+    parts = []
+    if isinstance(restart, dict):
+        kind = "cold" if restart.get("cold") else "warm"
+        rollout = _fmt(restart.get("first_rollout_s"), " s")
+        step = _fmt(restart.get("first_step_s"), " s")
+        parts.append(
+            f"{kind} start: first rollout {rollout}, first train step {step} after the "
+            "command started"
+        )
+    if isinstance(cache, dict) and cache.get("dir") is None:
+        parts.append("compile cache off")
+    elif isinstance(cache, dict):
+        hits = int(num(cache.get("hits")) or 0)
+        misses = int(num(cache.get("misses")) or 0)
+        rate = f" ({hits / (hits + misses):.0%})" if hits + misses else ""
+        parts.append(f"compile cache {cache['dir']}: {hits} hits, {misses} misses{rate}")
+    return "; ".join(parts) or None
+
+
 def _behaviour_lines(summary: dict) -> list[str]:
     shares, names = behaviour_shares(summary) or ({}, [])
     if not shares:
@@ -157,6 +183,8 @@ def _markdown(
         f"- RL steps: {_fmt(steps)}{steps_note}",
         f"- wall time: {_fmt(summary.get('wall_seconds'), ' s')}",
     ]
+    start = start_cost_text(summary)
+    out += [] if start is None else [f"- {start}"]
     out += _age_lines(summary, train) + _behaviour_lines(summary) + _env_score_lines(summary)
     out += ["", "## Plots", ""]
     for name, path in written.items():

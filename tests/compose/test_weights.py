@@ -67,13 +67,14 @@ def test_on_publish_moves_records_checkpoints_when_due_then_publishes(clock):
         lambda v: log.append(("checkpoint", v)),
         checkpoint_every=2,
         last_step=4,
+        on_trained=lambda: log.append(("trained",)),
     )
     for v in (1, 2, 3, 4):
         path.on_publish(v, {"version": v}, {"loss": float(v)})
 
     def step(v: int, checkpoint: bool) -> list:
         # the move's bytes and its 0.25 s reach the step's numbers, before anyone sees v
-        hops = [("move", v), ("record", v, {"loss": float(v)}, 0.25, 1000 * v)]
+        hops = [("trained",), ("move", v), ("record", v, {"loss": float(v)}, 0.25, 1000 * v)]
         return hops + [("checkpoint", v)] * checkpoint + [("publish", v, {"moved": v})]
 
     # Version 2 is due (2 % 2 == 0, before the last step); version 4 is due too but is the last

@@ -158,7 +158,17 @@ def _parts(workdir, model_name: str, model_cfg: ModelConfig, warmup_steps: int) 
         lora=Lora(rank=4, alpha=8.0, targets=ALL),
     )
     unused = dict.fromkeys(
-        ("role", "engine_addresses", "tokenizer", "placement", "env", "demonstrator", "data")
+        (
+            "role",
+            "engine_addresses",
+            "tokenizer",
+            "placement",
+            "env",
+            "demonstrator",
+            "data",
+            "compile_cache",
+            "started",
+        )
     )
     return RunParts(cfg=cfg, workdir=epath.Path(workdir), model_cfg=model_cfg, **unused)
 

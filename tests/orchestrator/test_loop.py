@@ -132,6 +132,7 @@ def _run(
     on_ship=None,
     store_dir=None,
     engine_held=None,
+    on_landed=None,
     **cfg_kw,
 ):
     async def main():
@@ -165,7 +166,7 @@ def _run(
             backend=Backend(engine, trainer, publisher, reload),
             workload=Workload({"sim": env_cls(rng)}, SimSource(), SamplingParams(max_tokens=6)),
             clock=loop.time,
-            hooks=LoopHooks(on_step=on_step, engine_held=engine_held),
+            hooks=LoopHooks(on_step=on_step, engine_held=engine_held, on_landed=on_landed),
             telemetry=Telemetry(log_interval_s=1e9, store_dir=store_dir),
         )
         try:
@@ -198,6 +199,18 @@ def test_raising_env_and_nan_rewards_never_stop_the_run_or_get_trained(tmp_path,
     records = [json.loads(x) for x in (tmp_path / "errors.jsonl").read_text().splitlines()]
     assert sum("tool server down" in r["errors"][0] for r in records) == digest[raised[0]]
     assert all(r["env"] == "sim" and "prompt_ids" in r["example"] for r in records)
+
+
+def test_the_caller_is_told_of_every_episode_the_loop_takes_first_one_before_any_ship():
+    events = []
+    orch, _ = _run(
+        steps=3,
+        on_ship=lambda o, step: events.append("ship"),
+        on_landed=lambda: events.append("landed"),
+    )
+    assert events[0] == "landed" and events.count("ship") == 3
+    # No eval here: every episode (one rollout each) went to the train sink.
+    assert events.count("landed") == orch.train_sink.gauges()["train_sink/rollouts_seen_total"]
 
 
 class HangingEnv(SimEnv):

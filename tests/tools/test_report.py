@@ -13,7 +13,7 @@ import matplotlib.image as mpimg
 import pytest
 
 from jaxrl_orch.tools import plots
-from jaxrl_orch.tools.report import main, write_report
+from jaxrl_orch.tools.report import main, start_cost_text, write_report
 from jaxrl_orch.tools.report_data import read_metrics, split_records
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -76,6 +76,8 @@ def _write_workdir(
                     "wall_seconds": 321.5,
                     "max_staleness": 2,
                     "age_histogram": {"0": 10, "1": 20, "2": 5},
+                    "restart": {"cold": False, "first_rollout_s": 9.5, "first_step_s": 15.06},
+                    "compile_cache": {"dir": "/c", "hits": 38, "misses": 0},
                 }
             )
         )
@@ -104,6 +106,10 @@ def test_full_report_writes_all_plots_and_numbers(tmp_path):
     assert "sampled eval reward (T=1): 0.0456 before RL -> 0.789 final" in md
     assert "RL steps: 8" in md
     assert "321.5 s" in md
+    assert (
+        "- warm start: first rollout 9.5 s, first train step 15.06 s after the command started; "
+        "compile cache /c: 38 hits, 0 misses (100%)\n" in md
+    )
     for name in names - {"report.md"}:
         assert f"]({name})" in md
     # Exact ages from the histogram: 35 rollouts, max 2, p99 2; bound 2 is respected.
@@ -388,3 +394,15 @@ def test_cli_bad_workdir_is_one_line_exit_2(tmp_path, capsys, case):
     assert err.startswith("python -m jaxrl_orch.tools.report: error: ") and named in err
     assert "expected a finished run directory holding summary.json and metrics.jsonl" in err
     assert not (workdir / "report.md").exists()
+
+
+def test_the_reports_line_names_the_cache_and_its_hit_rate():
+    summary = {
+        "restart": {"cold": True, "first_rollout_s": 23.3, "first_step_s": None},
+        "compile_cache": {"dir": "/c", "hits": 1, "misses": 3},
+    }
+    assert start_cost_text(summary) == (
+        "cold start: first rollout 23.3 s, first train step n/a after the command started; "
+        "compile cache /c: 1 hits, 3 misses (25%)"
+    )
+    assert start_cost_text({}) is None

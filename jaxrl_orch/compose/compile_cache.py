@@ -1,0 +1,148 @@
+"""The persistent compilation cache every process of a run shares, and its hits and misses.
+
+What it owns: ``use_compile_cache(setting)``, which points JAX's persistent compilation cache
+at ``Processes.compile_cache`` (resolved by ``cache_dir``) and returns the run's
+``CompileCache``: the directory and this run's hit and miss counts. ``compose.parts.build_run``
+calls it first, before anything compiles, in every role (the only process, trainer process 0
+and its peers, an engine replica): the trainer step, the engine's prefill and decode programs
+(its warm-up compiles every prompt bucket and decode width), the reshards and the LoRA merges
+all load from one directory.
+
+Every program is cached (no minimum compile time, no minimum size): the programs of a CPU run
+compile in well under JAX's default floor of 1 s each, but there are dozens, so the floor would
+leave most of a restart's compile time uncached; an accelerator's programs are past it anyway.
+JAX's own ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` and ``..._MIN_ENTRY_SIZE_BYTES``, when
+set, are left as they are (the test suite sets one). Off (None or ''), the cache is disabled
+outright: left enabled without a directory, JAX still hashes every program for it.
+
+Counting: JAX records ``/jax/compilation_cache/compile_requests_use_cache`` for each compile
+that consults the cache and ``/jax/compilation_cache/cache_hits`` for each program loaded from
+it. A miss is a request that was not a hit: JAX's own ``cache_misses`` counts only entries
+written, which leaves out a trainer peer's programs (process 0 writes them) and any under a
+floor. One listener per process, for its life (JAX compiles on any thread); a run's counts are
+deltas from its start, so runs in one process (the tests) each count their own.
+
+Only this process's compiles are counted: an engine replica's stay in its own process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from pathlib import Path
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+
+from jaxrl_orch.orchestrator.metrics.writers import stage
+from jaxrl_orch.paths import is_url
+
+AUTO = "auto"
+_REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
+_HIT = "/jax/compilation_cache/cache_hits"
+_FLOORS = {
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    # -1: no size floor, and JAX's initialisation may not raise it (0 would let it).
+    "jax_persistent_cache_min_entry_size_bytes": -1,
+}
+
+
+def cache_dir(value: str | None) -> Path | None:
+    """The directory ``Processes.compile_cache = value`` names, or None when it is off."""
+    if not value:
+        return None
+    if value != AUTO:
+        return Path(value).expanduser()
+    own = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if own and is_url(own):
+        raise ValueError(
+            f"Processes.compile_cache = 'auto' takes $JAX_COMPILATION_CACHE_DIR, and it is a URL "
+            f"({own!r}): a compilation cache in object storage was seen not to hit "
+            "(docs/faults.md, 'A restart's cost'); unset it or set Processes.compile_cache"
+        )
+    if own:
+        return Path(own).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(base).expanduser() / "jaxrl_orch" / "xla"
+
+
+class _Counts:
+    """This process's cache requests and hits since it started (the listener's tally)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests = 0
+        self.hits = 0
+        self.listening = False
+
+    def on_event(self, event: str, **_kwargs: object) -> None:
+        if event not in (_REQUEST, _HIT):
+            return
+        with self.lock:
+            if event == _HIT:
+                self.hits += 1
+            else:
+                self.requests += 1
+
+    def listen(self) -> None:
+        with self.lock:
+            if self.listening:
+                return
+            self.listening = True
+        jax.monitoring.register_event_listener(self.on_event)
+
+    def now(self) -> tuple[int, int]:
+        with self.lock:
+            return self.requests, self.hits
+
+
+_COUNTS = _Counts()
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCache:
+    """A run's view of the cache: ``directory`` (None: off) and the counts since ``since``
+    (this process's ``(requests, hits)`` when the run set the cache up)."""
+
+    directory: Path | None
+    since: tuple[int, int] = (0, 0)
+
+    def counts(self) -> tuple[int, int]:
+        """``(hits, misses)`` of this run's compiles so far."""
+        requests, hits = _COUNTS.now()
+        hits -= self.since[1]
+        return hits, requests - self.since[0] - hits
+
+    def gauges(self) -> dict[str, float]:
+        hits, misses = self.counts()
+        return {"compile_cache/hits": float(hits), "compile_cache/misses": float(misses)}
+
+    def summary(self) -> dict[str, object]:
+        hits, misses = self.counts()
+        where = None if self.directory is None else str(self.directory)
+        return {"dir": where, "hits": hits, "misses": misses}
+
+
+def use_compile_cache(value: str | None) -> CompileCache:
+    """Point this process's persistent compilation cache where ``value`` says (see the module
+    docstring), before anything compiles; returns the run's view of it. A directory that cannot
+    be made turns the cache off, said in one line: the run needs none."""
+    directory = cache_dir(value)
+    if directory is not None:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            stage("compile cache", f"off: cannot make {directory} ({exc.strerror or exc})")
+            directory = None
+    _COUNTS.listen()
+    jax.config.update("jax_enable_compilation_cache", directory is not None)
+    if directory is not None:
+        for flag, floor in _FLOORS.items():
+            if flag.upper() not in os.environ:
+                jax.config.update(flag, floor)
+    jax.config.update("jax_compilation_cache_dir", None if directory is None else str(directory))
+    # JAX opens its cache once, at the first compile of the process: a run in a process that
+    # compiled before (the tests run several) must have it opened again on its own setting.
+    compilation_cache.reset_cache()
+    return CompileCache(directory, _COUNTS.now())
