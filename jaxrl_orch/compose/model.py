@@ -94,7 +94,7 @@ def hf_checkpoint_dir(name: str) -> str | None:
     else None (a preset name). A directory that is missing or holds no config.json is an
     error naming it; nothing is downloaded."""
     if is_url(name):
-        return _checked_dir(name, as_path(name).exists())
+        return _checked_dir(name, _url_exists(name))
     if os.path.isdir(name):
         return _checked_dir(name, True)
     if "/" in name or name.startswith("."):
@@ -103,6 +103,15 @@ def hf_checkpoint_dir(name: str) -> str | None:
             "an HF checkpoint directory, local or gs://)"
         )
     return None
+
+
+def _url_exists(name: str) -> bool:
+    """Whether the ``gs://`` directory exists; a store that cannot be reached (after its
+    client's retries) is refused in one line naming the URL, not a client's traceback."""
+    try:
+        return as_path(name).exists()
+    except Exception as exc:  # noqa: BLE001 - storage clients raise many kinds; the cause is named
+        raise ValueError(f"cannot reach checkpoint {name!r}: {type(exc).__name__}: {exc}") from None
 
 
 def _checked_dir(name: str, exists: bool) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tokenize
 from pathlib import Path
 
 from gin import config as gin_config
@@ -121,7 +122,7 @@ def compose(gin_files: list[str], gin_params: list[str]) -> Composition:
     files = [(f, _file_bindings(Path(f), (), reads)) for f in gin_files]
     bound = _merge(files, "the --gin_file list")
     for param in gin_params:  # the command line overrides every file
-        for statement in _statements(param):
+        for statement in _statements(param, f"--gin_param {param!r}"):
             if isinstance(statement, config_parser.BindingStatement):
                 setting = _name(statement)
                 bound[setting] = Bound(setting, repr(statement.value), "--gin_param", 1)
@@ -129,8 +130,11 @@ def compose(gin_files: list[str], gin_params: list[str]) -> Composition:
     return Composition(bound, frozenset(reads))
 
 
-def _statements(text: str) -> list[object]:
-    return list(config_parser.ConfigParser(text, gin_config.ParserDelegate(True)))
+def _statements(text: str, where: str) -> list[object]:
+    try:
+        return list(config_parser.ConfigParser(text, gin_config.ParserDelegate(True)))
+    except (SyntaxError, ValueError, tokenize.TokenError) as exc:
+        raise ValueError(f"bad gin config in {where}: {exc}") from None
 
 
 def _file_bindings(path: Path, seen: tuple[Path, ...], reads: set[str]) -> dict[str, Bound]:
@@ -142,7 +146,7 @@ def _file_bindings(path: Path, seen: tuple[Path, ...], reads: set[str]) -> dict[
     concern = path.parent.name if path.parent.name in CONCERNS else None
     own: dict[str, Bound] = {}
     includes: list[tuple[str, dict[str, Bound]]] = []
-    for statement in _statements(path.read_text()):
+    for statement in _statements(path.read_text(), str(path)):
         line = statement.location.line_num
         if isinstance(statement, config_parser.IncludeStatement):
             inner = _file_bindings(Path(statement.filename), (*seen, path.resolve()), reads)
@@ -200,10 +204,10 @@ def _refuse_overridden(
 
 def _foreign(path: Path, line: int, setting: str, concern: str) -> str:
     owner = concern_of(setting)
-    home = f"a file of the {owner!r} concern ({owner}/*.gin)" if owner else "a recipe file"
+    home = f"the {owner!r} concern's ({owner}/*.gin)" if owner else "no concern's: a recipe's"
     return (
         f"{path}:{line} binds {setting}, but a file in a {concern!r} directory binds only "
-        f"{CONCERNS[concern]}; {setting} belongs in {home} or in --gin_param"
+        f"{CONCERNS[concern]}; {setting} is {home}, or --gin_param's"
     )
 
 

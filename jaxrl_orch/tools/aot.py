@@ -178,6 +178,20 @@ def compile_lora_merge(model_cfg: ModelConfig, eparams: Any, mesh: Mesh) -> jax.
     return merge.lower(eparams, adapters).compile()
 
 
+# The model settings the report shows: precision, kernels and shapes.
+_REPORTED = (
+    "dtype",
+    "param_dtype",
+    "attention",
+    "remat",
+    "n_layers",
+    "d_model",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+)
+
+
 def aot_placement(cfg: TrainConfig, devices: list[Any], replica_devices: list[Any] | None) -> Any:
     """One process's placement on ``devices``; with engine replicas, the trainer group's mesh
     on ``devices`` (its whole slice) and a replica's decode mesh on ``replica_devices``."""
@@ -245,20 +259,7 @@ def compile_all(
         "engine_replicas": cfg.processes.engine_replicas,
         "replica_topology": cfg.processes.replica_topology,
         "model_config": {
-            k: str(v)
-            for k, v in dataclasses.asdict(model_cfg).items()
-            if k
-            in (
-                "dtype",
-                "param_dtype",
-                "attention",
-                "remat",
-                "n_layers",
-                "d_model",
-                "n_heads",
-                "n_kv_heads",
-                "vocab_size",
-            )
+            k: str(v) for k, v in dataclasses.asdict(model_cfg).items() if k in _REPORTED
         },
         "num_params": model_cfg.num_params,
         "trainer_mesh": dict(trainer_mesh.shape),

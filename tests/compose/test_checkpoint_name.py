@@ -167,3 +167,31 @@ def test_the_default_tokenizer_is_recorded_as_the_one_it_names(tmp_path):
     assert identity(_cfg(str(tmp_path)))["model.tokenizer"] == str(tmp_path)
     explicit = dataclasses.replace(_cfg(str(tmp_path)).model, tokenizer="byte")
     assert identity(TrainConfig(model=explicit))["model.tokenizer"] == "byte"
+
+
+@pytest.mark.slow
+def test_an_unreachable_gs_checkpoint_is_one_line_before_any_work(tmp_path):
+    """No storage answers at the endpoint: after the client's own retries the train command
+    exits 2 naming the URL, with nothing written to the workdir."""
+    import subprocess
+    import sys
+
+    from support.checkout import subprocess_env
+    from support.gcs_emulator import free_port
+
+    env = subprocess_env()
+    env.update(
+        STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{free_port()}",  # nothing listens there
+        GOOGLE_AUTH_TOKEN_FOR_TESTING="test-token",
+        GOOGLE_CLOUD_PROJECT="test-project",
+    )
+    url = f"gs://{BUCKET}/Qwen2.5-0.5B-Instruct"
+    files = ["model/checkpoint", "slice/cpu", "env/reverse_text", "tune/full", "algo/grpo"]
+    cmd = [sys.executable, "-m", "jaxrl_orch.train", f"--workdir={tmp_path / 'run'}"]
+    cmd += [f"--gin_file=configs/{f}.gin" for f in files]
+    cmd += [f"--gin_param=CHECKPOINT = '{url}'"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot reach checkpoint '{url}': "), proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

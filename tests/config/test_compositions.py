@@ -121,7 +121,7 @@ def test_a_file_in_a_concern_directory_binding_another_concern_is_refused(tmp_pa
         load_config([str(bad)], [])
     message = str(err.value)
     assert f"{bad}:2 binds Data.env" in message and "a file in a 'slice' directory" in message
-    assert "a file of the 'env' concern (env/*.gin)" in message
+    assert "Data.env is the 'env' concern's (env/*.gin), or --gin_param's" in message
 
 
 def test_a_combination_that_cannot_work_names_the_files_it_came_from(tmp_path):
@@ -163,3 +163,12 @@ def test_an_include_may_be_refined_below_it_but_not_undo_a_binding_above_it(tmp_
     loop.write_text(f"include '{loop}'\n")
     with pytest.raises(ValueError, match="includes itself"):
         load_config([str(loop)], [])
+
+
+def test_a_malformed_binding_names_where_it_is(tmp_path):
+    with pytest.raises(ValueError, match=r"bad gin config in --gin_param 'RL.steps = '"):
+        load_config(["configs/algo/grpo.gin"], ["RL.steps = "])
+    bad = tmp_path / "bad.gin"
+    bad.write_text("RL.steps = (\n")
+    with pytest.raises(ValueError, match=f"bad gin config in {bad}"):
+        load_config([str(bad)], [])

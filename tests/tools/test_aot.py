@@ -202,7 +202,7 @@ def test_a_program_that_does_not_fit_exits_1_naming_it(monkeypatch, capsys):
         "decode_slots": 8,
         "steps_per_call": 2,
     }
-    monkeypatch.setattr(aot, "compile_all", lambda cfg, devices: (progs, info))
+    monkeypatch.setattr(aot, "compile_all", lambda cfg, devices, replicas: (progs, info))
     rc = aot.main(["--gin_file=configs/tpu_v5e_8.gin", "--json"])
     out, err = capsys.readouterr()
     assert rc == 1
@@ -241,7 +241,7 @@ def test_a_program_xla_refuses_for_memory_is_a_shortfall_not_an_error(monkeypatc
     ]
     info = {"model": "m", "trainer_mesh": {}, "decode_mesh": {}, "decode_mesh_size": 4}
     info.update(train_rows=1, row_len=1, decode_slots=8, steps_per_call=2)
-    monkeypatch.setattr(aot, "compile_all", lambda cfg, devices: (progs, info))
+    monkeypatch.setattr(aot, "compile_all", lambda cfg, devices, replicas: (progs, info))
     assert aot.main(["--gin_file=configs/tpu_v5e_8.gin"]) == 1
     out, err = capsys.readouterr()
     assert "does not fit: train_step needs 17.49 GiB of temporaries alone, 1.74 GiB over" in err
