@@ -9,7 +9,8 @@ What it owns: the command line and the process's life around the run, not the ru
   sections, and a bad file, binding or value is refused before any work, naming it;
 - this process's role (``distributed.group``: the only process, a trainer of a group, or an
   engine replica, from ``Processes`` and ``--process_index``; a trainer group's
-  ``jax.distributed`` cluster is joined before any JAX computation) and, for the process that
+  ``jax.distributed`` cluster is joined before any JAX computation; the launch flags left out
+  come from the platform's environment, ``distributed.platform``) and, for the process that
   writes the workdir, its claim on it (``owner``: ``run.lock``; a launcher's claim handed on
   to trainer process 0 is adopted);
 - handing over to the stages (``run.stages``): ``finished`` first (a workdir that holds the
@@ -60,6 +61,7 @@ from jaxrl_orch.config import listing
 from jaxrl_orch.config.load import load_config
 from jaxrl_orch.config.rl import RLSettings
 from jaxrl_orch.config.train import TrainConfig, WarmupSettings
+from jaxrl_orch.distributed.platform import resolve_flags
 from jaxrl_orch.paths import as_path
 
 if TYPE_CHECKING:  # imported where they are used, after the config checks: they bring JAX
@@ -108,7 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     roles = p.add_argument_group(
         "processes (docs/scale-out.md; python -m jaxrl_orch.distributed.launch_local sets these)",
         "Processes.trainer_processes (P) and engine_replicas (R) name the layout; process K < P "
-        "trains (0 also runs the orchestrator), P <= K < P + R serves as replica K - P.",
+        "trains (0 also runs the orchestrator), P <= K < P + R serves as replica K - P. The first "
+        "four flags, when left out, come from the platform (JAX_*, GKE JobSet, TPU VM, Slurm).",
     )
     roles.add_argument("--process_index", type=int, default=None, help="this process's K")
     roles.add_argument(
@@ -204,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load_config(args.gin_file, args.gin_param)
+        layout = (cfg.processes.trainer_processes, cfg.processes.engine_replicas)
+        args = resolve_flags(args, os.environ, *layout)
         # Heavy imports (jax) only after the config checks.
         from jaxrl_orch.run import stages
 

@@ -3,4 +3,5 @@
 (``replica``, with ``source`` its one weight source), the orchestrator's client of them and its
 pool (``client``, ``pool``), cross-process weights (the default transport: ``offer_wire``,
 ``offer_server``, ``offer_pull``; the opt-in: ``transfer``), the command line's addresses
-(``addresses``) and the local launcher (``launch_local``)."""
+(``addresses``), what the platform's environment says of them (``platform``) and the local
+launcher (``launch_local``)."""

@@ -1,0 +1,248 @@
+"""The same command on every host: the platform's environment gives this process's index, the
+coordinator, the replicas' URLs and the weight source; the flags given win; bad values are
+refused naming the variable. Pure: env dicts, no jax, no sockets."""
+
+from __future__ import annotations
+
+import sys
+
+import gin
+import pytest
+
+from jaxrl_orch import train
+from jaxrl_orch.distributed.platform import detect, nodelist, resolve_flags
+
+JOBSET = {"JOBSET_NAME": "run1", "JOB_INDEX": "0", "JOB_COMPLETION_INDEX": "0"}
+TRAINER = {**JOBSET, "REPLICATED_JOB_NAME": "trainer"}
+WORKERS = "w-0.slice,w-1.slice,w-2.slice,w-3.slice"
+R1 = "http://run1-engine-0-0.run1:50051"
+R2 = "http://run1-engine-1-0.run1:50051"
+
+# (env, P, R) -> (platform, K, processes, coordinator, replica URLs, weight source)
+CASES = {
+    "jobset trainer 0": (
+        (TRAINER, 2, 2),
+        (
+            "gke-jobset",
+            0,
+            None,
+            "run1-trainer-0-0.run1:8476",
+            (R1, R2),
+            "run1-trainer-0-0.run1:8477",
+        ),
+    ),
+    "jobset trainer 1": (
+        ({**TRAINER, "JOB_COMPLETION_INDEX": "1"}, 2, 2),
+        (
+            "gke-jobset",
+            1,
+            None,
+            "run1-trainer-0-0.run1:8476",
+            (R1, R2),
+            "run1-trainer-0-0.run1:8477",
+        ),
+    ),
+    "jobset engine 1, own subdomain": (
+        (
+            {
+                **JOBSET,
+                "REPLICATED_JOB_NAME": "engine",
+                "JOB_INDEX": "1",
+                "JAXRL_JOBSET_SUBDOMAIN": "svc",
+            },
+            2,
+            2,
+        ),
+        (
+            "gke-jobset",
+            3,
+            None,
+            "run1-trainer-0-0.svc:8476",
+            ("http://run1-engine-0-0.svc:50051", "http://run1-engine-1-0.svc:50051"),
+            "run1-trainer-0-0.svc:8477",
+        ),
+    ),
+    "tpu-vm worker 2 of 4, the whole run": (
+        ({"TPU_WORKER_ID": "2", "TPU_WORKER_HOSTNAMES": WORKERS}, 3, 1),
+        ("tpu-vm", 2, 4, "w-0.slice:8476", ("http://w-3.slice:50051",), "w-0.slice:8477"),
+    ),
+    "tpu-vm worker 2 of 4, the trainer slice alone": (
+        ({"TPU_WORKER_ID": "2", "TPU_WORKER_HOSTNAMES": WORKERS}, 4, 2),
+        ("tpu-vm", 2, 4, "w-0.slice:8476", (), "w-0.slice:8477"),
+    ),
+    "slurm, one task per node": (
+        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "3", "SLURM_STEP_NODELIST": "gpu[07-09]"}, 2, 1),
+        ("slurm", 1, 3, "gpu07:8476", ("http://gpu09:50051",), "gpu07:8477"),
+    ),
+    "slurm, two tasks on a node": (
+        ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "a1,a2"}, 2, 2),
+        ("slurm", 2, 4, "a1:8476", (), "a1:8477"),
+    ),
+    "explicit JAX_*": (
+        (
+            {
+                "JAX_PROCESS_ID": "2",
+                "JAX_NUM_PROCESSES": "3",
+                "JAX_COORDINATOR_ADDRESS": "10.0.0.5:1234",
+                "SLURM_PROCID": "0",
+            },
+            2,
+            1,
+        ),
+        ("explicit", 2, 3, "10.0.0.5:1234", (), "10.0.0.5:8477"),
+    ),
+    "none": (({"HOME": "/root"}, 2, 1), ("none", None, None, None, (), None)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_platform_gives_index_coordinator_and_replicas(case):
+    (env, p, r), expected = CASES[case]
+    found = detect(env, p, r)
+    got = (found.name, found.process_index, found.processes, found.coordinator)
+    assert (*got, found.replica_urls, found.weight_source) == expected
+
+
+def test_the_description_names_each_variable_read_and_only_those():
+    env = {**TRAINER, "JOB_COMPLETION_INDEX": "1", "HOSTNAME": "pod", "TPU_WORKER_ID": "1"}
+    assert detect(env, 2, 1).describe() == (
+        "gke-jobset (JOBSET_NAME=run1, REPLICATED_JOB_NAME=trainer, JOB_INDEX=0, "
+        "JOB_COMPLETION_INDEX=1)"
+    )
+
+
+def test_slurm_node_lists_expand_in_order_keeping_zero_padding():
+    assert nodelist("a1,b[01-03,07],c[9-10]x") == ["a1", "b01", "b02", "b03", "b07", "c9x", "c10x"]
+
+
+def _args(*flags: str):
+    return train.parse_args(["--defaults", *flags])
+
+
+def test_the_platform_fills_only_the_flags_left_out(capsys):
+    env = {**TRAINER, "JOB_COMPLETION_INDEX": "1"}
+    args = resolve_flags(_args("--engine_addresses=http://10.0.0.9:8000"), env, 2, 1)
+    assert args.process_index == 1
+    assert args.coordinator_address == "run1-trainer-0-0.run1:8476"
+    assert args.engine_addresses == "http://10.0.0.9:8000"  # the flag wins
+    assert args.weight_source == "run1-trainer-0-0.run1:8477"
+    assert args.defaults and args.workdir == "runs/default"  # the other flags as they were
+    assert capsys.readouterr().out == (
+        "== platform: gke-jobset (JOBSET_NAME=run1, REPLICATED_JOB_NAME=trainer, JOB_INDEX=0, "
+        "JOB_COMPLETION_INDEX=1): process 1, coordinator run1-trainer-0-0.run1:8476, replicas "
+        "http://10.0.0.9:8000 (--engine_addresses), weight source run1-trainer-0-0.run1:8477\n"
+    )
+
+
+def test_every_flag_given_reads_nothing_not_even_a_bad_variable(capsys):
+    flags = ("--process_index=3", "--coordinator_address=h:1", "--engine_addresses=http://e:2")
+    env = {"SLURM_PROCID": "x", "JOBSET_NAME": "NOT A LABEL"}
+    args = resolve_flags(_args(*flags, "--weight_source=h:3"), env, 2, 2)
+    assert (args.process_index, args.coordinator_address, args.weight_source) == (3, "h:1", "h:3")
+    assert capsys.readouterr().out.startswith("== platform: not read, every launch flag given: ")
+
+
+def test_a_single_process_reads_and_prints_nothing(capsys):
+    args = _args()
+    assert resolve_flags(args, {"JOB_COMPLETION_INDEX": "x", "JOBSET_NAME": "r"}, 1, 0) is args
+    assert capsys.readouterr().out == ""
+
+
+REFUSED = {
+    "JOB_COMPLETION_INDEX='one'": ({**TRAINER, "JOB_COMPLETION_INDEX": "one"}, 2, 1),
+    "JOB_COMPLETION_INDEX='2' is not 0..1": ({**TRAINER, "JOB_COMPLETION_INDEX": "2"}, 2, 1),
+    "REPLICATED_JOB_NAME='workers'": ({**JOBSET, "REPLICATED_JOB_NAME": "workers"}, 2, 1),
+    "JOB_INDEX='1' is not 0": ({**TRAINER, "JOB_INDEX": "1"}, 2, 1),
+    "JOB_INDEX='2' is not 0..1": (
+        {**JOBSET, "REPLICATED_JOB_NAME": "engine", "JOB_INDEX": "2"},
+        2,
+        2,
+    ),
+    "JOBSET_NAME='Run_1'": ({**TRAINER, "JOBSET_NAME": "Run_1"}, 2, 1),
+    "TPU_WORKER_HOSTNAMES names 1 worker": (
+        {"TPU_WORKER_ID": "0", "TPU_WORKER_HOSTNAMES": "w"},
+        1,
+        1,
+    ),
+    "TPU_WORKER_ID is not set": ({"TPU_WORKER_HOSTNAMES": WORKERS}, 3, 1),
+    "SLURM_NTASKS='8' is not 3": (
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "a"},
+        2,
+        1,
+    ),
+    "SLURM_STEP_NODELIST is not set": ({"SLURM_PROCID": "0", "SLURM_NTASKS": "3"}, 2, 1),
+    "'9-3' in 'n[9-3]'": (
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_STEP_NODELIST": "n[9-3]"},
+        2,
+        1,
+    ),
+    "JAX_PROCESS_ID='-1'": ({"JAX_PROCESS_ID": "-1"}, 2, 1),
+    "JAX_NUM_PROCESSES='2' is not 3": ({"JAX_PROCESS_ID": "0", "JAX_NUM_PROCESSES": "2"}, 2, 1),
+    "JAX_COORDINATOR_ADDRESS='host'": ({"JAX_COORDINATOR_ADDRESS": "host"}, 2, 1),
+}
+
+
+@pytest.mark.parametrize("message", REFUSED)
+def test_bad_values_are_refused_naming_the_variable_and_value(message):
+    env, p, r = REFUSED[message]
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        detect(env, p, r)
+
+
+def test_replicas_nobody_names_are_refused_naming_the_flag():
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "a1,a2"}
+    with pytest.raises(ValueError, match=r"--engine_addresses is not given .*\(slurm\)"):
+        resolve_flags(_args(), env, 2, 2)
+
+
+# --- through the train command: the line before any work, nothing new for one process -------
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Building the run fails with an ImportError: the command stops right after the flags."""
+    import jaxrl_orch.run as run_package
+
+    monkeypatch.setitem(sys.modules, "jaxrl_orch.run.stages", None)
+    monkeypatch.delattr(run_package, "stages", raising=False)
+    yield
+    gin.clear_config()
+
+
+def _platform_env(monkeypatch):
+    for name, value in {**TRAINER, "REPLICATED_JOB_NAME": "engine"}.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_the_command_prints_the_platform_line_for_a_multi_process_layout(
+    no_run, monkeypatch, capsys
+):
+    _platform_env(monkeypatch)
+    layout = [
+        "--gin_param=Processes.trainer_processes = 2",
+        "--gin_param=Processes.engine_replicas = 1",
+    ]
+    with pytest.raises(ImportError):
+        train.main(["--defaults", *layout])
+    out = capsys.readouterr().out
+    assert out.startswith("== platform: gke-jobset (JOBSET_NAME=run1, REPLICATED_JOB_NAME=engine")
+    assert "process 2, coordinator run1-trainer-0-0.run1:8476, replicas " + R1 in out
+
+
+def test_the_command_refuses_a_bad_variable_before_any_work(no_run, monkeypatch, capsys):
+    _platform_env(monkeypatch)
+    monkeypatch.setenv("JOB_INDEX", "one")
+    layout = [
+        "--gin_param=Processes.trainer_processes = 2",
+        "--gin_param=Processes.engine_replicas = 1",
+    ]
+    assert train.main(["--defaults", *layout]) == 2
+    assert "error: JOB_INDEX='one' is not 0: one Job per engine replica" in capsys.readouterr().err
+
+
+def test_the_command_prints_nothing_new_for_one_process(no_run, monkeypatch, capsys):
+    _platform_env(monkeypatch)
+    monkeypatch.setenv("JOB_INDEX", "one")  # not read: one process has no platform
+    with pytest.raises(ImportError):
+        train.main(["--defaults"])
+    assert capsys.readouterr().out == ""
