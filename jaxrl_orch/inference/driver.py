@@ -35,6 +35,14 @@ running requests have finished; ``pause("abort")`` ends every running and queued
 with what it has (``finish_reason="abort"``). While paused, submissions queue and swaps land, so
 the tokens a kept request generates after ``resume()`` carry the new version.
 
+Scoring: ``score(prompt_ids, top_logprobs)`` queues a prompt for ``scoring.PromptScores`` (its
+tokens' log-probs given their prefixes, with alternatives). Each loop turn scores queued prompts
+before admitting new samples, one prefill-shaped forward each (``Prefixes.score``) and up to one
+prefill's worth of tokens per turn, so scoring never runs inside a decode step and a burst of
+it delays the running requests by about one prefill per turn. It holds no slot and runs under
+the version about to decode (stamped on the scores). Pauses hold it like admission, and an
+abort leaves it queued: it resumes with the engine.
+
 Streaming: ``submit(..., on_token=f)`` calls ``f(token_id, logprob, version)`` from the loop
 thread per token recorded (the futures still resolve); it must be quick (its errors are dropped).
 Finishing rules and narrow decoding: ``slots.py``. The ``gate`` (``overlap.OverlapSchedule``)
@@ -51,6 +59,7 @@ from typing import Any
 
 from jaxrl_orch.inference.engine_api import JetStreamEngine
 from jaxrl_orch.inference.intake import RequestQueue
+from jaxrl_orch.inference.limits import top_logprobs_refusal
 from jaxrl_orch.inference.narrow import warm_up
 from jaxrl_orch.inference.pause import PauseState
 from jaxrl_orch.inference.prefixes import Prefixes
@@ -63,6 +72,7 @@ from jaxrl_orch.inference.requests import (
     check_request,
     resolve,
 )
+from jaxrl_orch.inference.scoring import PromptScores, ScoreQueue
 from jaxrl_orch.inference.slots import SlotTable
 from jaxrl_orch.inference.swap import ParamSwap
 from jaxrl_orch.types import Completion, SamplingParams
@@ -84,6 +94,7 @@ class InferenceDriver:
         self._swap = ParamSwap(params, version)
         self._prefixes = Prefixes(engine, prefix_cache_size)
         self._queue = RequestQueue()
+        self._scores = ScoreQueue()
         self._slots = SlotTable(engine, rate_window_s)
         self._pause = PauseState()
         self._limits = RequestLimits.of(engine)
@@ -126,6 +137,26 @@ class InferenceDriver:
             futures = self._queue.add(prompt, samplings, on_token)
             self._cv.notify_all()
         return futures
+
+    def score(self, prompt_ids: Any, top_logprobs: int = 0) -> concurrent.futures.Future:
+        """Queue ``prompt_ids`` for scoring (see Scoring in the module docstring); returns a
+        future of its ``scoring.PromptScores`` with ``top_logprobs`` alternatives per position
+        (thread-safe)."""
+        if not hasattr(self.engine, "score"):
+            raise ValueError(
+                f"{type(self.engine).__name__} has no score program: prompt log-probs need an "
+                "engine with score() (the built-in DecodeEngine has one)"
+            )
+        refusal = top_logprobs_refusal("top_logprobs", top_logprobs)
+        if refusal is not None:
+            raise ValueError(refusal)
+        prompt, _ = check_request(prompt_ids, SamplingParams(), None, self._limits)
+        with self._cv:
+            if self._stopped or self._stopping:
+                raise RuntimeError("InferenceDriver is stopped; score() needs a running driver")
+            future = self._scores.add(prompt, top_logprobs)
+            self._cv.notify_all()
+        return future
 
     def swap_params(self, params: Any, version: int) -> concurrent.futures.Future:
         """Use ``params`` (stamped ``version``) from the next generate step on.
@@ -177,7 +208,7 @@ class InferenceDriver:
             self._stopped = True
             error = RuntimeError(STOPPED)
             self._slots.fail(error)
-            for future in self._queue.drain():
+            for future in [*self._queue.drain(), *self._scores.drain()]:
                 resolve(future, error=error)
             self._swap.fail(RuntimeError(STOPPED))
             self._pause.fail(RuntimeError(STOPPED))
@@ -194,6 +225,8 @@ class InferenceDriver:
             "inference/version": float(self._swap.version),
             "inference/decode_width": float(self._slots.width),  # slots the last generate ran
             "inference/paused": float(self._pause.paused),
+            "inference/scored_prompts": float(self._prefixes.scored),  # cumulative
+            "inference/score_s": self._prefixes.score_seconds,  # cumulative seconds scoring
         }
 
     def _run(self) -> None:
@@ -208,7 +241,8 @@ class InferenceDriver:
     def _has_work(self) -> bool:
         if self._stopping or self._swap.pending or self._pause.mode:
             return True
-        return not self._pause.paused and (bool(self._queue) or self._slots.running)
+        queued = bool(self._queue) or bool(self._scores)
+        return not self._pause.paused and (queued or self._slots.running)
 
     def _between_steps(self) -> bool:
         """Wait for work, land a swap, apply a pause; False once the driver is stopping."""
@@ -230,13 +264,33 @@ class InferenceDriver:
         with self._cv:
             self._queue.reap_cancelled()
         if self._pause.mode is None:  # "wait": the running ones finish, nothing new
+            self._score()
             self._admit()
         if self._slots.running:
             self._slots.step(self._swap.params, self._swap.version)
             return
         with self._cv:  # everything queued was cancelled: nap instead of spinning
-            if not self._swap.pending and not self._stopping:
+            if not self._swap.pending and not self._stopping and not self._scores:
                 self._cv.wait(self._idle_wait_s)
+
+    def _score(self) -> None:
+        """Score queued prompts, up to one prefill's worth of tokens per turn (at least one
+        prompt), so a stream of scoring requests delays a decode step by about one prefill."""
+        budget = self._prefixes.max_prefill
+        while budget > 0:
+            with self._cv:
+                request = self._scores.pop()
+            if request is None:
+                return
+            budget -= request.prompt.size
+            params, version = self._swap.params, self._swap.version
+            try:
+                arrays = self._prefixes.score(request.prompt, params, version)
+                scores = PromptScores.of(request.prompt, arrays, request.top_logprobs, version)
+            except Exception as exc:  # noqa: BLE001 - this request's caller gets the error
+                resolve(request.future, error=exc)
+                continue
+            resolve(request.future, result=scores)
 
     def _abort_all(self) -> None:
         """Under ``_cv``, in the loop thread: end every request now with what it has."""

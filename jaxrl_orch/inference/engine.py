@@ -1,10 +1,12 @@
 """DecodeEngine: the Transformer behind JetStream's Engine methods, with RL extras.
 
 Owns the device side of decoding: params placement on the decode mesh, the fixed-shape decode
-state (layout and slot operations in ``decode_state``) and three jitted programs: ``prefill``
-(one prompt -> a prefix KV), ``insert`` (prefix -> slot) and ``generate`` (``steps_per_call``
-decode steps for every slot in one ``lax.scan``, one host round trip), plus
-``move_slot`` for drivers that narrow the decode width.
+state (layout and slot operations in ``decode_state``) and its jitted programs: ``prefill``
+(one prompt -> a prefix KV), ``insert`` (prefix -> slot), ``generate`` (``steps_per_call``
+decode steps for every slot in one ``lax.scan``, one host round trip: ``decode_program``),
+``move_slot`` for drivers that narrow the decode width, and two compiled only on first use:
+``score`` (a prefill that also returns the prompt's log-probs and top-k, ``scoring``) and
+``generate(..., top_logprobs=True)`` (the decode variant that also returns each token's top-k).
 
 Construction: ``DecodeEngine(config, *, mesh, limits=EngineLimits(...), decode_widths,
 cache_dtype, param_dtype, tokenizer, seed)``. ``limits`` (``inference/limits.py``) fixes every
@@ -29,7 +31,9 @@ Contract details (see ``engine_api`` for the result layout):
   ``insert(prefix, state, slot, sampling=...)`` (one shared prefix, G different settings) and
   live as arrays in the decode state: a new request never recompiles anything.
   Log-probs follow ``sampling.sample_tokens``: ``log_softmax(logits / T)`` over the full
-  vocabulary at the sampled id; greedy (T = 0) slots report ``log_softmax(logits)``.
+  vocabulary at the sampled id; greedy (T = 0) slots report ``log_softmax(logits)``. The
+  top-k variant's alternatives come from that same distribution; ``score``'s from the raw
+  logits (T = 1), as the trainer's log-probs at T = 1.
 - Randomness: a request with ``SamplingParams.seed`` draws completion token i (i = 0 is the one
   the first generate step samples) from ``fold_in(fold_in(PRNGKey(seed), prompt_len), i)``
   (``sampling.row_keys``; the key and i live per slot, so ``move_slot`` and narrow widths keep
@@ -65,9 +69,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_orch.inference import decode_state as dstate  # the JetStream args are named decode_state
+from jaxrl_orch.inference.decode_program import decode_steps, result_tokens
 from jaxrl_orch.inference.engine_api import ResultTokens
-from jaxrl_orch.inference.limits import EngineLimits
-from jaxrl_orch.inference.sampling import row_keys, sample_tokens
+from jaxrl_orch.inference.limits import MAX_TOP_LOGPROBS, EngineLimits
+from jaxrl_orch.inference.scoring import prompt_scores
 from jaxrl_orch.models.tokenizer import ByteTokenizer, Tokenizer
 from jaxrl_orch.models.transformer import (
     ModelConfig,
@@ -126,6 +131,8 @@ class DecodeEngine:
         self._prefill_fns: dict[int, Any] = {}
         self._insert_fns: dict[int, Any] = {}
         self._generate_fns: dict[int, Any] = {}
+        self._top_generate_fns: dict[int, Any] = {}  # the top-k variants, by width
+        self._score_fns: dict[int, Any] = {}
         self._move_fn = jax.jit(
             dstate.move, donate_argnums=(0,), out_shardings=self._state_shardings
         )
@@ -142,6 +149,8 @@ class DecodeEngine:
     max_target_length = property(lambda self: self.limits.max_target_length)
     steps_per_call = property(lambda self: self.limits.steps_per_call)
     max_stop_tokens = property(lambda self: self.limits.max_stop_tokens)
+    # Alternatives per token the scoring and top-k programs compute (the driver keeps k of them).
+    max_top_logprobs = property(lambda self: min(MAX_TOP_LOGPROBS, self.config.vocab_size))
 
     def get_tokenizer(self) -> Tokenizer:
         if self._tokenizer is None and self.config.vocab_size == ByteTokenizer().vocab_size:
@@ -202,6 +211,22 @@ class DecodeEngine:
     ) -> tuple[dict[str, Any], ResultTokens]:
         if existing_prefix is not None:
             raise NotImplementedError("DecodeEngine.prefill does not extend an existing_prefix")
+        tokens = self._padded(padded_tokens, true_length)
+        prefix = self.prefill_program(tokens.shape[0])(params, tokens[None])
+        nothing = np.zeros((1, 3), np.int32)  # the first token is sampled by generate
+        result = ResultTokens(nothing, (0, 1), (1, 2), (2, 3))
+        return self._ends(prefix, tokens, true_length), result
+
+    def score(
+        self, *, params: Any, padded_tokens: Any, true_length: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``prefill``'s prefix of the prompt and, from the same forward, its scores
+        (``scoring.prompt_scores``, ``MAX_TOP_LOGPROBS`` alternatives, on the device)."""
+        tokens = self._padded(padded_tokens, true_length)
+        prefix, scores = self.score_program(tokens.shape[0])(params, tokens[None])
+        return self._ends(prefix, tokens, true_length), scores
+
+    def _padded(self, padded_tokens: Any, true_length: int) -> np.ndarray:
         tokens = np.asarray(padded_tokens, dtype=np.int32).reshape(-1)
         length = tokens.shape[0]
         if length > self.max_prefill_length:
@@ -210,11 +235,14 @@ class DecodeEngine:
             )
         if not 1 <= true_length <= length:
             raise ValueError(f"true_length must be in [1, {length}], got {true_length}")
-        prefix = self.prefill_program(length)(params, tokens[None])
+        return tokens
+
+    @staticmethod
+    def _ends(prefix: dict[str, Any], tokens: np.ndarray, true_length: int) -> dict[str, Any]:
+        """The prompt's last token and position, which the slot's first step re-feeds."""
         prefix["token"] = np.int32(tokens[true_length - 1])
         prefix["pos"] = np.int32(true_length - 1)
-        nothing = np.zeros((1, 3), np.int32)  # the first token is sampled by generate
-        return prefix, ResultTokens(nothing, (0, 1), (1, 2), (2, 3))
+        return prefix
 
     def prefill_program(self, length: int) -> Any:
         """The jitted prefill of a ``[1, length]`` prompt (one program per padded length)."""
@@ -224,12 +252,28 @@ class DecodeEngine:
             fn = self._prefill_fns[length] = jax.jit(self._prefill_impl, out_shardings=out)
         return fn
 
+    def score_program(self, length: int) -> Any:
+        """The jitted scoring prefill of a ``[1, length]`` prompt (compiled on first use)."""
+        fn = self._score_fns.get(length)
+        if fn is None:
+            out = ({"cache": self._cache_sharding(length, 1)}, self._replicated)
+            fn = self._score_fns[length] = jax.jit(self._score_impl, out_shardings=out)
+        return fn
+
     def _prefill_impl(self, params: Any, tokens: jax.Array) -> dict[str, Any]:
+        _, cache = self._forward(params, tokens)
+        return {"cache": cache}
+
+    def _score_impl(self, params: Any, tokens: jax.Array) -> tuple[dict[str, Any], Any]:
+        logits, cache = self._forward(params, tokens)
+        top = self.max_top_logprobs
+        return {"cache": cache}, prompt_scores(logits[0], tokens[0], top)
+
+    def _forward(self, params: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
         model = nnx.merge(self._graphdef, params)
         cache = init_cache(self.config, 1, tokens.shape[1], self.cache_dtype)
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-        _, cache = model.forward_cached(tokens, positions, cache)
-        return {"cache": cache}
+        return model.forward_cached(tokens, positions, cache)
 
     def insert(
         self,
@@ -270,94 +314,54 @@ class DecodeEngine:
         *,
         version: int = 0,
         width: int | None = None,
+        top_logprobs: bool = False,
     ) -> tuple[dict[str, Any], ResultTokens]:
         """``steps_per_call`` decode steps of slots ``[0, width)`` (default: every slot).
 
         Slots at or beyond ``width`` are left untouched (their requests do not advance) and the
         result has ``width`` rows; a driver narrows the width only once every running request
-        sits below it (``move_slot``).
+        sits below it (``move_slot``). ``top_logprobs``: run the top-k variant, whose result
+        also holds each token's ``MAX_TOP_LOGPROBS`` most likely alternatives.
         """
         width = self.max_concurrent_decodes if width is None else width
-        state, data = self.generate_program(width)(params, decode_state, np.int32(version))
-        k = self.steps_per_call
-        return state, ResultTokens(
-            data,
-            tokens_idx=(0, k),
-            valid_idx=(k, 2 * k),
-            length_idx=(2 * k, 2 * k + 1),
-            samples_per_slot=1,
-            logprob_idx=(2 * k + 1, 3 * k + 1),
-            version_idx=(3 * k + 1, 4 * k + 1),
-        )
+        program = self.generate_program(width, top_logprobs=top_logprobs)
+        state, data = program(params, decode_state, np.int32(version))
+        top = self.max_top_logprobs if top_logprobs else 0
+        return state, result_tokens(data, self.steps_per_call, top)
 
-    def generate_program(self, width: int) -> Any:
-        """The jitted ``steps_per_call`` decode steps of slots ``[0, width)``."""
-        fn = self._generate_fns.get(width)
+    def generate_program(self, width: int, *, top_logprobs: bool = False) -> Any:
+        """The jitted ``steps_per_call`` decode steps of slots ``[0, width)`` (the top-k
+        variant with ``top_logprobs``: a program of its own, compiled on first use)."""
+        fns = self._top_generate_fns if top_logprobs else self._generate_fns
+        fn = fns.get(width)
         if fn is None:
             if width not in self.decode_widths:
                 raise ValueError(
                     f"width must be one of decode_widths={self.decode_widths}, got {width!r}"
                 )
-            fn = self._generate_fns[width] = jax.jit(
-                functools.partial(self._generate_impl, width=width),
+            top = self.max_top_logprobs if top_logprobs else 0
+            fn = fns[width] = jax.jit(
+                functools.partial(self._generate_impl, width=width, top=top),
                 donate_argnums=(1,),
                 out_shardings=(self._state_shardings, self._replicated),
             )
         return fn
 
     def _generate_impl(
-        self, params: Any, full: dict[str, Any], version: jax.Array, *, width: int
+        self, params: Any, full: dict[str, Any], version: jax.Array, *, width: int, top: int
     ) -> tuple[dict[str, Any], jax.Array]:
-        state, data = self._decode_steps(params, dstate.head(full, width), version)
+        model = nnx.merge(self._graphdef, params)
+        state, data = decode_steps(
+            model,
+            dstate.head(full, width),
+            version,
+            length=self.max_target_length,
+            steps=self.steps_per_call,
+            top=top,
+        )
         if width == self.max_concurrent_decodes:  # every slot: the state itself, no copy
             return state, data
         return dstate.put_head(full, state), data
-
-    def _decode_steps(self, params: Any, state: dict[str, Any], version: jax.Array):
-        model = nnx.merge(self._graphdef, params)
-        length = self.max_target_length
-
-        def step(s: dict[str, Any], _: Any):
-            logits, cache = model.forward_cached(
-                s["tokens"][:, None], s["pos"][:, None], s["cache"]
-            )
-            rng, key = jax.random.split(s["rng"])
-            keys = row_keys(key, s["seed_key"], s["seeded"], s["generated"])  # token index
-            tok, logprob = sample_tokens(
-                logits[:, 0], None, s["temperature"], s["top_k"], s["top_p"], keys=keys
-            )
-            valid = s["active"]
-            generated = s["generated"] + valid.astype(jnp.int32)
-            done = (
-                jnp.any(tok[:, None] == s["stop"], axis=-1)
-                | (generated >= s["max_tokens"])
-                | (s["pos"] + 1 >= length)
-            )
-            s = {
-                **s,
-                "cache": cache,
-                "rng": rng,
-                "generated": generated,
-                "active": valid & ~done,
-                "tokens": jnp.where(valid, tok, s["tokens"]),
-                "pos": jnp.where(valid, s["pos"] + 1, s["pos"]),
-            }
-            return s, (tok, valid.astype(jnp.int32), logprob)
-
-        state, (tok, valid, logprob) = jax.lax.scan(step, state, length=self.steps_per_call)
-        k = self.steps_per_call
-        b = state["tokens"].shape[0]
-        data = jnp.concatenate(
-            [
-                tok.T,
-                valid.T,
-                state["generated"][:, None],
-                jax.lax.bitcast_convert_type(logprob.T.astype(jnp.float32), jnp.int32),
-                jnp.broadcast_to(version.astype(jnp.int32), (b, k)),
-            ],
-            axis=1,
-        )
-        return state, data
 
     # ------------------------------------------------------------------ helpers
 

@@ -15,7 +15,10 @@ Column ranges (half-open ``(start, stop)`` pairs):
 - ``length_idx``: one column, tokens generated so far by the slot's current request;
 RL extras (docs/design.md section 5), absent (``None``) for an engine that cannot provide them:
 - ``logprob_idx``: behavior log-probs, float32 bit-cast into the int32 array;
-- ``version_idx``: params version of the call that produced each token.
+- ``version_idx``: params version of the call that produced each token;
+- ``top_idx`` / ``top_logprob_idx`` (only from a call asked for alternatives): each step's k
+  most likely ids and their log-probs (float32 bit-cast), ``steps * k`` columns each,
+  step-major (step s at columns ``[s * k, (s + 1) * k)`` of the range), most likely first.
 
 Invariants: a step's columns are only meaningful where valid is 1; once a slot's request has
 finished (stop token or length) the engine reports no further valid tokens for it until a new
@@ -51,6 +54,8 @@ class ResultTokens:
     samples_per_slot: int = 1
     logprob_idx: tuple[int, int] | None = None
     version_idx: tuple[int, int] | None = None
+    top_idx: tuple[int, int] | None = None
+    top_logprob_idx: tuple[int, int] | None = None
 
     def convert_to_numpy(self) -> ResultTokens:
         return dataclasses.replace(self, data=np.asarray(self.data))
@@ -79,8 +84,11 @@ class ResultTokens:
 @runtime_checkable
 class JetStreamEngine(Protocol):
     """What ``InferenceDriver`` needs. Extra keyword arguments the driver passes when the
-    engine's signature accepts them: ``insert(..., sampling=SamplingParams)`` and
-    ``generate(..., version=int)``. A JetStream-style engine whose prefill already samples
+    engine's signature accepts them: ``insert(..., sampling=SamplingParams)``,
+    ``generate(..., version=int)`` and ``generate(..., top_logprobs=True)`` (only while a
+    running request asks for alternatives). An engine with ``score(*, params, padded_tokens,
+    true_length) -> (prefix, arrays)`` (``inference.scoring``) serves prompt scoring; the
+    driver refuses it for one without. A JetStream-style engine whose prefill already samples
     the first token (valid = 1 in its result) is driven too: that token opens every slot
     the prefix is inserted into."""
 

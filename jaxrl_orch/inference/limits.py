@@ -18,7 +18,9 @@ Also here, the one bound on a request's float sampling settings (``FLOAT_SAMPLIN
 engine holds in float32 slot fields (``decode_state``) and samples with in float32:
 ``float32_refusal`` says why a value would sample with another one (0, inf, NaN), for the
 driver's submission check (``requests.check_request``) and the HTTP request models
-(``serving.contract``, ``serving.openai_schemas``) alike. Pure data: no JAX.
+(``serving.contract``, ``serving.openai_schemas``) alike; and ``MAX_TOP_LOGPROBS``, the most
+alternatives per token a request may ask for (``top_logprobs_refusal``), which is also the
+fixed width of the engine's top-k outputs. Pure data: no JAX.
 """
 
 from __future__ import annotations
@@ -54,6 +56,22 @@ def float32_refusal(name: str, value: float) -> str | None:
     smallest, why = FLOAT_SAMPLING[name]
     if 0 < value < smallest:
         return f"{name}={value!r} {why}; the smallest {name} allowed above 0 is {smallest!r}"
+    return None
+
+
+# vLLM's default ``max_logprobs``. The engine's scoring and top-k decode programs always compute
+# this many alternatives (one program whatever a request's k), and the host keeps the first k.
+MAX_TOP_LOGPROBS = 20
+
+
+def top_logprobs_refusal(name: str, value: int) -> str | None:
+    """Why ``value`` alternatives per token cannot be asked for under ``name``; None when they
+    can (0 to ``MAX_TOP_LOGPROBS``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        return (
+            f"{name}={value!r} is out of range: alternatives per token must be an int in "
+            f"[0, {MAX_TOP_LOGPROBS}]"
+        )
     return None
 
 

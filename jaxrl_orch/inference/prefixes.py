@@ -8,7 +8,9 @@ version never does (its KV would come from other weights). ``prepare(group, para
 gives a queued ``PrefillGroup`` the prefix of the version about to decode, recomputing one
 computed under an older version (a swap landed while the group waited for slots). Prompts are
 padded to power-of-two buckets (``bucket``) so prefill compiles once per bucket; ``buckets``
-lists every bucket a prompt may take, for the driver's warm-up.
+lists every bucket a prompt may take, for the driver's warm-up. ``score(prompt, params,
+version)`` runs the engine's scoring prefill (``scoring``) on the same buckets and keeps the
+prefix it also computed, so a prompt both scored and decoded is prefilled once.
 
 Called from the driver's loop thread only; it counts prefills and their seconds for the gauges.
 """
@@ -49,6 +51,8 @@ class Prefixes:
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self.count = 0  # prefills run (cache hits excluded)
         self.seconds = 0.0
+        self.scored = 0  # prompts scored (``score``)
+        self.score_seconds = 0.0
 
     def get(self, prompt: np.ndarray, params: Any, version: int) -> tuple[Any, Any]:
         key = (prompt.tobytes(), version)
@@ -56,20 +60,39 @@ class Prefixes:
         if cached is not None:
             self._cache.move_to_end(key)
             return cached
-        padded = np.zeros(bucket(prompt.size, self.max_prefill), dtype=np.int32)
-        padded[: prompt.size] = prompt
         t0 = time.perf_counter()
         prefix, result = self.engine.prefill(
-            params=params, existing_prefix=None, padded_tokens=padded, true_length=int(prompt.size)
+            params=params, existing_prefix=None, **self._padded(prompt)
         )
         entry = (prefix, first_token(result))
         self.seconds += time.perf_counter() - t0
         self.count += 1
+        self._keep(key, entry)
+        return entry
+
+    def score(self, prompt: np.ndarray, params: Any, version: int) -> dict[str, np.ndarray]:
+        """The engine's scores of ``prompt`` under ``version`` (``scoring.prompt_scores``'
+        arrays, on the host); the prefix the same forward computed is kept for a later
+        ``get`` of that prompt and version."""
+        t0 = time.perf_counter()
+        prefix, scores = self.engine.score(params=params, **self._padded(prompt))
+        scores = {name: np.asarray(a) for name, a in scores.items()}
+        self.score_seconds += time.perf_counter() - t0
+        self.scored += 1
+        self._keep((prompt.tobytes(), version), (prefix, None))
+        return scores
+
+    def _padded(self, prompt: np.ndarray) -> dict[str, Any]:
+        padded = np.zeros(bucket(prompt.size, self.max_prefill), dtype=np.int32)
+        padded[: prompt.size] = prompt
+        return {"padded_tokens": padded, "true_length": int(prompt.size)}
+
+    def _keep(self, key: tuple[bytes, int], entry: tuple[Any, Any]) -> None:
         if self.cache_size:
             self._cache[key] = entry
+            self._cache.move_to_end(key)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        return entry
 
     def prepare(self, group: PrefillGroup, params: Any, version: int) -> None:
         """Set ``group``'s prefix (and first token) to its prompt's under ``version``."""

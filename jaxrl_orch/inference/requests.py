@@ -2,17 +2,19 @@
 
 What it owns: ``PrefillGroup`` (one submitted prompt with its samples' futures and sampling
 params, and the prefilled prefix they share) and ``Seq`` (one running sample: its future, the
-ids, log-probs and versions generated so far, and its ``TokenListener`` when streamed);
-``resolve`` (settle a future exactly once, whatever the caller did with it); ``accepts``
-(whether an engine method takes an optional keyword, so a plain JetStream-shaped engine can be
-driven too); ``first_token`` (the token a JetStream-style engine samples at prefill);
-``valid_tokens`` (a decode step's valid tokens, log-probs and versions per running slot, read
-from the result in one pass); ``finish_reason`` (the host-side finishing rules); ``consumed``
-(whether a failed engine call took the decode state with it); ``check_request`` (a submission
-validated against the engine's ``RequestLimits``: prompt ids in the vocabulary, settings that
-fit the engine's slot fields; sample i of one seeded ``SamplingParams`` for n samples gets seed
-``seed + i``). Host-side only; the thread that uses them is the driver's (``driver.py`` and the
-parts it runs: ``intake``, ``slots``, ``prefixes``).
+ids, log-probs, versions and, when its sampling asks, alternatives generated so far, and its
+``TokenListener`` when streamed); ``resolve`` (settle a future exactly once, whatever the
+caller did with it); ``accepts`` (whether an engine method takes an optional keyword, so a
+plain JetStream-shaped engine can be driven too); ``first_token`` (the token a JetStream-style
+engine samples at prefill); ``valid_tokens`` (a decode step's valid tokens, log-probs and
+versions per running slot, read from the result in one pass) and ``valid_tops`` (their
+alternatives, from a top-k step); ``finish_reason`` (the host-side finishing rules);
+``consumed`` (whether a failed engine call took the decode state with it); ``check_request`` (a
+submission validated against the engine's ``RequestLimits``: prompt ids in the vocabulary,
+alternatives the engine reports, settings that fit the engine's slot fields; sample i of one
+seeded ``SamplingParams`` for n samples gets seed ``seed + i``). Host-side only; the thread
+that uses them is the driver's (``driver.py`` and the parts it runs: ``intake``, ``slots``,
+``prefixes``).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ PAUSE_MODES = ("keep", "wait", "abort")  # weakest first
 # An engine that reports no log-probs yields NaN: the trainer must recompute them
 # (docs/design.md section 5).
 NO_LP = float("nan")
-# Streaming: called with (token_id, logprob, version) as each token of a sample is recorded.
-TokenListener = Callable[[int, float, int], Any]
+# Streaming: called with (token_id, logprob, version) as each token of a sample is recorded,
+# and the token's alternatives (``Completion.top_logprobs``' entry) when its sampling asked.
+TokenListener = Callable[..., Any]
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,6 +66,11 @@ class Seq:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    top: list[list[tuple[int, float]]] | None = None  # alternatives, when its sampling asks
+
+    def __post_init__(self) -> None:
+        if self.sampling.top_logprobs and self.top is None:
+            self.top = []
 
 
 def finish_reason(seq: Seq, token: int, cache_len: int | None) -> str | None:
@@ -145,6 +153,23 @@ def valid_tokens(result: Any, slots: Sequence[int]) -> list[tuple[list, list | N
     return [_valid(*(None if c is None else c[i] for c in columns)) for i in range(len(slots))]
 
 
+def valid_tops(result: ResultTokens, slots: Sequence[int]) -> list[list[list[tuple[int, float]]]]:
+    """Per slot of ``slots``, per valid step of a top-k generate result, its ``(id, logprob)``
+    alternatives, most likely first."""
+    data = np.asarray(result.data)[list(slots)]
+    steps = result.tokens_idx[1] - result.tokens_idx[0]
+    ids = data[:, slice(*result.top_idx)].reshape(len(slots), steps, -1)
+    lps = data[:, slice(*result.top_logprob_idx)].view(np.float32).reshape(ids.shape)
+    valid = data[:, slice(*result.valid_idx)].astype(bool)
+    return [
+        [
+            list(zip(i, v, strict=True))
+            for i, v in zip(ids[r][m].tolist(), lps[r][m].tolist(), strict=True)
+        ]
+        for r, m in enumerate(valid)
+    ]
+
+
 def _valid(tokens: Any, valid: Any, logprobs: Any, versions: Any) -> tuple:
     keep = lambda a: None if a is None else a[valid].tolist()  # noqa: E731
     return keep(tokens), keep(logprobs), keep(versions)
@@ -157,11 +182,15 @@ class RequestLimits:
     max_prefill: int  # prompt tokens one prefill takes
     max_stop: int | None = None  # stop ids a slot holds (None: any number)
     vocab: int | None = None  # prompt ids must be in [0, vocab) (None: unknown, e.g. a plug-in)
+    max_top: int = 0  # alternatives per generated token (0: the engine computes none)
 
     @classmethod
     def of(cls, engine: JetStreamEngine) -> RequestLimits:
         vocab = getattr(getattr(engine, "config", None), "vocab_size", None)
-        return cls(int(engine.max_prefill_length), getattr(engine, "max_stop_tokens", None), vocab)
+        top = accepts(engine.generate, "top_logprobs")
+        max_top = int(getattr(engine, "max_top_logprobs", 0)) if top else 0
+        stop = getattr(engine, "max_stop_tokens", None)
+        return cls(int(engine.max_prefill_length), stop, vocab, max_top)
 
 
 # The engine holds each setting in a per-slot int32 / float32 field: a value past it would fail
@@ -220,6 +249,11 @@ def _prompt(prompt_ids: Any, limits: RequestLimits) -> np.ndarray:
 
 
 def _check_sampling(sp: SamplingParams, limits: RequestLimits) -> None:
+    if sp.top_logprobs > limits.max_top:
+        raise ValueError(
+            f"top_logprobs={sp.top_logprobs} alternatives per token; this engine reports at "
+            f"most {limits.max_top}"
+        )
     if limits.max_stop is not None and len(sp.stop_token_ids) > limits.max_stop:
         raise ValueError(
             f"{len(sp.stop_token_ids)} stop_token_ids {sp.stop_token_ids}; this engine "

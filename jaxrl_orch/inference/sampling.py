@@ -26,6 +26,11 @@ sample untruncated (the trainer's log-probs must match), so the mask runs under 
 only when some row of the batch asks for top-k or top-p; untruncated batches skip the sort.
 Both branches give identical tokens for untruncated rows (the mask keeps every token there).
 
+Alternatives (``top_alternatives``): the k most likely tokens of the same tempered distribution
+the sampled token's log-prob is read from (greedy rows: ``T = 1``), by the same
+``log_softmax``, so the sampled token's value among them is the one reported for it. The engine
+computes them only in its top-k decode variant, never in the default decode program.
+
 Everything here is a pure jnp function meant to run inside the engine's jitted decode step;
 it never touches the host and never branches in Python on array values.
 """
@@ -108,3 +113,14 @@ def sample_tokens(
     tokens = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1).astype(jnp.int32)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)
     return tokens, logprobs[:, 0]
+
+
+def top_alternatives(
+    logits: jax.Array, temperature: jax.Array, k: int
+) -> tuple[jax.Array, jax.Array]:
+    """``(logprobs float32[B, k], ids int32[B, k])``, most likely first, of
+    ``log_softmax(logits / T)`` per row (``T = 1`` where ``temperature`` is 0)."""
+    temp = jnp.where(temperature <= 0.0, 1.0, temperature).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temp[:, None], axis=-1)
+    values, ids = jax.lax.top_k(logp, k)
+    return values, ids.astype(jnp.int32)

@@ -12,9 +12,14 @@ engine's optional ``max_target_length``), so any engine with the JetStream metho
 driven; engines accepting ``insert(..., sampling=...)`` / ``generate(..., version=...)`` get
 those (per-slot sampling parameters and per-token version stamps from the device).
 
-Streaming: a ``Seq``'s ``on_token(token_id, logprob, version)`` is called from the loop thread
-per token recorded, before its future resolves; its errors are dropped, so a listener never
-stops the decode loop (it must be quick: the batch waits for it).
+Alternatives: a step runs the engine's top-k variant (``generate(..., top_logprobs=True)``)
+only while some running request's sampling asks for ``top_logprobs``; each such request keeps
+its first k of every token's alternatives.
+
+Streaming: a ``Seq``'s ``on_token(token_id, logprob, version)`` (plus the token's
+alternatives when it asks for them) is called from the loop thread per token recorded, before
+its future resolves; its errors are dropped, so a listener never stops the decode loop (it
+must be quick: the batch waits for it).
 
 Invariants: a slot is freed when its request's future is settled (a ``Completion``, an abort,
 the engine's error) or found cancelled, and a freed slot is refilled before the next step. A
@@ -46,6 +51,7 @@ from jaxrl_orch.inference.requests import (
     finish_reason,
     resolve,
     valid_tokens,
+    valid_tops,
 )
 from jaxrl_orch.types import Completion
 
@@ -63,6 +69,7 @@ class SlotTable:
         self._cache_len = getattr(engine, "max_target_length", None)
         self._pass_sampling = accepts(engine.insert, "sampling")
         self._pass_version = accepts(engine.generate, "version")
+        self._pass_top = accepts(engine.generate, "top_logprobs")
 
     @property
     def running(self) -> bool:
@@ -105,20 +112,25 @@ class SlotTable:
         kwargs = {"version": version} if self._pass_version else {}
         self.width, state = repack(self.engine, self._slots, self._state, self.widths)
         kwargs.update({} if self.width == self.n_slots else {"width": self.width})
+        running = [slot for slot, seq in enumerate(self._slots[: self.width]) if seq is not None]
+        # The top-k variant only while a running request asks: the default program has none.
+        if self._pass_top and any(self._slots[slot].top is not None for slot in running):
+            kwargs["top_logprobs"] = True
         t0 = time.perf_counter()
         self._state, result = self.engine.generate(params, state, **kwargs)
         result = result.convert_to_numpy()  # the one host round trip per call
         self.decode_s += time.perf_counter() - t0
         produced = 0
-        running = [slot for slot, seq in enumerate(self._slots[: self.width]) if seq is not None]
-        for slot, (tokens, logprobs, versions) in zip(
-            running, valid_tokens(result, running), strict=True
+        tops = valid_tops(result, running) if "top_logprobs" in kwargs else None
+        for j, (slot, (tokens, logprobs, versions)) in enumerate(
+            zip(running, valid_tokens(result, running), strict=True)
         ):
             seq = self._slots[slot]
             for i, token in enumerate(tokens):
                 lp = logprobs[i] if logprobs is not None else NO_LP
                 produced += 1
-                if self._append(slot, seq, token, lp, versions[i] if versions else version):
+                top = tops[j][i] if tops is not None else None
+                if self._append(slot, seq, token, lp, versions[i] if versions else version, top):
                     break
         self._rate.record(produced)
 
@@ -141,14 +153,20 @@ class SlotTable:
                 self._slots[i] = None
         self._state = None
 
-    def _append(self, slot: int, seq: Seq, token: int, logprob: float, version: int) -> bool:
+    def _append(
+        self, slot: int, seq: Seq, token: int, logprob: float, version: int, top: Any = None
+    ) -> bool:
         """Record one token; finish and free the slot when a rule says so. True if finished."""
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(version)
+        extra = ()
+        if seq.top is not None:
+            extra = (top[: seq.sampling.top_logprobs] if top is not None else [],)
+            seq.top.append(extra[0])
         if seq.on_token is not None:
             with contextlib.suppress(Exception):  # a listener must never stop the decode loop
-                seq.on_token(token, logprob, version)
+                seq.on_token(token, logprob, version, *extra)
         reason = finish_reason(seq, token, self._cache_len)
         if reason is not None:
             self._finish(slot, seq, reason)
@@ -156,4 +174,5 @@ class SlotTable:
 
     def _finish(self, slot: int, seq: Seq, reason: str) -> None:
         self._slots[slot] = None
-        resolve(seq.future, result=Completion(seq.token_ids, seq.logprobs, seq.versions, reason))
+        completion = Completion(seq.token_ids, seq.logprobs, seq.versions, reason, seq.top)
+        resolve(seq.future, result=completion)

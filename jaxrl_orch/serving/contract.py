@@ -18,12 +18,16 @@ Requests (what a client may send, and nothing else):
 - Keys accepted without effect on the tokens, and why: ``skip_special_tokens``,
   ``spaces_between_special_tokens``, ``include_stop_str_in_output`` and ``detokenize`` shape
   text, which the token route never returns; ``logprobs`` 0 or 1 (the sampled token's log-prob
-  is always returned; alternatives are not); ``routed_experts_prompt_start`` (verifiers sends it
+  is always returned; alternatives are not: training clients send 1, and the training path
+  must not pay for a top-k); ``routed_experts_prompt_start`` (verifiers sends it
   on bridged turns; this engine returns no routed experts); ``cache_salt`` (prefixes are shared
   only between identical prompts of one version, so a salt could only narrow reuse and never
   changes a result). Penalties and ``min_p`` / ``min_tokens`` are accepted only at their neutral
   values and ``ignore_eos`` only false; ``priority`` only 0 (requests are served in arrival
   order), as vLLM answers when priority scheduling is off.
+- ``prompt_logprobs`` (vLLM's): k in [0, ``MAX_TOP_LOGPROBS``] scores the prompt
+  (``inference.scoring``: ``log_softmax`` of the raw logits, no temperature, the trainer's
+  log-probs at T = 1); null does not. vLLM's -1 (the whole vocabulary) is refused.
 - ``UpdateWeights`` never names an address, and always its pull's deadline (``timeout_s``).
 
 Replies:
@@ -31,6 +35,11 @@ Replies:
   version per token id (``content[j].token == "token_id:<id>"``; a log-prob the engine did not
   report is null). ``policy_versions`` is ours: a choice without one version per token is
   refused when read, since the orchestrator bounds staleness by them (docs/design.md section 3).
+- ``prompt_logprobs`` (only when asked), vLLM's shape: one entry per prompt token, null for the
+  first; entry i maps ``str(token id)`` to ``PromptLogprob`` (``logprob``, ``rank``: 1 + the
+  tokens more likely, ``decoded_token``: null, as the token route returns no text) for
+  token i itself and the k most likely tokens there. ``prompt_policy_version`` (ours, null
+  unless asked) is the params version that scored the prompt.
 - A reader ignores keys a reply model does not name (another engine may add some); the
   server's own replies hold exactly these keys, which the tests hold it to.
 
@@ -48,7 +57,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxrl_orch.inference.limits import float32_refusal
+from jaxrl_orch.inference.limits import float32_refusal, top_logprobs_refusal
 
 MAX_QUEUED = 4096
 
@@ -93,6 +102,7 @@ class WireSampling(BaseModel):
     min_p: float = 0.0
     min_tokens: int = 0
     routed_experts_prompt_start: int | None = None
+    prompt_logprobs: int | None = None
 
     @field_validator("temperature")
     @classmethod
@@ -144,6 +154,14 @@ class WireSampling(BaseModel):
                 f"logprobs={v!r} asks for {v} alternatives per token; this server returns the "
                 "sampled token's log-prob only (top_logprobs stays empty): use 0, 1 or null"
             )
+        return v
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, v: int | None) -> int | None:
+        refusal = None if v is None else top_logprobs_refusal("prompt_logprobs", v)
+        if refusal is not None:
+            raise ValueError(f"{refusal}, or null for none")
         return v
 
     @field_validator("ignore_eos")
@@ -244,10 +262,17 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class GenerateResponse(BaseModel):
     request_id: str | None = None
     choices: list[GenerateChoice] = Field(min_length=1)
-    prompt_logprobs: None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_policy_version: int | None = None
     usage: Usage | None = None
 
 

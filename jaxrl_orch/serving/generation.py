@@ -2,9 +2,11 @@
 
 What it owns: submitting the request's samples to the ``EngineHost`` (one submission per
 choice, so each has its own token listener; the driver still prefills an identical pending
-prompt once), carrying each token from the driver thread to the server's event loop, and per
-choice the text so far (``detokenize``), the stop strings (``stops``), the ids, log-probs and
-policy versions, and the finish reason.
+prompt once) and, for an echo, the prompt's scoring (``EngineHost.score``, queued first so the
+samples reuse its prefix; ``prompt_scores`` once run), carrying each token from the driver
+thread to the server's event loop, and per choice the text so far (``detokenize``), the stop
+strings (``stops``), the ids, log-probs, alternatives and policy versions, and the finish
+reason.
 
 Threads: the driver calls the listeners from its loop thread; they only hand the token to the
 event loop (``call_soon_threadsafe`` into an ``asyncio.Queue``), in the order the driver
@@ -24,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Sequence
@@ -31,9 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 from jaxrl_orch.serving.detokenize import IncrementalDetokenizer
 from jaxrl_orch.serving.stops import StopStrings
-from jaxrl_orch.types import SamplingParams
+from jaxrl_orch.types import Completion, SamplingParams
 
 if TYPE_CHECKING:  # annotations only: this module imports no JAX
+    from jaxrl_orch.inference.scoring import PromptScores
     from jaxrl_orch.models.tokenizer import Tokenizer
     from jaxrl_orch.serving.host import EngineHost
 
@@ -57,6 +61,7 @@ class Choice:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.tops: list[list[tuple[int, float]]] = []  # alternatives, when the sampling asked
         self.text_offsets: list[int] = []  # released text length when each token arrived
         self._parts: list[str] = []
         self._length = 0
@@ -67,11 +72,12 @@ class Choice:
     def text(self) -> str:
         return "".join(self._parts)
 
-    def add(self, token: int, logprob: float, version: int) -> str:
-        """Record one sampled token; the text it releases."""
+    def add(self, token: int, logprob: float, version: int, top: Any = ()) -> str:
+        """Record one sampled token (with its alternatives, when asked); the text it releases."""
         self.token_ids.append(int(token))
         self.logprobs.append(float(logprob))
         self.versions.append(int(version))
+        self.tops.append(list(top))
         self.text_offsets.append(self._length)
         if token in self._stop_ids:
             return ""
@@ -84,10 +90,12 @@ class Choice:
             return ""
         completion = self.future.result()  # an engine error raises here
         seen = len(self.token_ids)
+        tops = completion.top_logprobs or [()] * len(completion.token_ids)
         tail = zip(
             completion.token_ids[seen:],
             completion.logprobs[seen:],
             completion.versions[seen:],
+            tops[seen:],
             strict=True,
         )
         out = []
@@ -126,16 +134,29 @@ class Generation:
         *,
         stops: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        score: int | None = None,
+        decode: bool = True,
     ) -> None:
+        """``score``: also score the prompt with that many alternatives per position;
+        ``decode=False``: generate nothing (each choice ends at once with no tokens, ``length``:
+        an echo of ``max_tokens`` 0)."""
         self.prompt_ids = list(prompt_ids)
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
         self.choices: list[Choice] = []
+        self._scoring: concurrent.futures.Future | None = None
+        self.prompt_scores: PromptScores | None = None
         text_rules = {"stops": tuple(stops), "skip_special_tokens": skip_special_tokens}
         try:
+            if score is not None:
+                self._scoring = host.score(self.prompt_ids, score)
             for i, sampling in enumerate(samplings):
                 listener = functools.partial(self._post, i)
-                [future] = host.submit(self.prompt_ids, [sampling], on_token=listener)
+                if decode:
+                    [future] = host.submit(self.prompt_ids, [sampling], on_token=listener)
+                else:
+                    future = concurrent.futures.Future()
+                    future.set_result(Completion([], [], [], "length"))
                 self.choices.append(Choice(i, future, host.tokenizer, sampling, **text_rules))
         except BaseException:
             self.cancel()  # the samples already queued must not decode for nobody
@@ -167,9 +188,13 @@ class Generation:
     async def run(self) -> list[Choice]:
         async for _ in self.updates():
             pass
+        if self._scoring is not None:
+            self.prompt_scores = await asyncio.wrap_future(self._scoring)
         return self.choices
 
     def cancel(self) -> None:
+        if self._scoring is not None:
+            self._scoring.cancel()
         for choice in self.choices:
             choice.future.cancel()
 

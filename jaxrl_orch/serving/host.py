@@ -18,8 +18,9 @@ Two ways to hold a driver
     address. A LoRA run's source also has ``load_base`` (keeps the frozen base, returns
     nothing) and ``load_adapters`` (returns the base with the adapters merged in).
 
-Threads: ``submit`` / ``pause`` / ``resume`` are thread-safe (the driver's; ``controlled``, the
-hook a subclass reports a caller's pause and resume in, runs on the caller's thread);
+Threads: ``submit`` / ``score`` / ``pause`` / ``resume`` are thread-safe (the driver's;
+``controlled``, the hook a subclass reports a caller's pause and resume in, runs on the caller's
+thread);
 ``update_weights`` is a coroutine for the server's event loop and runs the pull in a worker
 thread; loads are serialised and a version older than the one held is refused.
 """
@@ -110,21 +111,35 @@ class EngineHost:
         self,
         prompt_ids: Sequence[int],
         samplings: Sequence[SamplingParams],
-        on_token: Callable[[int, float, int], Any] | None = None,
+        on_token: Callable[..., Any] | None = None,
     ) -> list[concurrent.futures.Future]:
         """One future per sampling, all of ``prompt_ids`` (sharing one prefill). Refused with
         ``Busy`` when they would take more than ``max_queued`` samples in flight."""
+        driver = self._admitting(len(samplings))
+        return self._count(driver.submit(prompt_ids, list(samplings), on_token=on_token))
+
+    def score(self, prompt_ids: Sequence[int], top_logprobs: int) -> concurrent.futures.Future:
+        """A future of ``prompt_ids``' ``inference.scoring.PromptScores`` (``top_logprobs``
+        alternatives per position); it counts as one request in flight."""
+        driver = self._admitting(1)
+        [future] = self._count([driver.score(prompt_ids, top_logprobs)])
+        return future
+
+    def _admitting(self, n: int) -> InferenceDriver:
+        """The driver, once ``n`` more requests fit under ``max_queued`` (else ``Busy``)."""
         if self.driver is None:
             raise NotReady(
                 f"{self.model} holds no weights yet: {UPDATE_WEIGHTS.method} "
                 f"{UPDATE_WEIGHTS.path} first"
             )
-        if self.in_flight + len(samplings) > self.max_queued:
+        if self.in_flight + n > self.max_queued:
             raise Busy(
-                f"{self.in_flight} samples in flight and {len(samplings)} more asked for; the "
+                f"{self.in_flight} samples in flight and {n} more asked for; the "
                 f"bound is max_queued={self.max_queued}"
             )
-        futures = self.driver.submit(prompt_ids, list(samplings), on_token=on_token)
+        return self.driver
+
+    def _count(self, futures: list[concurrent.futures.Future]) -> list[concurrent.futures.Future]:
         with self._count_lock:
             self.in_flight += len(futures)
         for f in futures:

@@ -11,7 +11,11 @@ checkpoint's chat template (``apply_chat_template(..., add_generation_prompt=Tru
 encoded once, as the environments render prompts (``envs/base.py``).
 
 Sampling: OpenAI's defaults (temperature 1, top_p 1; completions ``max_tokens`` 16; chat up
-to the cache's room, ``max_model_len`` minus the prompt). Both endpoints stop at the
+to the cache's room, ``max_model_len`` minus the prompt). Log-probs with k alternatives
+(completions ``logprobs=k``, chat ``top_logprobs=k``) ask the engine for each generated token's
+top k (``SamplingParams.top_logprobs``). A completions ``echo`` with ``logprobs`` also scores
+the prompt (``EngineHost.score``: one prefill-shaped forward, no decode step, its prefix reused
+by the samples); with ``max_tokens`` 0 nothing is decoded. Both endpoints stop at the
 tokenizer's stop ids (its eos and the turn-end tokens) unless ``ignore_eos``, plus
 ``stop_token_ids``; the stop token is never part of the text. ``seed`` with ``n`` > 1 gives
 choice i the seed ``seed + i`` (vLLM's rule), so the choices differ and each is reproducible.
@@ -64,15 +68,19 @@ def openai_routes(host: EngineHost, *, timeout_s: float) -> APIRouter:
     async def completions(request: Request) -> Any:
         req = parse_request(CompletionRequest, await _body(request), COMPLETIONS)
         prompt = _completion_prompt(host, req)
-        reply = Reply(False, host.model, _tokenizer(host), req.logprobs, req.return_token_ids)
-        return await _answer(request, host, req, prompt, req.max_tokens or 16, reply, timeout_s)
+        tokenizer = _tokenizer(host)
+        reply = Reply(False, host.model, tokenizer, req.logprobs, req.return_token_ids)
+        if req.echo:
+            reply.echo = _echo_text(tokenizer, req.prompt)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        return await _answer(request, host, req, prompt, max_tokens, reply, timeout_s)
 
     @router.post(CHAT)
     async def chat_completions(request: Request) -> Any:
         req = parse_request(ChatRequest, await _body(request), CHAT)
         prompt = _chat_prompt(host, req)
         max_tokens = req.completion_limit or max(host.max_model_len - len(prompt), 1)
-        logprobs = 1 if req.logprobs else None
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
         reply = Reply(True, host.model, _tokenizer(host), logprobs, req.return_token_ids)
         return await _answer(request, host, req, prompt, max_tokens, reply, timeout_s)
 
@@ -121,6 +129,13 @@ def _completion_prompt(host: EngineHost, req: CompletionRequest) -> list[int]:
     return list(req.prompt)
 
 
+def _echo_text(tokenizer: Tokenizer, prompt: str | list[int]) -> str:
+    """The prompt as an echo writes it: as given, or its ids' text (special tokens spelled)."""
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(prompt, skip_special_tokens=False)
+
+
 def _chat_prompt(host: EngineHost, req: ChatRequest) -> list[int]:
     _check_model(host, req)
     tokenizer = _tokenizer(host)
@@ -151,7 +166,9 @@ def _check_lengths(host: EngineHost, n_prompt: int, max_tokens: int) -> None:
         )
 
 
-def _samplings(host: EngineHost, req: Any, max_tokens: int) -> list[SamplingParams]:
+def _samplings(
+    host: EngineHost, req: Any, max_tokens: int, alternatives: int
+) -> list[SamplingParams]:
     stop_ids = [] if req.ignore_eos else list(_tokenizer(host).stop_ids)
     stop_ids += [i for i in req.stop_token_ids if i not in stop_ids]
     limit = getattr(host.engine, "max_stop_tokens", None)
@@ -168,6 +185,7 @@ def _samplings(host: EngineHost, req: Any, max_tokens: int) -> list[SamplingPara
         top_p=1.0 if req.top_p is None else req.top_p,
         max_tokens=max_tokens,
         stop_token_ids=tuple(stop_ids),
+        top_logprobs=alternatives,
     )
     seeds = [None if req.seed is None else (req.seed + i) % 2**31 for i in range(req.n)]
     return [dataclasses.replace(base, seed=seed) for seed in seeds]
@@ -183,10 +201,18 @@ async def _answer(
     timeout_s: float,
 ) -> Any:
     _check_lengths(host, len(prompt), max_tokens)
-    samplings = _samplings(host, req, max_tokens)
+    samplings = _samplings(host, req, max(max_tokens, 1), reply.logprobs or 0)
+    # An echo asking for log-probs scores its prompt; max_tokens 0 (echo only) decodes nothing.
+    score = reply.logprobs if reply.echo is not None and reply.logprobs is not None else None
     try:
         gen = Generation(
-            host, prompt, samplings, stops=req.stop, skip_special_tokens=req.skip_special_tokens
+            host,
+            prompt,
+            samplings,
+            stops=req.stop,
+            skip_special_tokens=req.skip_special_tokens,
+            score=score,
+            decode=max_tokens > 0,
         )
     except (ValueError, TypeError) as exc:  # the driver's own checks of the request
         raise ApiError(400, str(exc)) from None

@@ -13,8 +13,11 @@ Rules:
 - OpenAI's fields keep OpenAI's meaning and defaults (``max_tokens`` 16 for completions,
   temperature 1); vLLM's extras (``top_k``, ``stop_token_ids``, ``ignore_eos``,
   ``skip_special_tokens``, ``return_token_ids``) keep vLLM's.
-- Log-probs: the engine records only the sampled token's, so completions' ``logprobs`` is 0 or
-  1 and chat's ``top_logprobs`` must be 0 or absent.
+- Log-probs: completions' ``logprobs`` and chat's ``top_logprobs`` (which needs
+  ``logprobs: true``, as OpenAI's) take k in [0, ``MAX_TOP_LOGPROBS``]: alternatives per token.
+- ``echo`` (completions) returns the prompt, scored, before the completion; ``max_tokens`` 0
+  is allowed with it only (the prompt's scores alone, as lm-evaluation-harness asks), and an
+  echo is not streamed.
 - ``prompt`` is one prompt (a string or a list of token ids); a batch of several is refused.
 - A ``temperature`` or ``top_p`` the engine's float32 slot fields cannot hold (a positive value
   that would reach the device as 0) is refused, naming the smallest allowed
@@ -29,12 +32,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from jaxrl_orch.inference.limits import FLOAT_SAMPLING, float32_refusal
+from jaxrl_orch.inference.limits import (
+    FLOAT_SAMPLING,
+    MAX_TOP_LOGPROBS,
+    float32_refusal,
+    top_logprobs_refusal,
+)
 from jaxrl_orch.serving.errors import ApiError
 
 MAX_N = 64  # choices per request: each takes an engine slot
 MAX_STOPS = 16
-SAMPLED_ONLY = "this engine reports the sampled token's log-prob only"
 
 
 class StreamOptions(BaseModel):
@@ -119,10 +126,17 @@ class _Sampled(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _alternatives(name: str, value: int | None) -> int | None:
+    refusal = None if value is None else top_logprobs_refusal(name, value)
+    if refusal is not None:
+        raise ValueError(refusal)
+    return value
+
+
 class CompletionRequest(_Sampled):
     prompt: str | list[int]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = None
     echo: bool = False
 
     @field_validator("prompt", mode="before")
@@ -146,17 +160,19 @@ class CompletionRequest(_Sampled):
 
     @field_validator("logprobs")
     @classmethod
-    def _sampled_logprob(cls, value: int | None) -> int | None:
-        if value is not None and value > 1:
-            raise ValueError(f"logprobs={value} is not supported: {SAMPLED_ONLY} (0 or 1)")
-        return value
+    def _logprobs(cls, value: int | None) -> int | None:
+        return _alternatives("logprobs", value)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo=true is not supported: the response holds the completion only")
-        return value
+    @model_validator(mode="after")
+    def _echo_rules(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError(
+                "max_tokens=0 asks for nothing: it is allowed with echo=true only (the prompt "
+                "and its log-probs); otherwise max_tokens must be >= 1"
+            )
+        if self.echo and self.stream:
+            raise ValueError("echo=true is not streamed: send it with stream=false")
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -186,14 +202,21 @@ class ChatRequest(_Sampled):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = None
 
     @field_validator("top_logprobs")
     @classmethod
-    def _sampled_logprob(cls, value: int | None) -> int | None:
-        if value:
-            raise ValueError(f"top_logprobs={value} is not supported: {SAMPLED_ONLY} (0 or absent)")
-        return value
+    def _top_logprobs(cls, value: int | None) -> int | None:
+        return _alternatives("top_logprobs", value)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(
+                f"top_logprobs={self.top_logprobs} needs logprobs=true (OpenAI's rule); "
+                f"send both, top_logprobs in [0, {MAX_TOP_LOGPROBS}]"
+            )
+        return self
 
     @property
     def completion_limit(self) -> int | None:

@@ -5,15 +5,23 @@ JSON it sends: the whole ``text_completion`` / ``chat.completion`` body, the ``t
 / ``chat.completion.chunk`` stream chunks (the first chat chunk of each choice carries
 ``role: assistant``), the usage chunk (empty ``choices``), and the two log-prob shapes:
 completions' ``{tokens, token_logprobs, top_logprobs, text_offset}`` and chat's
-``{content: [{token, logprob, bytes, top_logprobs: []}]}``.
+``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``.
 
 Our extras ride on each choice: ``policy_versions`` (the params version that produced each
 token, one per token, for the chunk's tokens in a stream) and, when asked with vLLM's
 ``return_token_ids``, ``token_ids`` (and ``prompt_token_ids``).
 
-Log-probs are the sampled token's only, at the sampling temperature (greedy: the plain
-log-softmax), as the engine recorded them; completions' ``top_logprobs`` (``logprobs=1``) holds
-just that token. An engine that records none reports null.
+Log-probs of generated tokens are at the sampling temperature (greedy: the plain log-softmax),
+as the engine recorded them, and so are their alternatives (chat's ``top_logprobs`` k of them,
+most likely first; completions' ``top_logprobs`` a dict of the k most likely and the sampled
+token, as vLLM writes it). An engine that records none reports null.
+
+Echo (completions): the choice's text starts with the prompt, and when log-probs are asked its
+``logprobs`` start with the prompt's tokens, scored at no temperature (``inference.scoring``):
+``token_logprobs`` and ``top_logprobs`` null at the first token, ``text_offset`` each token's
+start in the echoed text (the lengths of the tokens' own texts added up, as vLLM counts them),
+the completion's offsets after the prompt's; ``prompt_policy_version`` (ours) says which
+params scored it.
 
 Pure shaping: it reads finished ``generation.Choice`` records and never touches the engine.
 """
@@ -21,6 +29,7 @@ Pure shaping: it reads finished ``generation.Choice`` records and never touches 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -31,6 +40,7 @@ from jaxrl_orch.serving.detokenize import token_text
 from jaxrl_orch.serving.generation import Choice, Generation
 
 if TYPE_CHECKING:  # annotations only: this module imports no JAX
+    from jaxrl_orch.inference.scoring import PromptScores
     from jaxrl_orch.models.tokenizer import Tokenizer
 
 
@@ -39,8 +49,9 @@ class Reply:
     chat: bool
     model: str
     tokenizer: Tokenizer
-    logprobs: int | None  # completions: 0 / 1; chat: 1 when asked, else None
+    logprobs: int | None  # alternatives per token (0: none); None: no log-probs asked
     token_ids: bool = False  # vLLM's return_token_ids
+    echo: str | None = None  # completions' echo: the prompt's text
     id: str = ""
     created: int = 0
 
@@ -62,6 +73,14 @@ class Reply:
         out = {**self._head(self.object), "choices": choices, "usage": gen.usage()}
         if self.token_ids:
             out["prompt_token_ids"] = gen.prompt_ids
+        if self.echo is not None:
+            scores = gen.prompt_scores
+            out["prompt_policy_version"] = None if scores is None else scores.version
+            prompt = self._echoed(scores)
+            for choice in choices:
+                choice["text"] = self.echo + choice["text"]
+                if choice["logprobs"] is not None:
+                    choice["logprobs"] = _joined(prompt, choice["logprobs"], len(self.echo))
         return out
 
     def opening_chunks(self, gen: Generation) -> list[dict[str, Any]]:
@@ -113,20 +132,70 @@ class Reply:
             return None
         texts = [token_text(self.tokenizer, t) for t in c.token_ids[span]]
         values = [_finite(lp) for lp in c.logprobs[span]]
+        alts = c.tops[span]
         if self.chat:
             return {
                 "content": [
-                    {"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
-                    for t, v in zip(texts, values, strict=True)
+                    {**_entry(t, v), "top_logprobs": [_entry(*self._alt(a)) for a in top]}
+                    for t, v, top in zip(texts, values, alts, strict=True)
                 ]
             }
-        top = [{t: v} for t, v in zip(texts, values, strict=True)] if self.logprobs else None
         return {
             "tokens": texts,
             "token_logprobs": values,
-            "top_logprobs": top,
+            "top_logprobs": self._legacy_top(texts, values, alts),
             "text_offset": c.text_offsets[span],
         }
+
+    def _alt(self, alternative: tuple[int, float]) -> tuple[str, float | None]:
+        token, value = alternative
+        return token_text(self.tokenizer, token), _finite(value)
+
+    def _legacy_top(self, texts: list[str], values: list, alts: list) -> list[dict] | None:
+        """Completions' ``top_logprobs``: per token a dict of its k alternatives and itself."""
+        if not self.logprobs:
+            return None
+        out = []
+        for text, value, top in zip(texts, values, alts, strict=True):
+            entry: dict[str, float | None] = {}
+            # Two ids can share a text (byte pieces of one character): the likelier one's
+            # value stays, so the dict's max is still the distribution's.
+            for token, lp in map(self._alt, top):
+                entry.setdefault(token, lp)
+            entry.setdefault(text, value)
+            out.append(entry)
+        return out
+
+    def _echoed(self, scores: PromptScores | None) -> dict[str, list]:
+        """The echoed prompt's share of a completions ``logprobs``."""
+        if scores is None:
+            return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        texts = [token_text(self.tokenizer, t) for t in scores.token_ids]
+        values = [None if v is None else _finite(v) for v in scores.logprobs]
+        offsets = [0, *itertools.accumulate(len(t) for t in texts[:-1])]
+        alts = [[] if a is None else a for a in scores.top]
+        top = self._legacy_top(texts, values, alts)
+        return {
+            "tokens": texts,
+            "token_logprobs": values,
+            "top_logprobs": None if top is None else [None, *top[1:]],
+            "text_offset": offsets,
+        }
+
+
+def _entry(token: str, value: float | None) -> dict[str, Any]:
+    return {"token": token, "logprob": value, "bytes": list(token.encode())}
+
+
+def _joined(prompt: dict[str, list], completion: dict[str, Any], shift: int) -> dict[str, Any]:
+    """An echo's ``logprobs``: the prompt's, then the completion's (offsets past the prompt)."""
+    top = completion["top_logprobs"]
+    return {
+        "tokens": prompt["tokens"] + completion["tokens"],
+        "token_logprobs": prompt["token_logprobs"] + completion["token_logprobs"],
+        "top_logprobs": None if top is None else prompt["top_logprobs"] + top,
+        "text_offset": prompt["text_offset"] + [o + shift for o in completion["text_offset"]],
+    }
 
 
 def _delta(text: str) -> dict[str, str]:

@@ -15,6 +15,8 @@ Invariants:
   ``pause("abort")`` answers 200 with its partial tokens and ``finish_reason: "abort"``.
 - A sample that outlives ``limits.request_timeout_s`` or whose client goes away is cancelled and
   frees its slot (``waiting.await_completions``).
+- ``prompt_logprobs`` scores the prompt (``EngineHost.score``), queued before the samples so
+  they reuse the scoring forward's prefix; the reply's ``prompt_logprobs`` is vLLM's shape.
 - Seeds of ``n > 1`` samples follow the driver's rule: sample i of seed s gets ``s + i``.
 - A weight update names an offer (``uuid``) of the one source the server was started with,
   never an address, and a pull deadline (``timeout_s``) of at most ``limits.max_pull_s``, so
@@ -26,6 +28,7 @@ Driven by the app's event loop; the driver's futures are awaited, never blocked 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import uuid as uuidlib
@@ -33,6 +36,7 @@ import uuid as uuidlib
 from fastapi import APIRouter, Request
 
 from jaxrl_orch.inference.requests import PAUSE_MODES
+from jaxrl_orch.inference.scoring import PromptScores
 from jaxrl_orch.serving.contract import (
     GENERATE,
     UPDATE_WEIGHTS,
@@ -55,17 +59,14 @@ def rl_routes(host: EngineHost, limits: Limits, metrics: Metrics) -> APIRouter:
 
     async def generate(request: Request) -> JsonBytes:
         body = parse_body(GenerateRequest, await request.body())
-        max_tokens = check_generate(host, body)
-        try:
-            futures = host.submit(body.token_ids, to_samplings(body.sampling_params, max_tokens))
-        except ValueError as exc:  # the engine's own limits (e.g. stop ids per slot)
-            raise ApiError(400, str(exc)) from None
+        futures = submit_generate(host, body, check_generate(host, body))
         outs = await await_completions(request, futures, limits.request_timeout_s)
+        scores = outs.pop(0) if body.sampling_params.prompt_logprobs is not None else None
         metrics.count_generated(sum(len(c.token_ids) for c in outs))
         request_id = body.request_id or f"gen-{uuidlib.uuid4().hex}"
         # The route's JSON both ways is ``fastjson``'s: its per-request cost is most of the
         # server's at 64 concurrent clients.
-        return JsonBytes(generate_response(request_id, len(body.token_ids), outs))
+        return JsonBytes(generate_response(request_id, len(body.token_ids), outs, scores))
 
     # A plain Starlette route: the body is parsed here (``fastjson``), so FastAPI's dependency
     # solving has nothing to do but would still cost about 50 us per request.
@@ -131,6 +132,24 @@ def caller_of(request: Request) -> str:
     """The client's address, as a pause or resume it asked for is reported."""
     client = request.client
     return f"{client.host}:{client.port}" if client is not None else "an unnamed client"
+
+
+def submit_generate(
+    host: EngineHost, body: GenerateRequest, max_tokens: int
+) -> list[concurrent.futures.Future]:
+    """The request's futures: the prompt's scores first when ``prompt_logprobs`` asks (queued
+    first, its forward leaves the prefix the samples reuse), then one per sample."""
+    k = body.sampling_params.prompt_logprobs
+    futures = []
+    try:
+        if k is not None:
+            futures.append(host.score(body.token_ids, k))
+        futures += host.submit(body.token_ids, to_samplings(body.sampling_params, max_tokens))
+    except ValueError as exc:  # the engine's own limits (e.g. stop ids per slot)
+        for f in futures:
+            f.cancel()
+        raise ApiError(400, str(exc)) from None
+    return futures
 
 
 def to_samplings(sp: WireSampling, max_tokens: int) -> list[SamplingParams]:
@@ -200,8 +219,11 @@ def _check_ids(host: EngineHost, ids: list[int], param: str) -> None:
             )
 
 
-def generate_response(request_id: str, prompt_len: int, outs: list[Completion]) -> dict:
-    """A ``contract.GenerateResponse`` of ``outs`` as plain data (see the module docstring)."""
+def generate_response(
+    request_id: str, prompt_len: int, outs: list[Completion], scores: PromptScores | None = None
+) -> dict:
+    """A ``contract.GenerateResponse`` of ``outs`` (and the prompt's ``scores`` when it was
+    scored) as plain data (see the module docstring)."""
     choices = []
     for i, c in enumerate(outs):
         content = [
@@ -229,4 +251,25 @@ def generate_response(request_id: str, prompt_len: int, outs: list[Completion]) 
         "completion_tokens": generated,
         "total_tokens": prompt_len + generated,
     }
-    return {"request_id": request_id, "choices": choices, "prompt_logprobs": None, "usage": usage}
+    return {
+        "request_id": request_id,
+        "choices": choices,
+        "prompt_logprobs": None if scores is None else prompt_logprobs(scores),
+        "prompt_policy_version": None if scores is None else scores.version,
+        "usage": usage,
+    }
+
+
+def prompt_logprobs(scores: PromptScores) -> list[dict[str, dict] | None]:
+    """vLLM's ``prompt_logprobs``: per position, the token's own entry and its alternatives'."""
+    out: list[dict[str, dict] | None] = [None]
+    for token, lp, rank, top in zip(
+        scores.token_ids[1:], scores.logprobs[1:], scores.ranks[1:], scores.top[1:], strict=True
+    ):
+        entry = {
+            str(t): {"logprob": v, "rank": r, "decoded_token": None}
+            for r, (t, v) in enumerate(top, 1)
+        }
+        entry.setdefault(str(token), {"logprob": lp, "rank": rank, "decoded_token": None})
+        out.append(entry)
+    return out

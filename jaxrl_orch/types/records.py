@@ -56,6 +56,10 @@ class SamplingParams:
     # Per-request seed: token i is drawn from a key of (seed, prompt length, i) only, whatever
     # engine, replica or slot serves it. None: the engine's own RNG stream.
     seed: int | None = None
+    # The most likely alternatives to report with each sampled token (0: none). Asking costs a
+    # top-k per decode step for the whole batch, so the engine computes it only while some
+    # running request asks (its most is ``inference.limits.MAX_TOP_LOGPROBS``).
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -72,6 +76,8 @@ class SamplingParams:
             and 0 <= self.seed < 2**31
         ):
             raise ValueError(f"seed must be None or an int in [0, 2**31), got {self.seed!r}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0 (0: none), got {self.top_logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -101,20 +107,24 @@ def finish_trainable(reason: str) -> bool:
 @dataclasses.dataclass
 class Completion:
     """One engine generation: per generated token its id, behavior log-prob and params version,
-    and how it ended (one of ``FINISH_REASONS``, checked)."""
+    and how it ended (one of ``FINISH_REASONS``, checked). ``top_logprobs``, only when its
+    sampling asked for alternatives: per token the most likely ``(id, logprob)`` pairs, most
+    likely first, from the distribution its log-prob was taken from."""
 
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def __post_init__(self) -> None:
         finish_trainable(self.finish_reason)
-        if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+        tops = len(self.token_ids) if self.top_logprobs is None else len(self.top_logprobs)
+        if not len(self.token_ids) == len(self.logprobs) == len(self.versions) == tops:
             raise ValueError(
                 "Completion fields must have equal lengths, got "
                 f"token_ids={len(self.token_ids)} logprobs={len(self.logprobs)} "
-                f"versions={len(self.versions)}"
+                f"versions={len(self.versions)} top_logprobs={tops}"
             )
 
 

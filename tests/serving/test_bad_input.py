@@ -132,6 +132,18 @@ CASES = {
     ),
     "empty prompt": (lambda c: _post(c, _body(token_ids=[])), 400, ["token_ids"], "token_ids"),
     "top-k alternatives": (lambda c: _post(c, _body(logprobs=5)), 400, ["logprobs=5"], None),
+    "prompt_logprobs past the maximum": (
+        lambda c: _post(c, _body(prompt_logprobs=21)),
+        400,
+        ["prompt_logprobs=21", "[0, 20]"],
+        "sampling_params.prompt_logprobs",
+    ),
+    "prompt_logprobs of the whole vocabulary": (
+        lambda c: _post(c, _body(prompt_logprobs=-1)),
+        400,
+        ["prompt_logprobs=-1", "[0, 20]"],
+        "sampling_params.prompt_logprobs",
+    ),
     "a penalty": (
         lambda c: _post(c, _body(repetition_penalty=1.2)),
         400,

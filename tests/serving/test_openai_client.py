@@ -189,8 +189,10 @@ def test_bad_requests_are_refused_by_name_and_the_server_keeps_serving(host, cli
     with pytest.raises(openai.BadRequestError, match="frobnicate.*accepts.*messages") as bad:
         chat.create(model=MODEL, messages=MESSAGES, extra_body={"frobnicate": 1})
     assert bad.value.body["param"] == "frobnicate"
-    with pytest.raises(openai.BadRequestError, match="top_logprobs=3.*sampled token"):
-        chat.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=3)
+    with pytest.raises(openai.BadRequestError, match=r"top_logprobs=21 .*\[0, 20\]"):
+        chat.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs=3 needs logprobs=true"):
+        chat.create(model=MODEL, messages=MESSAGES, top_logprobs=3)
     with pytest.raises(openai.BadRequestError, match="'tools'"):
         chat.create(
             model=MODEL,
@@ -206,8 +208,10 @@ def test_bad_requests_are_refused_by_name_and_the_server_keeps_serving(host, cli
         client.completions.create(model=MODEL, prompt=[5] * 97, max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="batch of 2 prompts"):
         client.completions.create(model=MODEL, prompt=["a", "b"])
-    with pytest.raises(openai.BadRequestError, match="echo=true"):
-        client.completions.create(model=MODEL, prompt="a", echo=True)
+    with pytest.raises(openai.BadRequestError, match="max_tokens=0 .*echo=true only"):
+        client.completions.create(model=MODEL, prompt="a", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="echo=true is not streamed"):
+        client.completions.create(model=MODEL, prompt="a", echo=True, stream=True)
     p_min = re.escape(repr(2.0**-126))
     t_min = re.escape(repr(2.0**-100))
     with pytest.raises(openai.BadRequestError, match=rf"top_p=1e-300 becomes 0 .*{p_min}") as bad:
