@@ -95,6 +95,8 @@ def resolve_flags(
     found = Platform("not read, every launch flag given")
     if len(given) < len(FLAGS):
         found = detect(env, trainer_processes, engine_replicas)
+    if found.name == "none":  # nothing to take: the flags' own checks name what is missing
+        return args
     offered = {
         "process_index": found.process_index,
         "coordinator_address": found.coordinator,
