@@ -55,7 +55,7 @@ def workload(requests: int, max_tokens: int, seed: int = 0) -> list[tuple[list[i
     ]
 
 
-async def _clients(n: int, work: list, one) -> tuple[dict[int, list[int]], float]:
+async def run_clients(n: int, work: list, one) -> tuple[dict[int, list[int]], float]:
     """Run ``work`` through ``n`` concurrent clients; ``one(prompt, seed) -> token ids``."""
     queue = list(enumerate(work))
     out: dict[int, list[int]] = {}
@@ -77,7 +77,7 @@ def in_process(driver: InferenceDriver, work: list, clients: int, max_tokens: in
         sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed)
         return (await engine_client.generate(prompt, sp)).token_ids
 
-    return asyncio.run(_clients(clients, work, one))
+    return asyncio.run(run_clients(clients, work, one))
 
 
 def over_http(url: str, work: list, clients: int, max_tokens: int):
@@ -109,7 +109,7 @@ def _http_clients(url: str, work: list, clients: int, max_tokens: int):
                     r.raise_for_status()
                     return (await r.json())["choices"][0]["token_ids"]
 
-            return await _clients(clients, work, one)
+            return await run_clients(clients, work, one)
 
     return asyncio.run(main())
 
