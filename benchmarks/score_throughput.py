@@ -25,7 +25,7 @@ import json
 import multiprocessing
 
 import aiohttp
-from serve_throughput import MODEL_NAME, run_clients, workload
+from serve_throughput import MODEL_NAME, alternate, run_clients, workload
 
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine import DecodeEngine
@@ -94,23 +94,16 @@ def main() -> None:
     server.start_in_thread()
     work = workload(args.requests, max_tokens=0)
     in_process(driver, work[:64], args.clients)  # every prompt bucket's scoring program, compiled
-    sums = {"in_process": [0, 0.0], "http": [0, 0.0]}
-    per_repeat = []
     try:
-        for _ in range(args.repeats):
-            ref, s_in = in_process(driver, work, args.clients)
-            got, s_http = over_http(server.url, work, args.clients)
-            if got != ref:
-                raise SystemExit("HTTP and in-process prompt log-probs differ for the same prompts")
-            tokens = sum(len(v) for v in ref.values())
-            for side, seconds in (("in_process", s_in), ("http", s_http)):
-                sums[side][0] += tokens
-                sums[side][1] += seconds
-            per_repeat.append(round(s_in / s_http, 3))
+        rate, per_repeat = alternate(
+            args.repeats,
+            lambda: in_process(driver, work, args.clients),
+            lambda: over_http(server.url, work, args.clients),
+            "prompt log-probs",
+        )
     finally:
         server.stop()
         driver.stop()
-    rate = {k: t / s for k, (t, s) in sums.items()}
     result = {
         "benchmark": "score_throughput",
         "model": args.model,

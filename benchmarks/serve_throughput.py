@@ -114,6 +114,26 @@ def _http_clients(url: str, work: list, clients: int, max_tokens: int):
     return asyncio.run(main())
 
 
+def alternate(repeats: int, in_proc, http, what: str) -> tuple[dict[str, float], list[float]]:
+    """Run the in-process side and the HTTP side ``repeats`` times each, alternating; each side
+    returns ``({request: items}, seconds)`` and both must give the same items (``what``: their
+    name, for the failure). Returns items/s per side (summed over the repeats) and the
+    per-repeat ratios HTTP / in process."""
+    sums = {"in_process": [0, 0.0], "http": [0, 0.0]}
+    per_repeat = []
+    for _ in range(repeats):
+        ref, s_in = in_proc()
+        got, s_http = http()
+        if got != ref:
+            raise SystemExit(f"HTTP and in-process {what} differ for the same requests")
+        items = sum(len(v) for v in ref.values())
+        for side, seconds in (("in_process", s_in), ("http", s_http)):
+            sums[side][0] += items
+            sums[side][1] += seconds
+        per_repeat.append(round(s_in / s_http, 3))
+    return {k: n / t for k, (n, t) in sums.items()}, per_repeat
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print only the JSON result line")
@@ -137,24 +157,16 @@ def main() -> None:
     server = HttpServer(make_app(EngineHost(engine, model=MODEL_NAME, driver=driver)))
     server.start_in_thread()
     work = workload(args.requests, args.max_tokens)
-    sums = {"in_process": [0, 0.0], "http": [0, 0.0]}
-    per_repeat = []
     try:
-        for _ in range(args.repeats):
-            ref, s_in = in_process(driver, work, args.clients, args.max_tokens)
-            got, s_http = over_http(server.url, work, args.clients, args.max_tokens)
-            if got != ref:
-                raise SystemExit("HTTP and in-process token ids differ for the same requests")
-            tokens = sum(len(v) for v in ref.values())
-            sums["in_process"][0] += tokens
-            sums["in_process"][1] += s_in
-            sums["http"][0] += tokens
-            sums["http"][1] += s_http
-            per_repeat.append(round(s_in / s_http, 3))
+        rate, per_repeat = alternate(
+            args.repeats,
+            lambda: in_process(driver, work, args.clients, args.max_tokens),
+            lambda: over_http(server.url, work, args.clients, args.max_tokens),
+            "token ids",
+        )
     finally:
         server.stop()
         driver.stop()
-    rate = {k: t / s for k, (t, s) in sums.items()}
     result = {
         "benchmark": "serve_throughput",
         "model": args.model,

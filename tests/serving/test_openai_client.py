@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from support.openai_server import MODEL, serve, tiny_chat_host
+from support.openai_server import MODEL
 
 from jaxrl_orch.models.tokenizer import ByteTokenizer
 from jaxrl_orch.serving.detokenize import IncrementalDetokenizer
@@ -33,28 +33,6 @@ MESSAGES = [
 ]
 # 44 ids, and 42 for MESSAGES: one prefill bucket (64) for the whole module.
 PROMPT = "system user assistant the quick brown fox jumps over the lazy dog"
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory):
-    host = tiny_chat_host(tmp_path_factory.mktemp("openai_client") / "checkpoint")
-    yield host
-    host.stop()
-
-
-@pytest.fixture(scope="module")
-def url(host):
-    with serve(host) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    http = httpx.Client(trust_env=False)  # loopback, whatever the proxy settings
-    with openai.OpenAI(
-        base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=http
-    ) as c:
-        yield c
 
 
 def engine_decode(host, prompt_ids, **sampling):

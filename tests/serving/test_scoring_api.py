@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from support.openai_server import MODEL, serve, tiny_chat_host
+from support.openai_server import MODEL
 
 from jaxrl_orch.serving.contract import GENERATE, GenerateResponse
 from jaxrl_orch.serving.detokenize import token_text
@@ -24,28 +24,6 @@ from jaxrl_orch.types import SamplingParams
 MESSAGES = [{"role": "user", "content": "Reverse: the cat sat"}]
 CONTEXT = "system user the quick brown fox"
 CONTINUATION = " jumps over the lazy dog"
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory):
-    host = tiny_chat_host(tmp_path_factory.mktemp("scoring_api") / "checkpoint")
-    yield host
-    host.stop()
-
-
-@pytest.fixture(scope="module")
-def url(host):
-    with serve(host) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    http = httpx.Client(trust_env=False)
-    with openai.OpenAI(
-        base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=http
-    ) as c:
-        yield c
 
 
 def text(host, token: int) -> str:
