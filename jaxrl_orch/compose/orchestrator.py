@@ -15,7 +15,9 @@ callbacks, and hands them to the loop as one ``LoopComponents`` with the caller'
 - gate <- weight watcher: an observer of the shared ``PolicyHandle``;
 - logger <- every component: it pulls ``gauges()``, stamped with the policy version (the last
   trained step);
-- fault log (error rollouts to ``<store_dir>/errors.jsonl``) and loop watchdog -> the loop.
+- fault log (error rollouts to ``<store_dir>/errors.jsonl``) and loop watchdog -> the loop;
+- rollout journal (``<store_dir>/journal``, with ``keep_pending``) <- the dispatcher (``on_open``),
+  the train sink (``on_scored``) and the loop (what lands, what ships).
 
 The caller creates the ``PolicyHandle`` (its version is the trainer's: a resumed run starts at
 ``version + 1``) and passes the same handle to anything else that reads it (a simulated engine
@@ -42,6 +44,7 @@ from jaxrl_orch.orchestrator.dispatcher.dispatch import (
 from jaxrl_orch.orchestrator.eval_sink import EvalSink
 from jaxrl_orch.orchestrator.faults import FaultLog, LoopWatchdog
 from jaxrl_orch.orchestrator.gate import StalenessGate
+from jaxrl_orch.orchestrator.journal import RolloutJournal
 from jaxrl_orch.orchestrator.logger import PeriodicLogger
 from jaxrl_orch.orchestrator.loop import Orchestrator
 from jaxrl_orch.orchestrator.store import RolloutStore
@@ -123,6 +126,10 @@ def build_orchestrator(
     """The orchestrator for ``config``, its components built from the caller's parts and wired
     (the module docstring lists the wiring); ``hooks`` are the caller's per-step callbacks."""
     gate = _gate(config, policy)
+    t = telemetry
+    journal = None
+    if t.store_dir and config.keep_pending:
+        journal = RolloutJournal(os.path.join(t.store_dir, "journal"))
     eval_plan = workload.eval_plan
     dispatcher = RolloutDispatcher(
         backend.pool,
@@ -133,16 +140,17 @@ def build_orchestrator(
         gate=GateHooks(gate.capacity, gate.on_admit, gate.on_finish),
         eval_plan=eval_plan,
         clock=clock,
+        on_open=None if journal is None else journal.opened,
     )
-    train_sink = _train_sink(config, policy, sink, gate, dispatcher)
+    train_sink = _train_sink(config, policy, sink, gate, dispatcher, journal)
     eval_sink = EvalSink()
     watcher = WeightWatcher(
         backend.version_source, backend.reload_fn, policy, observers=[gate], clock=clock
     )
-    t = telemetry
     faults = FaultLog(os.path.join(t.store_dir, "errors.jsonl") if t.store_dir else None)
     watchdog = LoopWatchdog(config.loop_block_warn_s) if config.loop_block_warn_s else None
     gauged = [dispatcher, gate, train_sink, eval_sink, watcher, faults, *t.gauge_sources]
+    gauged += [journal] if journal is not None else []
     parts = LoopComponents(
         gate=gate,
         dispatcher=dispatcher,
@@ -153,6 +161,7 @@ def build_orchestrator(
         store=RolloutStore(t.store_dir) if t.store_dir else None,
         faults=faults,
         watchdog=watchdog,
+        journal=journal,
     )
     return Orchestrator(
         config,
@@ -195,6 +204,7 @@ def _train_sink(
     sink: SinkSettings,
     gate: StalenessGate,
     dispatcher: RolloutDispatcher,
+    journal: RolloutJournal | None,
 ) -> TrainSink:
     def on_discard(n: int) -> None:
         # Slots the sink gave back may be all the dispatcher is waiting for.
@@ -209,7 +219,13 @@ def _train_sink(
         batch_order="oldest" if config.age_policy == "pace" else "arrival",
     )
     first_step = policy.version + 1
-    return TrainSink(settings, sink.algorithm, first_step=first_step, on_discard=on_discard)
+    return TrainSink(
+        settings,
+        sink.algorithm,
+        first_step=first_step,
+        on_discard=on_discard,
+        on_scored=None if journal is None else journal.scored,
+    )
 
 
 def _logger(

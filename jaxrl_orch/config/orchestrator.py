@@ -89,6 +89,12 @@ class OrchestratorConfig:
         None,
         "every rollout samples with a seed of its own derived from this; None: the engine's RNG",
     )
+    keep_pending: bool = setting(
+        True,
+        "every finished train rollout goes to <workdir>/rollouts/journal as it lands; a restart "
+        "trains those not yet trained and sends the unfinished prompts again; False: a restart "
+        "loses them (regenerates from the data cursor)",
+    )
     recover_gate_on_resume: bool = setting(
         True, "recover the gate's counters on resume (False only shows the resume-burst alarm)"
     )

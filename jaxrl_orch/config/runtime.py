@@ -88,6 +88,7 @@ class OrchestratorSettings:
     env_timeout_s: float | None = loop_setting("env_timeout_s")
     drain_timeout_s: float = loop_setting("drain_timeout_s")
     loop_block_warn_s: float | None = loop_setting("loop_block_warn_s")
+    keep_pending: bool = loop_setting("keep_pending")
 
     @property
     def synchronous(self) -> bool:

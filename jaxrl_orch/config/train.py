@@ -248,6 +248,7 @@ class TrainConfig:
             env_timeout_s=o.env_timeout_s,
             drain_timeout_s=o.drain_timeout_s,
             loop_block_warn_s=o.loop_block_warn_s,
+            keep_pending=o.keep_pending,
             request_seed=self.seed,  # a run's samples do not depend on its replica count
         )
 

@@ -19,6 +19,7 @@ from jaxrl_orch.orchestrator.dispatcher.dispatch import RolloutDispatcher
 from jaxrl_orch.orchestrator.eval_sink import EvalSink
 from jaxrl_orch.orchestrator.faults import FaultLog, LoopWatchdog
 from jaxrl_orch.orchestrator.gate import StalenessGate
+from jaxrl_orch.orchestrator.journal import RolloutJournal
 from jaxrl_orch.orchestrator.logger import PeriodicLogger
 from jaxrl_orch.orchestrator.store import RolloutStore
 from jaxrl_orch.orchestrator.train_sink import TrainSink
@@ -29,7 +30,8 @@ from jaxrl_orch.orchestrator.watcher import WeightWatcher
 class LoopComponents:
     """The components the loop drives, built and wired by ``build_orchestrator``: the gate, the
     dispatcher, both sinks, the weight watcher and the periodic logger, the rollout store (None:
-    trained rollouts are not persisted), the fault log and the loop watchdog (None: off)."""
+    trained rollouts are not persisted), the fault log, the loop watchdog (None: off) and the
+    rollout journal (None: a restart regenerates what was not trained)."""
 
     gate: StalenessGate
     dispatcher: RolloutDispatcher
@@ -40,6 +42,7 @@ class LoopComponents:
     store: RolloutStore | None = None
     faults: FaultLog = dataclasses.field(default_factory=FaultLog)
     watchdog: LoopWatchdog | None = None
+    journal: RolloutJournal | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +52,12 @@ class LoopHooks:
     makes each step row wait until that step is trained and adds the trainer's numbers
     (``StepLedger``); ``engine_held()`` names what holds the engine back that the loop cannot
     see (a caller's pause), or None: a stall error leads with it; ``on_landed()`` runs for each
-    episode the loop takes (train or eval), before it is routed."""
+    episode the loop takes (train or eval), before it is routed; ``on_recovered(counts, named)``
+    once the loop has planned its start from the rollout journal (``recovery.Recovery.summary``
+    and the lines it could not trust)."""
 
     on_step: Callable[[int, dict[str, Any]], Any] | None = None
     step_metrics: Callable[[int, dict[str, float]], dict[str, float] | None] | None = None
     engine_held: Callable[[], str | None] | None = None
     on_landed: Callable[[], None] | None = None
+    on_recovered: Callable[[dict[str, int], list[str]], None] | None = None

@@ -13,6 +13,10 @@ guard, stamping, persisting) to ``shipping.BatchShipper``; the drain and its dea
 ``drain.Drain``; the state's layout and the resume check to ``resume``; the step rows to the
 ``StepLedger`` (one per step, once trained).
 
+Durable: with a rollout journal (``journal``), every train episode is journaled as the loop
+takes it, before the sink; ``start`` first replays the journal into a restart's plan
+(``recovery.plan``) for the dispatcher and the sink; ``checkpoint_state`` syncs it.
+
 Bounded: nothing moving for ``stall_timeout_s`` raises ``PipelineStallError`` (``progress``);
 a SIGTERM drain past ``drain_timeout_s`` cancels what is in flight; error rollouts are
 reported and recorded by the ``FaultLog``; the ``LoopWatchdog`` names code blocking the loop.
@@ -35,6 +39,7 @@ from jaxrl_orch.orchestrator.components import LoopComponents, LoopHooks
 from jaxrl_orch.orchestrator.drain import Drain
 from jaxrl_orch.orchestrator.ledger import StepLedger, StepRecord
 from jaxrl_orch.orchestrator.progress import Progress, maybe_await, next_episode, waiting_on
+from jaxrl_orch.orchestrator.recovery import Recovery, plan
 from jaxrl_orch.orchestrator.resume import loop_state, restore_loop
 from jaxrl_orch.orchestrator.shipping import BatchShipper, LoopCalls
 from jaxrl_orch.types import BatchTrainer, EvalBatch, MetricsWriter, PolicyHandle, Rollout
@@ -67,6 +72,7 @@ class Orchestrator:
         self.on_step = hooks.on_step
         self.engine_held = hooks.engine_held
         self.on_landed = hooks.on_landed
+        self.on_recovered = hooks.on_recovered
         self.parts = parts
         self.gate = parts.gate
         self.dispatcher = parts.dispatcher
@@ -83,6 +89,7 @@ class Orchestrator:
         self.eval_history: list[EvalBatch] = []
         self._tasks: list[asyncio.Task] = []
         self._failed: asyncio.Task | None = None
+        self.recovery: Recovery | None = None  # what this start took back from the journal
         # One row per step, written once trained (``step_metrics``) or at ship time.
         self.ledger = StepLedger(clock, self.write_metrics, hooks.step_metrics)
         self.progress = Progress(clock, config.stall_timeout_s, self._waiting_on)
@@ -120,6 +127,10 @@ class Orchestrator:
         return self.history
 
     async def start(self) -> None:
+        if self.parts.journal is not None:
+            self.recovery = await asyncio.to_thread(self._recover)
+            if self.on_recovered is not None:
+                self.on_recovered(self.recovery.summary(), self.recovery.named)
         self.train_sink.start()
         self.eval_sink.start()
         self._tasks = [
@@ -134,6 +145,24 @@ class Orchestrator:
         self.ledger.restart_clock()
         if self.config.eval_at_start:
             self._schedule_eval(self.step - 1)
+
+    def _recover(self) -> Recovery:
+        """Replay the journal for a start at this version, hand the plan to the dispatcher and
+        the sink, and begin this start's epoch file with what the plan still needs."""
+        journal = self.parts.journal
+        replay = journal.replay()
+        version = self.policy.version
+        recovery = plan(
+            replay,
+            version=version,
+            max_staleness=self.config.max_staleness,
+            next_ordinal=self.dispatcher.admission.train_groups,
+            group_size=self.config.group_size,
+        )
+        journal.begin(version, recovery.live)
+        self.dispatcher.recover(recovery)
+        self.train_sink.recover(recovery.trained_before)
+        return recovery
 
     def request_drain(self, deadline_s: float | None = None) -> None:
         """Stop admitting train work; let in-flight work land, then stop. With ``deadline_s``
@@ -160,6 +189,8 @@ class Orchestrator:
         for w in self.writers:
             w.close()
         self.faults.close()
+        if self.parts.journal is not None:
+            self.parts.journal.close()
 
     def _check_tasks(self) -> None:
         self.dispatcher.check()
@@ -201,6 +232,8 @@ class Orchestrator:
     async def _take(self, episode: list[Rollout]) -> None:
         self._route(episode)
         if not episode[0].is_eval:
+            if self.parts.journal is not None:
+                self.parts.journal.landed(episode)
             await self.train_sink.add(episode)
             self.shipper.check_signal()
 
@@ -244,6 +277,8 @@ class Orchestrator:
         trained steps are written first, so no checkpoint holds a step whose row a crash loses
         (a row written past the checkpoint is trimmed and written again on resume)."""
         self.ledger.flush()
+        if self.parts.journal is not None:
+            self.parts.journal.sync()
         return self.state()
 
     def state(self) -> dict[str, Any]:

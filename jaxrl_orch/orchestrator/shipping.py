@@ -14,10 +14,11 @@ rollouts the ``drop`` policy discarded (``dropped_total``), and shipping. Shippi
 4. take the batch from the sink; ``drop`` discards its rollouts past the bound, and a batch
    left empty is not shipped but counts towards the empty-batch guard;
 5. stamp ``off_policy_steps = (step - 1) - head_version`` on live-policy rollouts;
-6. persist the trained rollouts, then ship, then ``step += 1``; ``drop`` then cancels in-flight
-   rollouts that can no longer make it within the bound; the periodic eval is scheduled (not
-   the last step's: that one runs on the final weights, after the drain) and the loop hears of
-   the step (``LoopCalls.shipped``: the caller's ``on_step``).
+6. persist the trained rollouts (and journal their slots as trained at ``step``), then ship, then
+   ``step += 1``; ``drop`` then cancels in-flight rollouts that can no longer make it within the
+   bound; the periodic eval is scheduled (not the last step's: that one runs on the final weights,
+   after the drain) and the loop hears of the step (``LoopCalls.shipped``: the caller's
+   ``on_step``).
 
 Who drives it: ``loop.Orchestrator``: ``due()`` between the episodes it routes, ``try_ship()``
 once due, ``check_signal()`` after each train episode reaches the sink. Episodes that land
@@ -138,13 +139,23 @@ class BatchShipper:
             if batch is None:
                 return
             if cfg.age_policy == "drop":
-                batch, dropped = drop_stale(batch, self.step, cfg.max_staleness)
-                self.dropped_total += dropped
+                batch = self._drop(batch)
             if not batch.samples:
                 self._count_empty_batch()
                 continue
             self._empty_batches = 0
             await self._ship(batch)
+
+    def _drop(self, batch: TrainBatch) -> TrainBatch:
+        """The ``drop`` policy on ``batch``: counted, and journaled as consumed at this step."""
+        taken = batch.trained
+        batch, dropped = drop_stale(batch, self.step, self.config.max_staleness)
+        self.dropped_total += dropped
+        journal = self.parts.journal
+        if dropped and journal is not None:
+            kept = set(map(id, batch.trained))
+            journal.shipped(self.step, [], [r for r in taken if id(r) not in kept])
+        return batch
 
     async def _pace_blocks(self) -> bool:
         dispatcher = self.parts.dispatcher
@@ -171,6 +182,8 @@ class BatchShipper:
         stamp_ages(batch.trained, step, now)
         if self.parts.store is not None:
             await self.parts.store.write_async(step, batch.trained)
+        if self.parts.journal is not None:
+            self.parts.journal.shipped(step, batch.trained, [])
         self.trainer.submit(batch)
         self.progress.moved()
         self.ledger.record(

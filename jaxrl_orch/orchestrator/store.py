@@ -3,9 +3,10 @@
 What it owns: one file per train step, ``<path>/step_<step:08d>.jsonl``, one JSON object per
 rollout with exactly the facts the trainer consumed: ids (``env``, ``group_id``,
 ``episode_id``), the token trace (``token_ids``, ``loss_mask``, ``logprobs``, ``versions``),
-``temperature``, ``reward``, ``advantage``, ``off_policy_steps``, ``head_version`` and
-``live_policy``, and ``branches`` (each further path's token trace) when the trace branches.
-Enough to audit or replay a step without re-tokenizing anything.
+``temperature``, ``reward``, ``advantage``, ``off_policy_steps``, ``head_version``,
+``live_policy``, ``slot`` (the group's ordinal in the data order and the index in it), and
+``branches`` (each further path's token trace) when the trace branches. Enough to audit or
+replay a step without re-tokenizing anything.
 
 Who drives it: the loop's shipper (``shipping.BatchShipper``, when it ships): after the batch's
 off-policy ages are stamped and *before* the batch ships, ``write(step, rollouts)`` with the
@@ -58,6 +59,8 @@ def rollout_record(rollout: Rollout) -> dict[str, Any]:
         "off_policy_steps": rollout.off_policy_steps,
         "head_version": int(rollout.head_version),
         "live_policy": bool(rollout.live_policy),
+        # (group ordinal in the data order, index in the group): the same across restarts
+        "slot": None if rollout.slot is None else [int(x) for x in rollout.slot],
     }
     if rollout.branches:
         record["branches"] = [_path_record(b) for b in rollout.branches]

@@ -50,8 +50,10 @@ Who drives it: the orchestrator's main loop calls ``await add(episode)`` for eve
 episode and ``take_batch()`` when it may ship. Invariants: a rollout is in at most one batch;
 nothing with an error, a flag or a non-finite reward is ever in ``samples``. It never imports
 another orchestrator component and never writes metrics itself (the logger pulls ``gauges()``).
-Pending work is not checkpointed: ``state()`` holds only the step and lifetime counters;
-rollouts in flight are regenerated.
+Pending work is not checkpointed: ``state()`` holds only the step and lifetime counters. What
+it holds is in the rollout journal (``journal``: every rollout as it lands, ``on_scored`` for
+every group scored); a restart brings it back through the dispatcher, with the members a step
+already trained named in ``trained_before``.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ class TrainSink:
         *,
         first_step: int = 1,
         on_discard: Callable[[int], None] | None = None,
+        on_scored: Callable[[list[Rollout], list[Rollout]], None] | None = None,
     ) -> None:
         self.config = config
         self.group_size = config.group_size
@@ -119,6 +122,10 @@ class TrainSink:
             get_algorithm(algorithm) if isinstance(algorithm, str) else algorithm
         )
         self._on_discard = on_discard
+        self._on_scored = on_scored
+        # Rollouts a restart brought back with their group that a step before it trained
+        # (recovery.Recovery.trained_before): scored with the group, never trained again.
+        self.trained_before: set[tuple[int, int]] = set()
         # Groups in a row that contributed nothing trainable (the loop's empty-batch guard).
         self.consecutive_empty_groups = 0
         self._pending: dict[int, list[Rollout]] = {}
@@ -280,7 +287,9 @@ class TrainSink:
         elif self.config.dynamic_sampling:
             for r in survivors:
                 self._flag(r, "zero_variance")
-        ready = [r for r in survivors if not r.filtered]
+        ready = [r for r in survivors if not r.filtered and r.slot not in self.trained_before]
+        if self._on_scored is not None:
+            self._on_scored(group, ready)
         self._ready.extend(ready)
         self.consecutive_empty_groups = 0 if ready else self.consecutive_empty_groups + 1
         self._report_discards(arrived_clean - len(ready))
@@ -362,6 +371,11 @@ class TrainSink:
         """``untrainable/<reason>`` for every way to end short and any other reason seen."""
         seen = (k for k in self._totals if k.startswith("untrainable/"))
         return sorted({*(f"untrainable/{kind}" for kind in CUT_KINDS), *seen})
+
+    def recover(self, trained_before: set[tuple[int, int]]) -> None:
+        """A restart's plan, before any rollout arrives: these slots come back with their
+        groups, already trained (``recovery.Recovery.trained_before``)."""
+        self.trained_before = set(trained_before)
 
     def state(self) -> dict[str, Any]:
         return {"step": self._step, "totals": dict(self._totals)}

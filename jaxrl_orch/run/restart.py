@@ -9,6 +9,9 @@ is off. Not "any hit": a program compiled twice in one process loads its own ent
 time (a run on an empty cache had 1 hit and 38 misses by its first step). Decided at the first
 step, not at the end, for the same reason.
 
+Also what the start took back from the rollout journal (``LoopHooks.on_recovered``: kept,
+sent again, not trusted), said when the loop starts and kept in ``restart["rollouts"]``.
+
 Told by the loop (``LoopHooks.on_landed``, the event loop) and the weight path
 (``WeightPath.on_trained``, the trainer's thread), each time; only the first counts. Said once
 on the console when the first step is done (``== restart: ...``), and in ``summary.json``
@@ -24,7 +27,7 @@ from typing import Any
 
 from jaxrl_orch.compose.compile_cache import CompileCache
 from jaxrl_orch.orchestrator.metrics.writers import stage
-from jaxrl_orch.tools.report import start_cost_text
+from jaxrl_orch.tools.report import kept_text, start_cost_text
 
 
 class RestartClock:
@@ -43,6 +46,14 @@ class RestartClock:
         self.first_rollout_s: float | None = None
         self.first_step_s: float | None = None
         self.cold: bool | None = None
+        self.rollouts: dict[str, int] | None = None  # None: no journal (keep_pending off)
+
+    def recovered(self, counts: dict[str, int], named: list[str]) -> None:
+        """What the loop took back from the rollout journal at its start (the event loop)."""
+        self.rollouts = counts
+        stage("journal", kept_text(counts))
+        for line in named:
+            stage("journal", f"not trusted: {line}")
 
     def landed(self) -> None:
         """An episode reached the loop (the event loop)."""
@@ -71,6 +82,7 @@ class RestartClock:
                 "cold": cold,
                 "first_rollout_s": self.first_rollout_s,
                 "first_step_s": self.first_step_s,
+                "rollouts": self.rollouts,
             }
         }
 

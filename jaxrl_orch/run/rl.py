@@ -231,6 +231,7 @@ def _orchestrator(
             step_metrics=times.step_metrics,
             engine_held=side.held,
             on_landed=restart.landed,
+            on_recovered=restart.recovered,
         ),
         telemetry=rl_telemetry(parts, side, trainer, trainer.version + 1),
     )

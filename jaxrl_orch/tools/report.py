@@ -116,7 +116,23 @@ def start_cost_text(summary: dict) -> str | None:
         misses = int(num(cache.get("misses")) or 0)
         rate = f" ({hits / (hits + misses):.0%})" if hits + misses else ""
         parts.append(f"compile cache {cache['dir']}: {hits} hits, {misses} misses{rate}")
+    kept = restart.get("rollouts") if isinstance(restart, dict) else None
+    if isinstance(kept, dict):
+        parts.append(kept_text(kept))
     return "; ".join(parts) or None
+
+
+def kept_text(counts: dict) -> str:
+    """What a start took back from the rollout journal, in words (``recovery.Recovery``)."""
+    n = {k: int(num(v) or 0) for k, v in counts.items()}
+    text = (
+        f"rollouts kept {n.get('kept', 0)} (+{n.get('trained_before', 0)} trained before, with "
+        f"their groups), sent again {n.get('reissued', 0)}"
+    )
+    lost = ("future", "expired", "unsendable", "mismatched", "torn_line", "bad_line")
+    names = {"future": "from lost versions", "torn_line": "torn lines", "bad_line": "bad lines"}
+    untrusted = [f"{n[k]} {names.get(k, k)}" for k in lost if n.get(k)]
+    return text + (f"; not trusted: {', '.join(untrusted)}" if untrusted else "")
 
 
 def _behaviour_lines(summary: dict) -> list[str]:

@@ -205,6 +205,9 @@ class Rollout:
     admitted_at: float = 0.0
     finished_at: float = 0.0
     shipped_at: float = 0.0
+    # A train rollout's place in the data order: (its group's ordinal, its index in the group);
+    # the same across restarts, so the rollout journal can tell what a restart still owes.
+    slot: tuple[int, int] | None = None
 
     @property
     def has_error(self) -> bool:

@@ -31,12 +31,24 @@ def test_the_clock_keeps_the_first_rollout_and_step_and_says_it_once(capsys):
     clock.trained()
     cache.now = (40, 90)  # what compiles after it does not change what the start was
     assert clock.summary() == {
-        "restart": {"cold": False, "first_rollout_s": 2.0, "first_step_s": 6.5}
+        "restart": {"cold": False, "first_rollout_s": 2.0, "first_step_s": 6.5, "rollouts": None}
     }
     lines = [line for line in capsys.readouterr().out.splitlines() if "restart" in line]
     assert lines == [
         "== restart: warm start: first rollout 2 s, first train step 6.5 s after the command "
         "started; compile cache off"
+    ]
+
+
+def test_what_the_journal_gave_back_is_said_at_once_and_kept_in_the_summary(capsys):
+    clock = RestartClock(10.0, _Counted(), clock=lambda: 11.0)
+    counts = {"kept": 13, "trained_before": 2, "reissued": 11, "future": 10, "bad_line": 1}
+    clock.recovered(counts, ["epoch_000001.jsonl line 7: ValueError: unknown record kind 'x'"])
+    assert clock.summary()["restart"]["rollouts"] == counts
+    assert capsys.readouterr().out.splitlines() == [
+        "== journal: rollouts kept 13 (+2 trained before, with their groups), sent again 11; "
+        "not trusted: 10 from lost versions, 1 bad lines",
+        "== journal: not trusted: epoch_000001.jsonl line 7: ValueError: unknown record kind 'x'",
     ]
 
 

@@ -16,6 +16,9 @@ The order, one rollout at a time (``RolloutDispatcher._fill`` asks while permits
        version to finish, and its early rollouts would age in the sink past the bound (the
        gate's promise is per group, like AReaL's). A source that raises ``StopIteration``
        has run dry: its env opens no more groups, the others continue.
+    After a restart, the groups its plan sends again (``reissue``: drawn before the checkpoint,
+    not finished) come before step 3's fresh groups, with their own ordinals; a group opening
+    takes the finished rollouts the plan kept for its ordinal (``recovery.Recovery.take``).
     A group is stamped with ``policy.version`` when it opens (``policy_version_at_start``) and
     with where it sits in the run (``position``: its rollouts' sampling seeds).
 
@@ -28,6 +31,7 @@ the gate except through the ``capacity_fn`` it is handed.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -50,6 +54,8 @@ class Admission:
         capacity_fn: Callable[[], int],
         launcher: Launcher,
         evals: EvalQueue,
+        *,
+        on_open: Callable[[str, int, Any], None] | None = None,
     ) -> None:
         self.sources = sources
         self.group_size = group_size
@@ -62,7 +68,18 @@ class Admission:
         self.exhausted: set[str] = set()
         self.next_group_id = 0
         self.train_groups = 0
+        # A restart's plan (recovery.Recovery): groups to send again before new data, and the
+        # finished rollouts a group takes instead of running them; ``on_open(env, ordinal,
+        # example)`` hears of each group drawn from the data (the rollout journal).
+        self.recovery: Any = None
+        self.reissue: collections.deque = collections.deque()
+        self.on_open = on_open
         self._env_cycle = itertools.cycle(sorted(sources))
+
+    def recover(self, recovery: Any) -> None:
+        """A restart's plan (``recovery.Recovery``): its groups first, its kept rollouts."""
+        self.recovery = recovery
+        self.reissue = recovery.reissue
 
     def stop_train(self) -> None:
         """The drain: no new train rollouts from now on; eval and in-flight work continue."""
@@ -87,6 +104,8 @@ class Admission:
         for g in launcher.groups.values():
             if g.unscheduled:
                 return launcher.launch(g, min(launcher.permits, self.capacity_fn())) > 0
+        if self.reissue:
+            return self._admit_again()
         env = self._next_train_env()
         if env is None:
             return False
@@ -99,9 +118,27 @@ class Admission:
         except StopIteration:
             self.exhausted.add(env)
             return False
-        g = self._open(env, example, size, self.sampling[env], is_eval=False)
-        g.position = ("train", env, self.train_groups)
+        ordinal = self.train_groups
         self.train_groups += 1
+        if self.on_open is not None:
+            self.on_open(env, ordinal, example)
+        return self._start_group(env, ordinal, example, capacity)
+
+    def _admit_again(self) -> bool:
+        """A group drawn before the checkpoint and not finished: sent again, same ordinal."""
+        env, ordinal, example = self.reissue[0]
+        capacity = self.capacity_fn()
+        if self.group_size[env] > capacity:
+            return False
+        self.reissue.popleft()
+        return self._start_group(env, ordinal, example, capacity)
+
+    def _start_group(self, env: str, ordinal: int, example: dict[str, Any], capacity: int) -> bool:
+        g = self._open(env, example, self.group_size[env], self.sampling[env], is_eval=False)
+        g.position = ("train", env, ordinal)
+        if self.recovery is not None:
+            g.kept = self.recovery.take(ordinal, env, example)
+        launcher = self.launcher
         launcher.add(g)
         return launcher.launch(g, min(launcher.permits, capacity)) > 0
 

@@ -1,12 +1,13 @@
 """RolloutDispatcher: keeps the engine busy and turns every dispatched rollout into an episode.
 
 What it owns
-    The dispatch loop (one ``start()`` task) and the surface the orchestrator loop drives, over
-    its parts: ``admission.Admission`` (what starts next, the opening of groups, the train
-    sources), ``launch.Launcher`` (permits, open groups, starting and releasing rollouts, and
-    ``out_q``: an unbounded ``asyncio.Queue`` of episodes, ``list[Rollout]``, that the main
-    loop drains), ``evals.EvalQueue`` (eval work not started yet). Settings: ``DispatchConfig``,
-    ``GateHooks`` and ``EvalPlan`` (``settings``). Running started rollouts and settling them
+    The dispatch loop (one ``start()`` task) and the surface the orchestrator loop drives, over its
+    parts: ``admission.Admission`` (what starts next, the opening of groups, the train sources),
+    ``launch.Launcher`` (permits, open groups, starting and releasing rollouts, and ``out_q``: an
+    unbounded ``asyncio.Queue`` of episodes, ``list[Rollout]``, that the main loop drains),
+    ``evals.EvalQueue`` (eval work not started yet). Settings: ``DispatchConfig``, ``GateHooks`` and
+    ``EvalPlan`` (``settings``). ``on_open`` hears of every train group drawn from the data (the
+    rollout journal); ``recover`` takes a restart's plan. Running started rollouts and settling them
     on ``out_q`` is the launcher's ``groups.Flights`` (eager start, Tasks, restamping, error
     placeholders).
 
@@ -78,6 +79,7 @@ class RolloutDispatcher:
         gate: GateHooks | None = None,
         eval_plan: EvalPlan | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_open: Callable[[str, int, Any], None] | None = None,
     ) -> None:
         if not isinstance(config, DispatchConfig):
             raise TypeError(f"config must be a DispatchConfig, got {type(config).__name__}")
@@ -94,7 +96,14 @@ class RolloutDispatcher:
         )
         self.out_q = self.launcher.flights.out_q
         self.admission = Admission(
-            self.sources, group_size, sampling, policy, gate.capacity_fn, self.launcher, self.evals
+            self.sources,
+            group_size,
+            sampling,
+            policy,
+            gate.capacity_fn,
+            self.launcher,
+            self.evals,
+            on_open=on_open,
         )
         self._stopping = False
         self._error: BaseException | None = None
@@ -178,6 +187,11 @@ class RolloutDispatcher:
         self.admission.next_group_id = next_group_id
         self.launcher.next_episode_id = int(state["next_episode_id"])
         self.admission.train_groups = int(state.get("train_groups", next_group_id))
+
+    def recover(self, recovery: Any) -> None:
+        """A restart's plan (``recovery.Recovery``), before ``start()``: its groups are sent
+        again before new data, and groups opening take the rollouts it kept."""
+        self.admission.recover(recovery)
 
     # ------------------------------------------------------------------ the loop
     async def start(self) -> None:

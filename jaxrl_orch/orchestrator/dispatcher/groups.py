@@ -72,6 +72,10 @@ class GroupInFlight:
     unscheduled: int = 0
     running: int = 0
     position: tuple[Any, ...] = ()  # where it sits in the run (its rollouts' sampling seeds)
+    # episode id -> index in the group, for the rollout's slot; and the finished rollouts a
+    # restart kept (index -> rollout): used instead of running those members again
+    indices: dict[int, int] = dataclasses.field(default_factory=dict)
+    kept: dict[int, Rollout] = dataclasses.field(default_factory=dict)
 
     def start(self, n: int, select: Callable[[], InferenceClient]) -> int:
         """``n`` of its unscheduled rollouts start, on the client the group is pinned to
@@ -119,6 +123,8 @@ def settle(
         r.is_eval = g.is_eval
         r.eval_step = g.eval_step
         r.policy_version_at_start = g.version_at_start
+        if not g.is_eval and eid in g.indices and len(g.position) == 3:
+            r.slot = (g.position[2], g.indices[eid])
         r.admitted_at = admitted_at
         r.finished_at = finished_at
         if cancel is not None:

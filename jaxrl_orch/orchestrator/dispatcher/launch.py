@@ -101,7 +101,10 @@ class Launcher:
         done_ids: list[int] = []
         done: list[Rollout] = []
         for j, eid in enumerate(ids):
-            result = self.flights.start(g, eid, now, env, self._sampling(g, first + j))
+            g.indices[eid] = first + j
+            result = g.kept.pop(first + j, None)  # finished before a restart: not run again
+            if result is None:
+                result = self.flights.start(g, eid, now, env, self._sampling(g, first + j))
             if result is not None:
                 done_ids.append(eid)
                 done.append(result)
