@@ -157,15 +157,23 @@ def test_kill9_then_resume_continues_without_repeating_or_skipping(tmp_path):
     assert summary["resumed_from_step"] == resumed_at
     assert summary["rl_steps"] == 8 and summary["rl_steps_this_run"] == 8 - resumed_at
     # The engine held the restored weights before its first rollout: every model token of the
-    # first batch after the resume was sampled from version >= the restored one.
+    # first batch after the resume was sampled from version >= the restored one, except those
+    # of rollouts that had finished before the kill (the journal keeps them, with their own
+    # versions, within the bound S = 1).
     first = wd / "rollouts" / f"step_{resumed_at + 1:08d}.jsonl"
-    versions = [
-        v
-        for line in first.read_text().splitlines()
-        for v, m in zip(json.loads(line)["versions"], json.loads(line)["loss_mask"], strict=True)
-        if m
+    kept = summary["restart"]["rollouts"]
+    for line in first.read_text().splitlines():
+        rec = json.loads(line)
+        versions = [v for v, m in zip(rec["versions"], rec["loss_mask"], strict=True) if m]
+        assert versions and min(versions) >= resumed_at - 1
+        assert min(versions) >= resumed_at or kept["kept"] + kept["trained_before"] > 0
+    # No rollout trained twice across the attempts (slot: group ordinal, index in the group).
+    slots = [
+        tuple(json.loads(line)["slot"])
+        for f in sorted((wd / "rollouts").glob("step_*.jsonl"))
+        for line in f.read_text().splitlines()
     ]
-    assert versions and min(versions) >= resumed_at
+    assert len(slots) == len(set(slots)) == 8 * 8
     assert checkpoints(wd)[-1] == 8
     # Every RL step and every eval exactly once across both attempts; the pre-RL eval kept.
     assert [r["step"] for r in rl_rows(wd)] == list(range(1, 9))
