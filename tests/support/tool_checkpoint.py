@@ -15,6 +15,7 @@ the tool's result, two calls in one reply, a malformed call, and a plain reply.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,8 @@ TOOLS = [
 
 
 def call_text(city: str) -> str:
-    return f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>'
+    call = {"name": "get_weather", "arguments": {"city": city}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
