@@ -27,8 +27,12 @@ from support.tool_checkpoint import (
     MODEL,
     TOOLS,
     answered,
+    call_text,
     tool_chat_host,
 )
+
+from jaxrl_orch.serving.app import make_app
+from jaxrl_orch.serving.runner import HttpServer
 
 GREEDY = {"model": MODEL, "temperature": 0.0, "max_tokens": 80}
 
@@ -193,3 +197,20 @@ def test_call_arguments_must_be_a_json_object(url):
     error = reply.json()["error"]
     assert error["param"] == "messages[1].tool_calls[0].function.arguments"
     assert "JSON object" in error["message"]
+
+
+def test_the_servers_parser_setting_wins_over_the_templates_format(host):
+    """Served with ``llama3_json``, the model's Hermes-style call is not a call: plain text."""
+    server = HttpServer(make_app(host, tool_parser="llama3_json")).start_in_thread()
+    try:
+        http = httpx.Client(trust_env=False)
+        with openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key="unused", max_retries=0, http_client=http
+        ) as other:
+            reply = ask(other, ASK, tools=TOOLS).choices[0]
+    finally:
+        server.stop()
+    assert (reply.message.content, reply.finish_reason) == (call_text("Paris"), "stop")
+    assert not reply.message.tool_calls
+    with pytest.raises(ValueError, match="hermes, llama3_json"):
+        make_app(host, tool_parser="pythonic")
