@@ -2,6 +2,7 @@
 
     python -m jaxrl_orch.serve --gin_file=configs/reverse_text.gin \\
         [--checkpoint=runs/reverse_text] [--host=127.0.0.1] [--port=8000] [--api_key_file=F]
+        [--tool_call_parser=hermes]
 
 What it owns: reading the gin config (the same ``TrainConfig`` the train command reads: model,
 tokenizer, engine settings), the weights to serve, and the server's life. It prints
@@ -18,6 +19,10 @@ Weights (``--checkpoint``):
 offers from that weight server (the trainer's), with the config's ``Processes.weight_transport``
 and the ``--api_key_file`` key; without it the server refuses updates. A request never names
 where to pull from.
+
+Tool calls: ``--tool_call_parser`` names how chat replies' tool calls are parsed (``hermes``,
+``llama3_json``; vLLM's names); without it, the format the checkpoint's chat template writes
+its tool calls in, and a server whose template shows none refuses requests with tools.
 
 Safety: loopback by default; any other ``--host`` refuses to start without ``--api_key_file``
 (a file holding the key, so it stays out of the process list and shell history; one its group
@@ -49,6 +54,7 @@ from jaxrl_orch.serving.app import make_app
 from jaxrl_orch.serving.guard import Limits
 from jaxrl_orch.serving.host import EngineHost
 from jaxrl_orch.serving.runner import HttpServer
+from jaxrl_orch.serving.tool_parsers import TOOL_PARSERS, get_tool_parser
 from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer
 
 _SUMMARY = "Serve a config's model behind vLLM's RL API and OpenAI's, over HTTP."
@@ -69,6 +75,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api_key_file", default=None, help="a file holding the Bearer key")
     p.add_argument("--weight_source", default=None, help="HOST:PORT of the trainer's offers")
     p.add_argument("--served_model_name", default=None, help="the model id clients name")
+    p.add_argument(
+        "--tool_call_parser",
+        default=None,
+        help=f"how chat replies' tool calls are parsed: {', '.join(sorted(TOOL_PARSERS))} "
+        "(default: the format the checkpoint's chat template writes, if it shows one)",
+    )
     return p.parse_args(argv)
 
 
@@ -137,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         key = read_api_key(args.api_key_file)
         HttpServer.check_bind(args.host, key)  # before minutes of building, not after
+        if args.tool_call_parser is not None:
+            get_tool_parser(args.tool_call_parser)  # an unknown name, before building too
         host, limits = build_host(args, key)
     except (ValueError, OSError) as exc:  # a bad flag, config or checkpoint: one line, exit 2
         print(f"jaxrl_orch.serve: {exc}", file=sys.stderr)
         return 2
-    app = make_app(host, api_key=key, limits=limits)
+    app = make_app(host, api_key=key, limits=limits, tool_parser=args.tool_call_parser)
     server = HttpServer(app, host=args.host, port=args.port, api_key=key)
     # The replicas' own loop: serve until SIGTERM / Ctrl-C, then stop the server and the driver.
     asyncio.run(

@@ -163,6 +163,7 @@ def test_every_finish_reason_the_code_can_give_is_classified():
     assert "inference/requests.py" in where["stop"] and "inference/requests.py" in where["length"]
     assert "inference/slots.py" in where["abort"] and "inference/driver.py" in where["abort"]
     assert "serving/generation.py" in where["cancelled"]
+    assert "serving/openai_shapes.py" in where["tool_calls"]
 
 
 def test_the_scan_finds_a_planted_reason_at_each_kind_of_site():
@@ -194,6 +195,7 @@ def test_finish_trainable_classifies_every_declared_reason_and_refuses_any_other
         "length": True,
         "abort": False,
         "cancelled": False,
+        "tool_calls": True,
     }
     with pytest.raises(ValueError, match=r"unknown finish_reason 'error'.*stop, length, abort"):
         finish_trainable("error")

@@ -14,13 +14,14 @@ into prompt text with it.
 
 The environment mirrors ``transformers.utils.chat_template_utils``: an
 ``ImmutableSandboxedEnvironment`` (templates are untrusted code from the checkpoint) with
-``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``{% generation %}``
-block that renders its body (transformers uses it only to track assistant-token masks), the
-globals ``raise_exception``, ``strftime_now``, ``dict`` and an underscore-refusing
-``namespace``, and a ``tojson`` filter that does not HTML-escape. Render variables:
-``messages``, ``add_generation_prompt``, ``tools=None``, ``documents=None`` and the named
-special tokens (``bos_token``, ``eos_token``, ``pad_token``, ...) present in the config, as
-strings. A template that calls ``raise_exception`` raises ``ValueError`` naming its origin.
+``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``{% generation %}`` block
+that renders its body (transformers uses it only to track assistant-token masks), the globals
+``raise_exception``, ``strftime_now``, ``dict`` and an underscore-refusing ``namespace``, and a
+``tojson`` filter that does not HTML-escape. Render variables: ``messages``,
+``add_generation_prompt``, ``tools`` (None, or OpenAI's ``{"type": "function", "function": {...}}``
+entries as given, as ``transformers`` passes them), ``documents=None`` and the named special tokens
+(``bos_token``, ``eos_token``, ``pad_token``, ...) present in the config, as strings. A template
+that calls ``raise_exception`` raises ``ValueError`` naming its origin.
 
 It never touches the model, devices or the tokenizer's ids: encoding the text is the
 tokenizer's job (``models/tokenizer.py``).
@@ -237,13 +238,18 @@ class ChatTemplate:
         source, origin = found
         return cls(source, special_tokens_of(config), origin)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         import jinja2
 
         try:
             return self._compiled.render(
                 messages=messages,
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,

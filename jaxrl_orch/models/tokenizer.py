@@ -82,7 +82,10 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> str: ...
 
 
@@ -183,8 +186,13 @@ class ByteTokenizer:
         return "".join(out)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> str:
+        if tools is not None:
+            raise ValueError("tools need a checkpoint's own chat template; byte_chat has none")
         return byte_chat(messages, add_generation_prompt)
 
 
@@ -300,10 +308,22 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> str:
+        """``tools`` (OpenAI's function entries) reach the checkpoint's own template only: a
+        built-in layout has no place for them and refuses them."""
         _check_messages(messages)
-        return self._template(messages, add_generation_prompt)
+        if tools is None:
+            return self._template(messages, add_generation_prompt)
+        if self.chat_template is None:
+            raise ValueError(
+                f"tools need the checkpoint's own chat template; this tokenizer renders with "
+                f"{self.chat_template_origin}, which has no place for them"
+            )
+        return self.chat_template.render(messages, add_generation_prompt, tools=tools)
 
 
 def load_tokenizer(spec: str | os.PathLike | None = "byte") -> ByteTokenizer | HFTokenizer:

@@ -50,10 +50,12 @@ def make_app(
     api_key: str | None = None,
     limits: Limits = Limits(),
     withhold_control: str | None = None,
+    tool_parser: str | None = None,
 ) -> FastAPI:
     """The app serving ``host``. ``withhold_control``: None serves the control routes
     (``guard.CONTROL``) like any other; the name of the setting that would hand them out refuses
-    them (403) to every caller."""
+    them (403) to every caller. ``tool_parser``: the chat endpoint's tool-call parser
+    (``openai_api.openai_routes``; an unknown name raises ``ValueError`` naming the known)."""
     if api_key is not None and (not api_key or api_key != api_key.strip()):
         raise ValueError("api_key must be a non-empty string without surrounding whitespace")
     app = FastAPI(
@@ -73,7 +75,7 @@ def make_app(
     routers = [
         rl_routes(host, limits, metrics),
         ops_routes(host, metrics),
-        openai_routes(host, timeout_s=limits.request_timeout_s),
+        openai_routes(host, timeout_s=limits.request_timeout_s, tool_parser=tool_parser),
     ]
     for router in routers:
         app.include_router(router)

@@ -1,8 +1,8 @@
 """OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions`` (SSE streaming).
 
-What it owns: ``openai_routes(host, timeout_s=...)``, the router ``app.make_app`` mounts;
-turning a validated request (``openai_schemas``) into prompt ids and one ``SamplingParams`` per
-choice, running it (``generation.Generation``) and answering with OpenAI's shapes
+What it owns: ``openai_routes(host, timeout_s=..., tool_parser=...)``, the router ``app.make_app``
+mounts; turning a validated request (``openai_schemas``) into prompt ids and one ``SamplingParams``
+per choice, running it (``generation.Generation``) and answering with OpenAI's shapes
 (``openai_shapes``), whole or as ``text/event-stream``.
 
 Prompts: a completion's ``prompt`` is text (encoded with the host's tokenizer, which adds no
@@ -19,6 +19,13 @@ by the samples); with ``max_tokens`` 0 nothing is decoded. Both endpoints stop a
 tokenizer's stop ids (its eos and the turn-end tokens) unless ``ignore_eos``, plus
 ``stop_token_ids``; the stop token is never part of the text. ``seed`` with ``n`` > 1 gives
 choice i the seed ``seed + i`` (vLLM's rule), so the choices differ and each is reproducible.
+
+Tools (chat): ``tools`` are rendered by the checkpoint's own template (``tools=``, as
+``transformers`` passes them) unless ``tool_choice`` is ``none``, and each reply is parsed for
+calls by the server's tool-call parser (``tool_parser``, else the one the template's format
+implies: ``tool_parsers.infer_tool_parser``); ``tool_calls`` says what a reply may carry. With
+tools in use the text is decoded with its special tokens (vLLM's rule for the Hermes parser:
+some checkpoints mark ``<tool_call>`` special).
 
 Refusals (``ApiError``, each naming the value and what is allowed): a ``model`` other than the
 served one (404), a prompt past ``max_prompt_len`` or a prompt plus ``max_tokens`` past
@@ -51,6 +58,9 @@ from jaxrl_orch.serving.errors import ApiError, error_body
 from jaxrl_orch.serving.generation import Generation
 from jaxrl_orch.serving.openai_schemas import ChatRequest, CompletionRequest, parse_request
 from jaxrl_orch.serving.openai_shapes import Reply, sse
+from jaxrl_orch.serving.tool_calls import ToolUse
+from jaxrl_orch.serving.tool_parsers import TOOL_PARSERS, get_tool_parser, infer_tool_parser
+from jaxrl_orch.serving.tool_schemas import check_tools
 from jaxrl_orch.serving.waiting import await_completions
 from jaxrl_orch.types import SamplingParams
 
@@ -61,7 +71,13 @@ if TYPE_CHECKING:  # annotations only: this module imports no JAX
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
-def openai_routes(host: EngineHost, *, timeout_s: float) -> APIRouter:
+def openai_routes(
+    host: EngineHost, *, timeout_s: float, tool_parser: str | None = None
+) -> APIRouter:
+    """``tool_parser``: the name (``tool_parsers.TOOL_PARSERS``) chat replies' tool calls are
+    parsed with; None: the one the checkpoint's chat template implies, if any."""
+    parser_name = tool_parser or infer_tool_parser(_template_source(host))
+    parser = None if parser_name is None else get_tool_parser(parser_name)
     router = APIRouter()
 
     @router.post(COMPLETIONS)
@@ -78,10 +94,17 @@ def openai_routes(host: EngineHost, *, timeout_s: float) -> APIRouter:
     @router.post(CHAT)
     async def chat_completions(request: Request) -> Any:
         req = parse_request(ChatRequest, await _body(request), CHAT)
-        prompt = _chat_prompt(host, req)
+        check_tools(req.messages, req.tools, req.tool_choice)
+        tools = _tool_use(req, parser, parser_name)
+        prompt = _chat_prompt(host, req, tools is not None)
         max_tokens = req.completion_limit or max(host.max_model_len - len(prompt), 1)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         reply = Reply(True, host.model, _tokenizer(host), logprobs, req.return_token_ids)
+        reply.tools = tools
+        if tools is not None:
+            # vLLM's rule: some checkpoints mark their tool-call markers special, and a
+            # reply decoded without them could not be parsed.
+            req.skip_special_tokens = False
         return await _answer(request, host, req, prompt, max_tokens, reply, timeout_s)
 
     return router
@@ -136,11 +159,39 @@ def _echo_text(tokenizer: Tokenizer, prompt: str | list[int]) -> str:
     return tokenizer.decode(prompt, skip_special_tokens=False)
 
 
-def _chat_prompt(host: EngineHost, req: ChatRequest) -> list[int]:
+def _template_source(host: EngineHost) -> str | None:
+    template = getattr(host.tokenizer, "chat_template", None)
+    return getattr(template, "source", None)
+
+
+def _tool_use(req: ChatRequest, parser: Any, parser_name: str | None) -> ToolUse | None:
+    """The request's tool use, or None: no tools, or ``tool_choice`` ``none``."""
+    mode = req.tool_mode
+    if not req.tools or mode == "none":
+        return None
+    if parser is None:
+        raise ApiError(
+            400,
+            "tools: this server has no tool-call parser (its chat template shows no known "
+            "tool-call format); start it with --tool_call_parser, one of "
+            f"{', '.join(sorted(TOOL_PARSERS))}",
+            param="tools",
+        )
+    names = [t.function.name for t in req.tools]
+    allowed = names if isinstance(mode, str) else [mode.function.name]
+    return ToolUse(parser, frozenset(allowed), parallel=req.parallel_tool_calls is not False)
+
+
+def _chat_prompt(host: EngineHost, req: ChatRequest, with_tools: bool) -> list[int]:
+    """The conversation rendered by the checkpoint's template; its tools only when they are
+    in use (``tool_choice`` ``none`` leaves them out)."""
     _check_model(host, req)
     tokenizer = _tokenizer(host)
+    extra = {"tools": [t.template_entry() for t in req.tools or []]} if with_tools else {}
     try:
-        text = tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            req.conversation(), add_generation_prompt=True, **extra
+        )
     except (ValueError, TypeError) as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from None
     return list(tokenizer.encode(text))
@@ -268,7 +319,8 @@ async def _stream(
                 choice, delta = await asyncio.wait_for(anext(updates), deadline - loop.time())
             except StopAsyncIteration:
                 break
-            yield sse(reply.chunk(choice, delta))
+            for chunk in reply.chunks(choice, delta):
+                yield sse(chunk)
         if include_usage:
             yield sse(reply.usage_chunk(gen))
     except TimeoutError:

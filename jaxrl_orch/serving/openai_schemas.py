@@ -7,8 +7,8 @@ field and what is allowed.
 
 Rules:
 - Unknown keys are refused by name with the list of accepted ones (``extra="forbid"``), never
-  ignored: a caller asking for tools, a response format or penalties must learn that this
-  engine does not do them, not get a silently different sample. The penalty fields and
+  ignored: a caller asking for a response format or penalties must learn that this engine
+  does not do them, not get a silently different sample. The penalty fields and
   ``logit_bias`` are accepted only at their neutral values (what many clients send anyway).
 - OpenAI's fields keep OpenAI's meaning and defaults (``max_tokens`` 16 for completions,
   temperature 1); vLLM's extras (``top_k``, ``stop_token_ids``, ``ignore_eos``,
@@ -18,6 +18,9 @@ Rules:
 - ``echo`` (completions) returns the prompt, scored, before the completion; ``max_tokens`` 0
   is allowed with it only (the prompt's scores alone, as lm-evaluation-harness asks), and an
   echo is not streamed.
+- Chat tools (``tool_schemas``): ``tools``, ``tool_choice``, ``parallel_tool_calls``, an
+  assistant message's ``tool_calls`` and a tool message's ``tool_call_id``; the rules across
+  them are ``tool_schemas.check_tools``, run by the route.
 - ``prompt`` is one prompt (a string or a list of token ids); a batch of several is refused.
 - A ``temperature`` or ``top_p`` the engine's float32 slot fields cannot hold (a positive value
   that would reach the device as 0) is refused, naming the smallest allowed
@@ -28,6 +31,7 @@ Pure validation (pydantic): no engine, tokenizer or HTTP state.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -39,6 +43,15 @@ from jaxrl_orch.inference.limits import (
     top_logprobs_refusal,
 )
 from jaxrl_orch.serving.errors import ApiError
+from jaxrl_orch.serving.tool_schemas import (
+    CalledFunction,
+    FunctionDef,
+    FunctionName,
+    MessageToolCall,
+    NamedToolChoice,
+    Tool,
+    parse_tool_choice,
+)
 
 MAX_N = 64  # choices per request: each takes an engine slot
 MAX_STOPS = 16
@@ -181,6 +194,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -203,6 +218,14 @@ class ChatRequest(_Sampled):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        return parse_tool_choice(value)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -222,15 +245,52 @@ class ChatRequest(_Sampled):
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them (a ``name`` only where one was given)."""
-        return [
-            {"role": m.role, "content": m.content or "", **({"name": m.name} if m.name else {})}
-            for m in self.messages
-        ]
+    @property
+    def tool_mode(self) -> str | NamedToolChoice:
+        """OpenAI's default: ``auto`` with tools, ``none`` without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them: a ``name`` or ``tool_call_id`` only
+        where one was given, a call's ``arguments`` as the object its JSON text holds (what
+        the templates write back with ``tojson``, as vLLM hands them over)."""
+        out = []
+        for m in self.messages:
+            entry: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+            if m.name:
+                entry["name"] = m.name
+            if m.tool_call_id is not None:
+                entry["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                entry["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": c.type,
+                        "function": {
+                            "name": c.function.name,
+                            "arguments": json.loads(c.function.arguments),
+                        },
+                    }
+                    for c in m.tool_calls
+                ]
+            out.append(entry)
+        return out
 
 
-_NESTED: dict[str, type[BaseModel]] = {"messages": ChatMessage, "stream_options": StreamOptions}
+# The model that owns each nested object, by the field names on the way to it (list indices
+# left out): an unknown key there is refused with that model's fields.
+_NESTED: dict[tuple[str, ...], type[BaseModel]] = {
+    ("messages",): ChatMessage,
+    ("messages", "tool_calls"): MessageToolCall,
+    ("messages", "tool_calls", "function"): CalledFunction,
+    ("stream_options",): StreamOptions,
+    ("tools",): Tool,
+    ("tools", "function"): FunctionDef,
+    ("tool_choice",): NamedToolChoice,
+    ("tool_choice", "function"): FunctionName,
+}
 
 
 def parse_request(cls: type[_Sampled], body: Any, endpoint: str) -> Any:
@@ -249,7 +309,7 @@ def _to_api_error(exc: ValidationError, cls: type[BaseModel], endpoint: str) -> 
     unknown = [e["loc"] for e in errors if e["type"] == "extra_forbidden"]
     if unknown:
         where = unknown[0][:-1]
-        owner = _NESTED.get(str(where[0]), cls) if where else cls
+        owner = _NESTED.get(tuple(str(p) for p in where if not isinstance(p, int)), cls)
         names = ", ".join(repr(".".join(map(str, loc))) for loc in unknown)
         accepted = ", ".join(sorted(owner.model_fields))
         what = endpoint if owner is cls else f"{'.'.join(map(str, where))} in {endpoint}"

@@ -7,6 +7,14 @@ JSON it sends: the whole ``text_completion`` / ``chat.completion`` body, the ``t
 completions' ``{tokens, token_logprobs, top_logprobs, text_offset}`` and chat's
 ``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``.
 
+Tool calls (chat with a ``ToolUse``): a reply whose text holds well-formed calls comes back as
+``message.tool_calls`` (``id``, ``type: function``, ``function: {name, arguments}``), the text
+before them as ``content`` (null when none) and ``finish_reason`` ``tool_calls``; otherwise as
+plain content with its own finish reason (``tool_calls.ToolUse.parse``). Streamed, the content
+before the calls comes as it is decoded and each call as two chunks, ``{index, id, type,
+function: {name, arguments: ""}}`` then ``{index, function: {arguments}}``, after the choice
+ended (``tool_calls.ToolStream``), the last carrying the finish reason.
+
 Our extras ride on each choice: ``policy_versions`` (the params version that produced each
 token, one per token, for the chunk's tokens in a stream) and, when asked with vLLM's
 ``return_token_ids``, ``token_ids`` (and ``prompt_token_ids``).
@@ -38,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxrl_orch.serving.detokenize import token_text
 from jaxrl_orch.serving.generation import Choice, Generation
+from jaxrl_orch.serving.tool_calls import ToolStream, ToolUse
 
 if TYPE_CHECKING:  # annotations only: this module imports no JAX
     from jaxrl_orch.inference.scoring import PromptScores
@@ -52,12 +61,14 @@ class Reply:
     logprobs: int | None  # alternatives per token (0: none); None: no log-probs asked
     token_ids: bool = False  # vLLM's return_token_ids
     echo: str | None = None  # completions' echo: the prompt's text
+    tools: ToolUse | None = None  # chat with tools: the calls its replies may carry
     id: str = ""
     created: int = 0
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = self.created or int(time.time())
+        self._streams: dict[int, ToolStream] = {}  # per choice, while a stream runs
 
     @property
     def object(self) -> str:
@@ -100,8 +111,38 @@ class Reply:
             for c in gen.choices
         ]
 
-    def chunk(self, choice: Choice, delta: str) -> dict[str, Any]:
-        return self._chunk(self._choice(choice, choice.unreported(), delta, final=False))
+    def chunks(self, choice: Choice, delta: str) -> list[dict[str, Any]]:
+        """The stream chunks for a choice's text delta (and its end, once it has ended)."""
+        if self.tools is None:
+            return [self._chunk(self._choice(choice, choice.unreported(), delta, final=False))]
+        stream = self._streams.setdefault(choice.index, self.tools.stream())
+        text, calls = stream.feed(delta), []
+        if choice.finish_reason is not None:
+            tail, calls = stream.finish()
+            text += tail
+        first = self._choice(choice, choice.unreported(), text, final=False)
+        if not calls:
+            return [self._chunk(first)]
+        # OpenAI's and vLLM's order: per call its index, id, type and name, then its
+        # arguments; the finish reason rides on the last chunk.
+        first["finish_reason"] = None
+        out = [self._chunk(first)]
+        for i, call in enumerate(calls):
+            head = {"index": i, "id": call.id, "type": "function"}
+            named = {**head, "function": {"name": call.name, "arguments": ""}}
+            out.append(self._chunk(self._bare(choice, {"tool_calls": [named]})))
+            args = {"index": i, "function": {"arguments": call.arguments}}
+            out.append(self._chunk(self._bare(choice, {"tool_calls": [args]})))
+        out[-1]["choices"][0]["finish_reason"] = "tool_calls"
+        return out
+
+    def _bare(self, c: Choice, delta: dict[str, Any]) -> dict[str, Any]:
+        """A chunk's choice carrying ``delta`` and no tokens."""
+        out = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}
+        out["policy_versions"] = []
+        if self.token_ids:
+            out["token_ids"] = []
+        return out
 
     def usage_chunk(self, gen: Generation) -> dict[str, Any]:
         return {**self._head(self._chunk_kind), "choices": [], "usage": gen.usage()}
@@ -115,17 +156,39 @@ class Reply:
 
     def _choice(self, c: Choice, span: slice, text: str, *, final: bool) -> dict[str, Any]:
         out: dict[str, Any] = {"index": c.index}
-        if self.chat:
-            key = "message" if final else "delta"
-            out[key] = {"role": "assistant", "content": text} if final else _delta(text)
+        finish = c.finish_reason if final or c.finish_reason else None
+        if self.chat and final:
+            out["message"], finish = self._message(text, finish)
+        elif self.chat:
+            out["delta"] = _delta(text)
         else:
             out["text"] = text
         out["logprobs"] = self._logprobs(c, span)
-        out["finish_reason"] = c.finish_reason if final or c.finish_reason else None
+        out["finish_reason"] = finish
         out["policy_versions"] = c.versions[span]
         if self.token_ids:
             out["token_ids"] = c.token_ids[span]
         return out
+
+    def _message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole reply's message and finish reason: its tool calls when it made any."""
+        parsed = None if self.tools is None else self.tools.parse(text)
+        if parsed is None:
+            return {"role": "assistant", "content": text}, finish
+        content, calls = parsed
+        message = {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in calls
+            ],
+        }
+        return message, "tool_calls"
 
     def _logprobs(self, c: Choice, span: slice) -> dict[str, Any] | None:
         if self.logprobs is None:

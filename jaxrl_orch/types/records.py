@@ -91,6 +91,9 @@ FINISH_REASONS = {
     "length": True,  # ``max_tokens``, or the engine's cache, ran out
     "abort": False,  # the engine ended it early with what it had (``pause("abort")``)
     "cancelled": False,  # its caller went away first (a client gone, a deadline passed)
+    # The chat API's name for a reply that ended in tool calls it parsed (a stop id, or
+    # max_tokens after whole calls): the engine never gives it, a response may.
+    "tool_calls": True,
 }
 
 

@@ -183,7 +183,7 @@ def test_check_reward():
 @pytest.mark.parametrize("reason", sorted(FINISH_REASONS))
 def test_a_turn_ended_short_leaves_the_rollout_untrainable_and_says_why(tok, scripted, reason):
     r = run(ReverseTextEnv(tok), scripted(("<answer>x", 0, reason, False)), {"text": "ab"})
-    whole = reason in ("stop", "length")
+    whole = reason in ("stop", "length", "tool_calls")
     assert r.trainable == whole and r.metrics["cut"] == float(not whole)
     assert r.cut == (None if whole else reason)
 

@@ -192,3 +192,48 @@ def test_explicit_tokens_reach_the_template(tmp_path):
     assert tok.bos_id == tok.token_to_id("<|end_of_text|>")
     with pytest.raises(ValueError, match="allowed roles"):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_0", "content": '{"temperature_c": 21}'},
+]
+
+
+def test_tools_and_tool_turns_render_as_transformers_renders_them(tmp_path):
+    directory = write_qwen_tokenizer(tmp_path / "qwen")
+    ours, hf = load_tokenizer(directory), _hf(directory)
+    text = ours.apply_chat_template(TOOL_TURNS, add_generation_prompt=True, tools=TOOLS)
+    want = hf.apply_chat_template(
+        TOOL_TURNS, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert text == want
+    assert "<tools>" in text and '"arguments": {"city": "Paris"}' in text
+    assert "<tools>" not in ours.apply_chat_template(TOOL_TURNS, add_generation_prompt=True)
+
+
+def test_a_built_in_layout_refuses_tools(tmp_path):
+    directory = write_qwen_tokenizer(tmp_path / "qwen", template=None)
+    with pytest.raises(ValueError, match="own chat template"):
+        load_tokenizer(directory).apply_chat_template(TOOL_TURNS[:1], tools=TOOLS)

@@ -171,11 +171,12 @@ def test_bad_requests_are_refused_by_name_and_the_server_keeps_serving(host, cli
         chat.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=21)
     with pytest.raises(openai.BadRequestError, match="top_logprobs=3 needs logprobs=true"):
         chat.create(model=MODEL, messages=MESSAGES, top_logprobs=3)
-    with pytest.raises(openai.BadRequestError, match="'tools'"):
+    with pytest.raises(openai.BadRequestError, match="'g', which is not among the tools"):
         chat.create(
             model=MODEL,
             messages=MESSAGES,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
     with pytest.raises(openai.NotFoundError, match=f"'gpt-4o'.*serves '{MODEL}'"):
         chat.create(model="gpt-4o", messages=MESSAGES)

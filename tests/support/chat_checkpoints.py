@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 QWEN_TEMPLATE = (
     "{%- if tools %}\n"
@@ -150,7 +151,12 @@ CORPUS = [
 ]
 
 
-def write_tokenizer(directory: Path, specials: tuple[str, ...], vocab_size: int = 300) -> Path:
+def write_tokenizer(
+    directory: Path,
+    specials: tuple[str, ...],
+    vocab_size: int = 300,
+    corpus: tuple[str, ...] | list[str] = tuple(CORPUS),
+) -> Path:
     """A byte-level BPE with ``specials`` as added special tokens, saved as tokenizer.json."""
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -163,7 +169,7 @@ def write_tokenizer(directory: Path, specials: tuple[str, ...], vocab_size: int 
         special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.train_from_iterator(list(corpus) * 20, trainer)
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     return directory
@@ -174,10 +180,14 @@ def _write_config(directory: Path, config: dict) -> None:
 
 
 def write_qwen_tokenizer(
-    directory: Path, template: object = QWEN_TEMPLATE, specials: tuple[str, ...] = QWEN_SPECIALS
+    directory: Path,
+    template: object = QWEN_TEMPLATE,
+    specials: tuple[str, ...] = QWEN_SPECIALS,
+    **bpe: Any,
 ) -> Path:
-    """Qwen2.5-Instruct's layout: no bos, eos ``<|im_end|>``, pad ``<|endoftext|>``."""
-    write_tokenizer(directory, specials)
+    """Qwen2.5-Instruct's layout: no bos, eos ``<|im_end|>``, pad ``<|endoftext|>``. ``bpe``:
+    ``write_tokenizer``'s ``vocab_size`` and ``corpus``."""
+    write_tokenizer(directory, specials, **bpe)
     _write_config(
         directory,
         {
