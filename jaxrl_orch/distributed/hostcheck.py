@@ -9,6 +9,8 @@ What it owns
     is this host for process 0, which binds it; the weight source's host resolves for a replica.
     ``addresses``: a host's addresses (getaddrinfo); ``is_here``: whether one of them is this
     host's (a bind to it succeeds: no packet is sent).
+    ``claim_index``: this process holds index K of its run on this host for as long as it
+    lives; a second process here claiming the same K is refused naming the first one's pid.
 
 Each refusal is one line naming the variable or flag, its value and what is allowed. A name
 that does not resolve yet is retried for ``Platform.dns_wait_s`` (a JobSet's pod names appear
@@ -18,6 +20,8 @@ as its pods start; a TPU VM's worker list and a Slurm node list exist before the
 from __future__ import annotations
 
 import socket
+import struct
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -97,3 +101,37 @@ def check_hosts(
             "trainer process 0 runs the coordinator there; allowed: an address or name of "
             "this host (or give this process the index of the host named there)"
         )
+
+
+_CLAIMS: dict[str, socket.socket] = {}  # held for the life of the process
+
+
+def claim_index(run: str, k: int, named: str) -> None:
+    """Hold index ``k`` of the run whose trainer 0 is at ``run`` on this host; ``named``: where
+    ``k`` came from. An abstract Unix socket: one namespace per network namespace (a host, a
+    pod), released by the kernel when the process exits, however it exits; Linux only."""
+    name = f"jaxrl-orch {run} process {k}"
+    if name in _CLAIMS or not sys.platform.startswith("linux"):
+        return
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + name)
+    except OSError:
+        sock.close()
+        raise ValueError(
+            f"{named}={k}: process {k} of the run at {run} already runs on this host "
+            f"({_holder(name)}); allowed: an index no other process of the run holds"
+        ) from None
+    sock.listen(8)  # never accepted: a second claimant connects only to learn the pid
+    _CLAIMS[name] = sock
+
+
+def _holder(name: str) -> str:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect("\0" + name)
+            creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        except OSError:
+            return "its pid unknown"
+    return f"pid {struct.unpack('3i', creds)[0]}"

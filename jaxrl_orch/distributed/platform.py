@@ -39,7 +39,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from jaxrl_orch.distributed.addresses import host_port
-from jaxrl_orch.distributed.hostcheck import Resolve, check_hosts
+from jaxrl_orch.distributed.hostcheck import Resolve, check_hosts, claim_index
 
 COORDINATOR_PORT = 8476
 WEIGHT_PORT = 8477
@@ -120,6 +120,12 @@ def resolve_flags(
     values = {flag: getattr(args, flag) if flag in given else offered[flag] for flag in FLAGS}
     _complete(found, values, trainer_processes, engine_replicas)
     check_hosts(found, values, given, trainer_processes, resolve)
+    k = values["process_index"]
+    run = values["coordinator_address"] or values["weight_source"]
+    if isinstance(k, int) and run:
+        claim_index(
+            str(run), k, "--process_index" if "process_index" in given else found.index_from
+        )
     if engine_replicas and not values["engine_addresses"]:
         raise ValueError(
             f"--engine_addresses is not given and the platform ({found.name}) does not name the "

@@ -6,8 +6,10 @@ map to addresses here or elsewhere), no jax, no DNS: each test takes millisecond
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import socket
+import subprocess
 import sys
 
 import gin
@@ -55,7 +57,12 @@ class Names:
 
 @pytest.fixture(autouse=True)
 def names(monkeypatch):
-    return Names(monkeypatch)
+    """The stand-in resolver; the indices this process claims are let go after each test."""
+    claims: dict[str, socket.socket] = {}
+    monkeypatch.setattr(hostcheck, "_CLAIMS", claims)
+    yield Names(monkeypatch)
+    for held in claims.values():
+        held.close()
 
 
 # (env, P, R) -> (platform, K, processes, coordinator, replica URLs, weight source)
@@ -360,6 +367,39 @@ def test_a_jobsets_pod_names_are_waited_for_as_its_pods_start(names, monkeypatch
     monkeypatch.setattr(hostcheck, "addresses", appears)
     args = resolve_flags(_args(), {**TRAINER, "JOB_COMPLETION_INDEX": "1"}, 2, 1)
     assert args.process_index == 1 and 20 <= names.clock < 22
+
+
+HOLD = """
+import sys, time
+from jaxrl_orch.distributed.hostcheck import claim_index
+claim_index("run1-trainer-0-0.run1:8476", 1, "JOB_COMPLETION_INDEX")
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets")
+def test_a_second_process_on_this_host_claiming_an_index_is_refused_naming_the_first():
+    """Two processes on one host both told they are trainer 1 (the pid is the first's); once
+    the first exits, however it exits, the index is free again."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, env=env)
+    try:
+        assert first.stdout.readline() == b"held\n"
+        pod_1 = {**TRAINER, "JOB_COMPLETION_INDEX": "1"}
+        with pytest.raises(ValueError) as refused:
+            resolve_flags(_args(), pod_1, 2, 1)
+        assert str(refused.value) == (
+            "JOB_COMPLETION_INDEX=1: process 1 of the run at run1-trainer-0-0.run1:8476 already "
+            f"runs on this host (pid {first.pid}); allowed: an index no other process of the "
+            "run holds"
+        )
+        resolve_flags(_args(), {**TRAINER, "JOB_COMPLETION_INDEX": "0"}, 2, 1)  # another index
+    finally:
+        first.kill()
+        first.wait()
+    assert resolve_flags(_args(), pod_1, 2, 1).process_index == 1
+    assert resolve_flags(_args(), pod_1, 2, 1).process_index == 1  # this process holds it
 
 
 def test_this_hosts_addresses_are_told_from_anothers():
