@@ -83,9 +83,8 @@ def check_hosts(
         if not is_here(own):
             raise ValueError(
                 f"{found.index_from}={k} puts this process on {found.own_host!r} "
-                f"({', '.join(sorted(own))}), which is not this host: the process there claims "
-                f"index {k} too; allowed: the index the platform gives this host (check "
-                f"{found.describe()})"
+                f"({', '.join(sorted(own))}), which is not this host: two processes would claim "
+                f"index {k}; allowed: the index whose host is this one (read: {found.describe()})"
             )
     if not isinstance(k, int) or (k < p and p == 1):
         return  # a trainer on its own joins no group

@@ -304,7 +304,7 @@ HOSTS_REFUSED = {
     ),
     # two processes claiming one index: the host the platform names for it is another's
     "TPU_WORKER_ID=1 puts this process on 'w-1.slice' (203.0.113.7), which is not this host: "
-    "the process there claims index 1 too": (WORKER_1, (), 3, 1, {"w-1.slice": FAR}),
+    "two processes would claim index 1": (WORKER_1, (), 3, 1, {"w-1.slice": FAR}),
     "JOB_COMPLETION_INDEX=0 puts this process on 'run1-trainer-0-0.run1' (203.0.113.7)": (
         TRAINER,
         (),
