@@ -24,8 +24,11 @@ The platforms, the first whose variable is set wins (docs/scale-out.md):
     none        nothing set: the flags say it all, or jax.distributed detects a TPU slice
 
 A platform is read only when a launch flag is left out, and then all of it is checked: a value
-outside the layout is refused, naming the variable, its value and what is allowed. No jax, no
-sockets, no metadata server: the train command calls this before anything heavy.
+outside the layout, a variable missing or contradicting another (a worker listed twice, a Slurm
+task on another node than its index says) is refused, naming the variable, its value and what
+is allowed. Then the hosts it names (``hostcheck``): this process's own host must be this one,
+the coordinator's must resolve. No jax, no metadata server, no packet sent (a name lookup and a
+bind probe): the train command calls this before anything heavy.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from jaxrl_orch.distributed.addresses import host_port
+from jaxrl_orch.distributed.hostcheck import Resolve, check_hosts, claim_index
 
 COORDINATOR_PORT = 8476
 WEIGHT_PORT = 8477
@@ -60,6 +64,10 @@ class Platform:
     coordinator: str | None = None
     replica_urls: tuple[str, ...] = ()
     weight_source: str | None = None
+    index_from: str = ""  # the variable K came from
+    own_host: str | None = None  # the host the platform puts process K on, when it says
+    leader_from: str = ""  # where the coordinator's host came from
+    dns_wait_s: float = 5.0  # how long a name of it may take to appear
 
     def describe(self) -> str:
         if not self.read:
@@ -76,7 +84,7 @@ def detect(env: Mapping[str, str], trainer_processes: int, engine_replicas: int)
         return _explicit(env, p, r)
     if "JOBSET_NAME" in env:
         return _jobset(env, p, r)
-    if "TPU_WORKER_HOSTNAMES" in env:
+    if "TPU_WORKER_HOSTNAMES" in env or "TPU_WORKER_ID" in env:
         return _tpu_vm(env, p, r)
     if "SLURM_PROCID" in env:
         return _slurm(env, p, r)
@@ -84,11 +92,17 @@ def detect(env: Mapping[str, str], trainer_processes: int, engine_replicas: int)
 
 
 def resolve_flags(
-    args: argparse.Namespace, env: Mapping[str, str], trainer_processes: int, engine_replicas: int
+    args: argparse.Namespace,
+    env: Mapping[str, str],
+    trainer_processes: int,
+    engine_replicas: int,
+    resolve: Resolve | None = None,
 ) -> argparse.Namespace:
     """``args`` with the launch flags (``FLAGS``) left out filled from the platform, and the
     line saying where each came from printed: for a multi-process layout (P > 1 or R > 0) only.
-    A single process's ``args`` come back as they are: nothing read, nothing printed."""
+    A single process's ``args`` come back as they are: nothing read, nothing printed. The
+    hosts this process will use are checked first (``check_hosts``; ``resolve``: a host's
+    addresses, ``addresses`` unless given)."""
     if trainer_processes == 1 and engine_replicas == 0:
         return args
     given = {flag for flag in FLAGS if getattr(args, flag) not in (None, "")}
@@ -104,6 +118,14 @@ def resolve_flags(
         "weight_source": found.weight_source,
     }
     values = {flag: getattr(args, flag) if flag in given else offered[flag] for flag in FLAGS}
+    _complete(found, values, trainer_processes, engine_replicas)
+    check_hosts(found, values, given, trainer_processes, resolve)
+    k = values["process_index"]
+    run = values["coordinator_address"] or values["weight_source"]
+    if isinstance(k, int) and run:
+        claim_index(
+            str(run), k, "--process_index" if "process_index" in given else found.index_from
+        )
     if engine_replicas and not values["engine_addresses"]:
         raise ValueError(
             f"--engine_addresses is not given and the platform ({found.name}) does not name the "
@@ -112,6 +134,23 @@ def resolve_flags(
         )
     print(launch_line(found, values, given), flush=True)
     return argparse.Namespace(**{**vars(args), **values})
+
+
+def _complete(found: Platform, values: Mapping[str, object], p: int, r: int) -> None:
+    """A platform read that is short of what this process needs (JAX_* set in part), refused
+    naming the missing variable: jax.distributed would otherwise make every process 0."""
+    if values["process_index"] is None:
+        raise ValueError(
+            f"{found.index_from} is not set, nor --process_index, but {found.describe()} is: "
+            f"each process needs its own, {_places(p, r)}"
+        )
+    k = values["process_index"]
+    if isinstance(k, int) and k < p and p > 1 and not values["coordinator_address"]:
+        raise ValueError(
+            f"JAX_COORDINATOR_ADDRESS is not set, nor --coordinator_address, but "
+            f"{found.describe()} is: trainer process {k} joins the group at trainer process "
+            "0's HOST:PORT"
+        )
 
 
 def launch_line(found: Platform, values: Mapping[str, object], given: set[str]) -> str:
@@ -137,7 +176,12 @@ def _explicit(env: Mapping[str, str], p: int, r: int) -> Platform:
     address = env.get("JAX_COORDINATOR_ADDRESS")
     leader = None if address is None else host_port(address, "JAX_COORDINATOR_ADDRESS")[0]
     found = _found("explicit", env, names, index, n, leader, ())
-    return found if address is None else dataclasses.replace(found, coordinator=address.strip())
+    place = {"index_from": "JAX_PROCESS_ID", "leader_from": f"JAX_COORDINATOR_ADDRESS={address!r}"}
+    if index == 0:  # process 0 runs the coordinator: its host is this one
+        place["own_host"] = leader
+    if address is not None:
+        place["coordinator"] = address.strip()
+    return dataclasses.replace(found, **place)
 
 
 def _jobset(env: Mapping[str, str], p: int, r: int) -> Platform:
@@ -159,11 +203,34 @@ def _jobset(env: Mapping[str, str], p: int, r: int) -> Platform:
     engines = [f"{jobset}-{ENGINE_JOB}-{i}-0.{subdomain}" for i in range(r)]
     names = ("JOBSET_NAME", "REPLICATED_JOB_NAME", "JOB_INDEX", "JOB_COMPLETION_INDEX", SUBDOMAIN)
     leader = f"{jobset}-{TRAINER_JOB}-0-0.{subdomain}"
-    return _found("gke-jobset", env, names, index, None, leader, engines)
+    found = _found("gke-jobset", env, names, index, None, leader, engines)
+    i, j = (0, index) if job == TRAINER_JOB else (index - p, 0)
+    index_from = "JOB_COMPLETION_INDEX" if job == TRAINER_JOB else "JOB_INDEX"
+    # Pods' DNS names appear as the JobSet's pods start, trainer 0's perhaps last: wait as long
+    # as jax.distributed waits for it.
+    return dataclasses.replace(
+        found,
+        index_from=index_from,
+        own_host=f"{jobset}-{job}-{i}-{j}.{subdomain}",
+        leader_from=f"JOBSET_NAME={jobset!r} (trainer 0's pod)",
+        dns_wait_s=300.0,
+    )
 
 
 def _tpu_vm(env: Mapping[str, str], p: int, r: int) -> Platform:
+    if "TPU_WORKER_HOSTNAMES" not in env:
+        raise ValueError(
+            f"TPU_WORKER_HOSTNAMES is not set but TPU_WORKER_ID={env['TPU_WORKER_ID']!r} is; it "
+            "lists the slice's workers in order, comma-separated, this one at TPU_WORKER_ID"
+        )
     hosts = _hosts("TPU_WORKER_HOSTNAMES", env["TPU_WORKER_HOSTNAMES"].split(","))
+    twice = next((h for h in hosts if hosts.count(h) > 1), None)
+    if twice is not None:
+        at = [i for i, h in enumerate(hosts) if h == twice]
+        raise ValueError(
+            f"TPU_WORKER_HOSTNAMES={env['TPU_WORKER_HOSTNAMES']!r} names {twice!r} as workers "
+            f"{at}: each worker is a host of its own, listed once"
+        )
     n = len(hosts)
     # A slice of one worker may as well be an engine VM of its own: read only as the whole run.
     if n != p + r and not n == p > 1:
@@ -176,7 +243,11 @@ def _tpu_vm(env: Mapping[str, str], p: int, r: int) -> Platform:
         )
     index = _int(env, "TPU_WORKER_ID", range(n), f"a worker of TPU_WORKER_HOSTNAMES ({n})")
     names = ("TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES")
-    return _found("tpu-vm", env, names, index, n, hosts[0], hosts[p:])
+    found = _found("tpu-vm", env, names, index, n, hosts[0], hosts[p:])
+    leader_from = "TPU_WORKER_HOSTNAMES (worker 0)"
+    return dataclasses.replace(
+        found, index_from="TPU_WORKER_ID", own_host=hosts[index], leader_from=leader_from
+    )
 
 
 def _slurm(env: Mapping[str, str], p: int, r: int) -> Platform:
@@ -185,8 +256,20 @@ def _slurm(env: Mapping[str, str], p: int, r: int) -> Platform:
     index = _int(env, "SLURM_PROCID", range(n), _places(p, r))
     nodes = nodelist(env.get("SLURM_STEP_NODELIST"))
     engines = nodes[p:] if len(nodes) == n else []  # two tasks on a node: which is unknown
+    own = nodes[index] if len(nodes) == n else None
+    here = env.get("SLURMD_NODENAME")
+    if own is not None and here is not None and here.strip() != own:
+        raise ValueError(
+            f"SLURM_PROCID={env['SLURM_PROCID']!r} is node {own!r} of SLURM_STEP_NODELIST="
+            f"{env['SLURM_STEP_NODELIST']!r} (one task per node, task K on node K), but "
+            f"SLURMD_NODENAME={here!r}: allowed, the task's own node's place in that list"
+        )
     names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NODELIST")
-    return _found("slurm", env, names, index, n, nodes[0], engines)
+    found = _found("slurm", env, names, index, n, nodes[0], engines)
+    leader_from = "SLURM_STEP_NODELIST (task 0's node)"
+    return dataclasses.replace(
+        found, index_from="SLURM_PROCID", own_host=own, leader_from=leader_from
+    )
 
 
 def nodelist(text: str | None, name: str = "SLURM_STEP_NODELIST") -> list[str]:

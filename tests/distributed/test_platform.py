@@ -1,15 +1,22 @@
 """The same command on every host: the platform's environment gives this process's index, the
-coordinator, the replicas' URLs and the weight source; the flags given win; bad values are
-refused naming the variable. Pure: env dicts, no jax, no sockets."""
+coordinator, the replicas' URLs and the weight source; the flags given win; bad, partial or
+contradictory values are refused naming the variable. Env dicts and a stand-in resolver (names
+map to addresses here or elsewhere), no jax, no DNS: each test takes milliseconds."""
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import re
+import socket
+import subprocess
 import sys
 
 import gin
 import pytest
 
 from jaxrl_orch import train
+from jaxrl_orch.distributed import hostcheck
 from jaxrl_orch.distributed.platform import detect, nodelist, resolve_flags
 
 JOBSET = {"JOBSET_NAME": "run1", "JOB_INDEX": "0", "JOB_COMPLETION_INDEX": "0"}
@@ -17,6 +24,46 @@ TRAINER = {**JOBSET, "REPLICATED_JOB_NAME": "trainer"}
 WORKERS = "w-0.slice,w-1.slice,w-2.slice,w-3.slice"
 R1 = "http://run1-engine-0-0.run1:50051"
 R2 = "http://run1-engine-1-0.run1:50051"
+FAR = "203.0.113.7"  # an address of no host here (TEST-NET-3, for documentation)
+
+
+class Names:
+    """A resolver standing in for DNS: every name is this host (127.0.0.1) unless ``table``
+    maps it to another address, or to None (it does not resolve); an IP address is itself.
+    Its clock steps by the seconds slept, so a wait of minutes takes none."""
+
+    def __init__(self, monkeypatch):
+        self.table: dict[str, str | None] = {}
+        self.asked: list[str] = []
+        self.clock = 0.0
+        monkeypatch.setattr(hostcheck, "addresses", self)
+        monkeypatch.setattr(hostcheck, "_now", lambda: self.clock)
+        monkeypatch.setattr(hostcheck, "_sleep", self._sleep)
+
+    def __call__(self, host: str) -> set[str]:
+        self.asked.append(host)
+        try:
+            literal = bool(ipaddress.ip_address(host))
+        except ValueError:
+            literal = False
+        address = self.table.get(host, host if literal else "127.0.0.1")
+        if address is None:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return {address}
+
+    def _sleep(self, seconds: float) -> None:
+        self.clock += seconds
+
+
+@pytest.fixture(autouse=True)
+def names(monkeypatch):
+    """The stand-in resolver; the indices this process claims are let go after each test."""
+    claims: dict[str, socket.socket] = {}
+    monkeypatch.setattr(hostcheck, "_CLAIMS", claims)
+    yield Names(monkeypatch)
+    for held in claims.values():
+        held.close()
+
 
 # (env, P, R) -> (platform, K, processes, coordinator, replica URLs, weight source)
 CASES = {
@@ -179,14 +226,203 @@ REFUSED = {
     "JAX_PROCESS_ID='-1'": ({"JAX_PROCESS_ID": "-1"}, 2, 1),
     "JAX_NUM_PROCESSES='2' is not 3": ({"JAX_PROCESS_ID": "0", "JAX_NUM_PROCESSES": "2"}, 2, 1),
     "JAX_COORDINATOR_ADDRESS='host'": ({"JAX_COORDINATOR_ADDRESS": "host"}, 2, 1),
+    # an index past the count
+    "TPU_WORKER_ID='4' is not 0..3": (
+        {"TPU_WORKER_ID": "4", "TPU_WORKER_HOSTNAMES": WORKERS},
+        3,
+        1,
+    ),
+    "SLURM_PROCID='3' is not 0..2": (
+        {"SLURM_PROCID": "3", "SLURM_NTASKS": "3", "SLURM_STEP_NODELIST": "n[1-3]"},
+        2,
+        1,
+    ),
+    # partial: one variable of a pair
+    "TPU_WORKER_HOSTNAMES is not set but TPU_WORKER_ID='1' is": ({"TPU_WORKER_ID": "1"}, 2, 0),
+    # contradictory: a host listed twice, a task on another node than its index says
+    "names 'w-1' as workers [1, 3]": (
+        {"TPU_WORKER_ID": "0", "TPU_WORKER_HOSTNAMES": "w-0,w-1,w-2,w-1"},
+        3,
+        1,
+    ),
+    "is node 'gpu08' of SLURM_STEP_NODELIST='gpu[07-09]' (one task per node, task K on node K), "
+    "but SLURMD_NODENAME='gpu07'": (
+        {
+            "SLURM_PROCID": "1",
+            "SLURM_NTASKS": "3",
+            "SLURM_STEP_NODELIST": "gpu[07-09]",
+            "SLURMD_NODENAME": "gpu07",
+        },
+        2,
+        1,
+    ),
 }
 
 
 @pytest.mark.parametrize("message", REFUSED)
 def test_bad_values_are_refused_naming_the_variable_and_value(message):
     env, p, r = REFUSED[message]
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         detect(env, p, r)
+
+
+EXPLICIT = {"JAX_PROCESS_ID": "1", "JAX_COORDINATOR_ADDRESS": "nohost.invalid:1234"}
+WORKER_1 = {"TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": WORKERS}
+NODES = {"SLURM_PROCID": "2", "SLURM_NTASKS": "3", "SLURM_STEP_NODELIST": "a[1-3]"}
+
+# (env, flags, P, R, what the resolver says) -> the line, before any work
+HOSTS_REFUSED = {
+    "JAX_PROCESS_ID is not set, nor --process_index, but explicit "
+    "(JAX_COORDINATOR_ADDRESS=10.0.0.5:1234) is: each process needs its own, this process's "
+    "index: 0..1 train, 2..2 serve": ({"JAX_COORDINATOR_ADDRESS": "10.0.0.5:1234"}, (), 2, 1, {}),
+    "JAX_COORDINATOR_ADDRESS is not set, nor --coordinator_address, but explicit "
+    "(JAX_PROCESS_ID=1) is: trainer process 1 joins": ({"JAX_PROCESS_ID": "1"}, (), 2, 1, {}),
+    # a coordinator that does not resolve, from each source
+    "JAX_COORDINATOR_ADDRESS='nohost.invalid:1234': host 'nohost.invalid' does not resolve "
+    "(Name or service not known, tried for 5 s)": (EXPLICIT, (), 2, 0, {"nohost.invalid": None}),
+    "JOBSET_NAME='run1' (trainer 0's pod): host 'run1-trainer-0-0.run1' does not resolve "
+    "(Name or service not known, tried for 300 s)": (
+        {**TRAINER, "JOB_COMPLETION_INDEX": "1"},
+        (),
+        2,
+        1,
+        {"run1-trainer-0-0.run1": None},
+    ),
+    "--coordinator_address: host 'gone' does not resolve": (
+        WORKER_1,
+        ("--coordinator_address=gone:8476",),
+        3,
+        1,
+        {"gone": None},
+    ),
+    "SLURM_STEP_NODELIST (task 0's node): host 'a1' does not resolve": (
+        NODES,
+        (),
+        2,
+        1,
+        {"a1": None},
+    ),
+    # two processes claiming one index: the host the platform names for it is another's
+    "TPU_WORKER_ID=1 puts this process on 'w-1.slice' (203.0.113.7), which is not this host: "
+    "two processes would claim index 1": (WORKER_1, (), 3, 1, {"w-1.slice": FAR}),
+    "JOB_COMPLETION_INDEX=0 puts this process on 'run1-trainer-0-0.run1' (203.0.113.7)": (
+        TRAINER,
+        (),
+        2,
+        1,
+        {"run1-trainer-0-0.run1": FAR},
+    ),
+    "JOB_INDEX=3 puts this process on 'run1-engine-1-0.run1'": (
+        {**JOBSET, "REPLICATED_JOB_NAME": "engine", "JOB_INDEX": "1"},
+        (),
+        2,
+        2,
+        {"run1-engine-1-0.run1": FAR},
+    ),
+    "SLURM_PROCID=2 puts this process on 'a3'": (NODES, (), 2, 1, {"a3": FAR}),
+    "JAX_PROCESS_ID=0 puts this process on '203.0.113.7'": (
+        {"JAX_PROCESS_ID": "0", "JAX_COORDINATOR_ADDRESS": f"{FAR}:8476"},
+        (),
+        2,
+        0,
+        {},
+    ),
+    "--coordinator_address: '203.0.113.7:8476' (203.0.113.7) is not this host, but trainer "
+    "process 0 runs the coordinator there": (
+        {**TRAINER, "JOB_COMPLETION_INDEX": "1"},
+        ("--process_index=0", f"--coordinator_address={FAR}:8476"),
+        2,
+        1,
+        {},
+    ),
+}
+
+
+@pytest.mark.parametrize("message", HOSTS_REFUSED)
+def test_partial_unresolvable_or_contradictory_platforms_are_refused(names, message):
+    env, flags, p, r, table = HOSTS_REFUSED[message]
+    names.table.update(table)
+    with pytest.raises(ValueError) as refused:
+        resolve_flags(_args(*flags), env, p, r)
+    line = str(refused.value)
+    assert message in line and "\n" not in line
+
+
+def test_a_jobsets_pod_names_are_waited_for_as_its_pods_start(names, monkeypatch, capsys):
+    """Trainer 0's pod may start last: its name is looked up again each second, up to jax's
+    own 300 s, and a name that appears in time is taken."""
+    names.table["run1-trainer-0-0.run1"] = None
+    with pytest.raises(ValueError, match="tried for 300 s"):
+        resolve_flags(_args(), {**TRAINER, "JOB_COMPLETION_INDEX": "1"}, 2, 1)
+    assert names.clock >= 300 and names.asked.count("run1-trainer-0-0.run1") > 250
+    assert capsys.readouterr().out == ""  # refused before the platform line: no work began
+    names.asked.clear()
+    names.clock = 0.0
+
+    def appears(host):  # trainer 0's name, from its 21st look-up on
+        if host == "run1-trainer-0-0.run1" and names.asked.count(host) >= 20:
+            names.table[host] = "10.0.0.4"
+        return names(host)
+
+    monkeypatch.setattr(hostcheck, "addresses", appears)
+    args = resolve_flags(_args(), {**TRAINER, "JOB_COMPLETION_INDEX": "1"}, 2, 1)
+    assert args.process_index == 1 and 20 <= names.clock < 22
+
+
+HOLD = """
+import sys, time
+from jaxrl_orch.distributed.hostcheck import claim_index
+claim_index("run1-trainer-0-0.run1:8476", 1, "JOB_COMPLETION_INDEX")
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets")
+def test_a_second_process_on_this_host_claiming_an_index_is_refused_naming_the_first():
+    """Two processes on one host both told they are trainer 1 (the pid is the first's); once
+    the first exits, however it exits, the index is free again."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, env=env)
+    try:
+        assert first.stdout.readline() == b"held\n"
+        pod_1 = {**TRAINER, "JOB_COMPLETION_INDEX": "1"}
+        with pytest.raises(ValueError) as refused:
+            resolve_flags(_args(), pod_1, 2, 1)
+        assert str(refused.value) == (
+            "JOB_COMPLETION_INDEX=1: process 1 of the run at run1-trainer-0-0.run1:8476 already "
+            f"runs on this host (pid {first.pid}); allowed: an index no other process of the "
+            "run holds"
+        )
+        resolve_flags(_args(), {**TRAINER, "JOB_COMPLETION_INDEX": "0"}, 2, 1)  # another index
+    finally:
+        first.kill()
+        first.wait()
+    assert resolve_flags(_args(), pod_1, 2, 1).process_index == 1
+    assert resolve_flags(_args(), pod_1, 2, 1).process_index == 1  # this process holds it
+
+
+def test_this_hosts_addresses_are_told_from_anothers():
+    """The real probe: a bind to an address of this host succeeds, to another's it fails."""
+    assert hostcheck.is_here({"127.0.0.1"}) and not hostcheck.is_here({FAR})
+    assert not hostcheck.is_here(set())
+
+
+def test_the_command_refuses_a_contradictory_platform_in_one_line(
+    no_run, names, monkeypatch, capsys
+):
+    for name, value in WORKER_1.items():
+        monkeypatch.setenv(name, value)
+    names.table["w-1.slice"] = FAR
+    layout = [
+        "--gin_param=Processes.trainer_processes = 3",
+        "--gin_param=Processes.engine_replicas = 1",
+    ]
+    assert train.main(["--defaults", *layout]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith("error: TPU_WORKER_ID=1 puts this process on 'w-1.slice'")
 
 
 def test_replicas_nobody_names_are_refused_naming_the_flag():
