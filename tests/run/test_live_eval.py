@@ -8,7 +8,7 @@ the evaluation is done. While it trains, an outside evaluator, in a thread of it
 the run's port the way harnesses do, with nothing handed out (``Engine.serve_control`` unset):
 
 - the official ``openai`` client scores the same prompts over and over (``echo`` +
-  ``logprobs``, ``max_tokens`` 0, lm-eval's log-likelihood request) until it has seen three
+  ``logprobs`` as lm-eval's log-likelihood request, with ``max_tokens`` 0) until it has seen three
   policy versions. Each reply's ``prompt_policy_version`` lies between ``/health``'s version
   just before the request and just after the reply (a version the run had published then, no
   snapshot and no future one); two replies at one version hold the same log-probs, at two
@@ -20,11 +20,12 @@ the run's port the way harnesses do, with nothing handed out (``Engine.serve_con
   has no new batch, so the version stays still), scores the task's sequences with the client
   before and after lm-eval, and holds lm-eval's numbers equal to them (2e-5 per token: the same
   program on the same params; lm-eval sends ids and ``max_tokens`` 1), and unequal to the
-  version-0 scores.
+  scores of the first version the client saw.
 - ``/v1/models`` names the version decoding now and the longest prompt; ``POST /pause`` is
   refused (403) while every eval route answers 200.
 
-The run then trains on: its rows hold every version the evaluator saw, one step each.
+The run then trains on until the stop: one row per step, none twice, the last at least the
+newest version the evaluator saw.
 """
 
 from __future__ import annotations
