@@ -6,6 +6,11 @@ middleware counting every response by path and status, the guard's refusals incl
 ``ops_routes(host, metrics)``: ``GET /v1/models``, the contract's ``HEALTH`` (``contract``),
 ``GET /metrics``.
 
+The model card is vLLM's (``max_model_len``) plus two extras an eval harness sizes and labels
+its run with: ``max_prompt_len`` (the longest prompt one prefill takes, what lm-eval's
+``max_length`` must not pass) and ``policy_version`` (the params version decoding now, -1
+before the first weights; on a training run's live server it moves with every weight swap).
+
 Invariants: the gauges are read from the host and its driver at scrape time (the driver keeps
 them; nothing here runs in the background); the health route answers 200 whether or not the
 host holds weights (``ready`` False and ``version`` -1 before the first update); a route label
@@ -117,6 +122,8 @@ def ops_routes(host: EngineHost, metrics: Metrics) -> APIRouter:
             "root": host.model,
             "parent": None,
             "max_model_len": host.max_model_len,
+            "max_prompt_len": host.max_prompt_len,
+            "policy_version": host.version,
         }
         return {"object": "list", "data": [card]}
 

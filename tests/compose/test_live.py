@@ -53,9 +53,12 @@ def test_the_live_server_answers_with_the_version_the_trainer_swapped_in(driver)
         assert server.url.startswith("http://127.0.0.1:")
         models = httpx.get(f"{server.url}/v1/models").json()["data"]
         assert [m["id"] for m in models] == [cfg.model.name]
+        assert models[0]["policy_version"] == 0
         first = _generate(server.url, cfg.model.name)
         assert first["token_ids"] == [6, 7, 8] and first["policy_versions"] == [0, 0, 0]
         driver.swap_params(1, 1).result(timeout=30)  # what the weight path does after a step
+        (card,) = httpx.get(f"{server.url}/v1/models").json()["data"]
+        assert card["policy_version"] == 1  # what an eval harness labels its run with
         second = _generate(server.url, cfg.model.name)
         assert second["token_ids"] == [7, 9, 11] and second["policy_versions"] == [1, 1, 1]
     finally:

@@ -76,6 +76,9 @@ def test_models_card_names_the_model_and_its_context(served):
     (card,) = served.client.get("/v1/models").json()["data"]
     assert card["id"] == MODEL and card["object"] == "model"
     assert card["max_model_len"] == served.host.max_model_len == 64
+    # the longest prompt one prefill takes: what lm-eval's max_length must not pass
+    assert card["max_prompt_len"] == served.host.max_prompt_len == 16
+    assert card["policy_version"] == served.host.version == 3
 
 
 @pytest.mark.parametrize(
