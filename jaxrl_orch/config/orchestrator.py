@@ -23,6 +23,11 @@ import dataclasses
 from jaxrl_orch.settings import Allowed, check_settings, require, setting
 
 AGE_POLICIES = ("admit", "drop", "pace")
+# A stop's bound after its drain: the train step in flight and the checkpoint write. The
+# 8B-LoRA v5e-8 state (adapters and their Adam moments, ~0.5 GB) is written in well under this
+# (docs/faults.md, "The notice is enough"). A GKE pod's grace period and the run's own report
+# of a stop both read it.
+SAVE_AFTER_DRAIN_S = 15.0
 _SECONDS_OR_OFF = Allowed.above(0).or_none()
 
 
@@ -78,7 +83,11 @@ class OrchestratorConfig:
         _SECONDS_OR_OFF,
     )
     drain_timeout_s: float = setting(
-        60.0, "after SIGTERM: in-flight work still running past it is cancelled", Allowed.above(0)
+        15.0,
+        "after SIGTERM: in-flight work still running past it is cancelled (sent again after the "
+        "restart; the rollout journal keeps what finished); 15 s leaves a 30 s preemption notice "
+        "room for the step in flight and the checkpoint",
+        Allowed.above(0),
     )
     loop_block_warn_s: float | None = setting(
         2.0,

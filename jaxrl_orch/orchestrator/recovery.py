@@ -105,7 +105,7 @@ def plan(
     for (o, i), r in replay.done.items():
         members[o][i] = r
     consumed = {**replay.shipped, **replay.dropped}
-    for o in sorted(set(members) | {o for o in replay.opens if o < next_ordinal}):
+    for o in sorted(set(members) | set(replay.opens)):
         _plan_group(
             rec,
             replay,

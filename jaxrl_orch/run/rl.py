@@ -140,6 +140,7 @@ async def _lead(
     summary = rl_summary(parts.workdir, cfg, names, orch, (trainer.version, start_step, secs))
     summary.update(side.summary())
     summary.update(restart.summary())
+    summary["stop"] = stop.report(cfg.orchestrator.drain_timeout_s)
     exported = export_policy(parts, **policy) if cfg.outputs.export_hf else None
     summary["export_dir"] = None if exported is None else str(exported)
     return summary

@@ -23,9 +23,9 @@ is required: a fresh random one goes in a Secret mounted read-only (mode 0400) w
 ``--api_key_file`` reads it, never in the JobSet or on a command line. The workdir must be
 ``gs://`` (every pod reads and writes it). A preemption is a SIGTERM with the pod's grace
 period: ``terminationGracePeriodSeconds`` is the run's drain bound plus the time to write its
-checkpoint (``_SAVE_S``); after a failure the whole JobSet restarts (``failurePolicy``), up
-to ``--max_restarts`` times, and the run resumes from its workdir. ``--queue`` adds Kueue's
-queue label.
+checkpoint (``config.orchestrator.SAVE_AFTER_DRAIN_S``); after a failure the whole JobSet
+restarts (``failurePolicy``), up to ``--max_restarts`` times, and the run resumes from its
+workdir. ``--queue`` adds Kueue's queue label.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from typing import Any
 import yaml
 
 from jaxrl_orch.config.load import load_config
+from jaxrl_orch.config.orchestrator import SAVE_AFTER_DRAIN_S
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.platform import (
     COORDINATOR_PORT,
@@ -62,7 +63,6 @@ ACCELERATORS = {
 }
 _TOPOLOGY = re.compile(r"^(v5e|v6e|v5p):(\d+(?:x\d+){1,2})$")
 _KEY_DIR = "/var/run/jaxrl"
-_SAVE_S = 30  # a checkpoint write after the drain: the 8B-LoRA adapters and their moments
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
 
 
@@ -116,7 +116,7 @@ def manifests(
         )
     command = ["python", "-m", "jaxrl_orch.train", *train_args, f"--workdir={workdir}"]
     command.append(f"--api_key_file={_KEY_DIR}/key")
-    grace = math.ceil(cfg.orchestrator.drain_timeout_s) + _SAVE_S
+    grace = math.ceil(cfg.orchestrator.drain_timeout_s + SAVE_AFTER_DRAIN_S)
     pod = _Pod(name, image, command, grace)
     jobs = [_replicated(TRAINER_JOB, 1, trainer, pod)]
     if p.engine_replicas:

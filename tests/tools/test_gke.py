@@ -57,7 +57,7 @@ def test_the_v5e_16_slice_is_one_trainer_job_of_four_hosts_and_two_engine_jobs()
     assert not any(a.startswith(("--process_index", "--coordinator")) for a in command)
     for job in (trainer, engine):
         pod = _pod(job)
-        assert pod["terminationGracePeriodSeconds"] == cfg.orchestrator.drain_timeout_s + 30
+        assert pod["terminationGracePeriodSeconds"] == cfg.orchestrator.drain_timeout_s + 15
         assert pod["restartPolicy"] == "Never" and job["template"]["spec"]["backoffLimit"] == 0
         assert pod["volumes"][0]["secret"] == {"secretName": "rl-16-key", "defaultMode": 0o400}
     assert js["spec"]["network"] == {"enableDNSHostnames": True, "subdomain": "rl-16"}
