@@ -39,6 +39,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
@@ -47,6 +48,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.typing import DTypeLike  # noqa: E402
 
+from jaxrl_orch.compose.compile_cache import use_compile_cache  # noqa: E402
 from jaxrl_orch.compose.engines import build_engine  # noqa: E402
 from jaxrl_orch.compose.model import model_config, tokenizer_spec  # noqa: E402
 from jaxrl_orch.compose.placement import Placement, build_placement  # noqa: E402
@@ -321,11 +323,18 @@ def main(argv: list[str] | None = None) -> int:
                     f"{chip} slice like Processes.tpu_topology {topology!r}: the report compares "
                     "every program against one chip's HBM"
                 )
+        # The run's own cache setting: a second compile of the same composition loads its
+        # programs (docs/faults.md, "A restart's cost").
+        cache = use_compile_cache(cfg.processes.compile_cache)
+        t0 = time.perf_counter()
         programs, info = compile_all(cfg, devices, replica_devices)
+        compile_s = time.perf_counter() - t0
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report = aot_report.build_report(topology, chip, programs, info, args.max_fraction)
+    report["compile_s"] = round(compile_s, 2)
+    report["compile_cache"] = cache.summary()
     if args.json:
         print(json.dumps(report, indent=1, sort_keys=True))
     else:

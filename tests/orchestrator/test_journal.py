@@ -256,3 +256,19 @@ def test_age_policies_resume_without_training_twice(tmp_path, policy):
     counts, drawn, _ = _crash_and_resume(tmp_path, age_policy=policy)
     assert max(counts.values()) == 1
     assert _unfinished(counts, drawn) == [] or policy == "drop"
+
+
+def test_a_rollout_comes_back_as_it_landed_numpy_ids_and_missing_logprobs_included(tmp_path):
+    r = _done(0, 1, 3)
+    r.token_ids = list(np.array([5, 6], np.int32))
+    r.logprobs = [0.0, float("nan")]  # an engine that reported none: the trainer recomputes it
+    j = _journal(tmp_path)
+    j.opened("sim", 0, {"id": 1})
+    j.landed([r])
+    j.close()
+    replay = RolloutJournal(tmp_path / "journal").replay()
+    rec = plan(replay, version=4, max_staleness=1, next_ordinal=1, group_size=GROUP)
+    back = rec.kept[0][1]
+    assert back.token_ids == [5, 6] and back.loss_mask == [False, True]
+    assert back.logprobs[0] == 0.0 and np.isnan(back.logprobs[1])
+    assert (back.versions, back.reward, back.num_turns) == ([-1, 3], 1.0, 1)

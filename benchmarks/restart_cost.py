@@ -1,0 +1,85 @@
+"""Benchmark: what a restart of the main job costs, cold vs warm compilation cache, back to back.
+
+What it measures: the main job (``configs/reverse_text.gin``, its warm-up cut to ``--sft``
+steps so the preparation is short) is run to RL step ``--steps`` once (not timed), leaving a
+checkpoint. Two copies of that workdir are then resumed by the same command to one more step:
+the first on an empty compilation cache (cold: every program compiles), the second on the
+cache the first filled (warm). Each resume's own report (``summary.json["restart"]``) gives the
+seconds from the command's start to its first rollout and to its first train step; the ratio
+warm / cold is the figure (goal: at most 1/3).
+
+How to run
+    python benchmarks/restart_cost.py            # ~3 min on 2 CPU cores
+    python benchmarks/restart_cost.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _train(workdir: Path, cache: Path, steps: int, sft: int) -> dict:
+    params = [
+        f"Warmup.steps = {sft}",
+        f"RL.steps = {steps}",
+        "Outputs.export_hf = False",
+        f"Processes.compile_cache = '{cache}'",
+    ]
+    cmd = [sys.executable, "-m", "jaxrl_orch.train", "--gin_file=configs/reverse_text.gin"]
+    cmd += [f"--workdir={workdir}", *(f"--gin_param={p}" for p in params)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if res.returncode:
+        raise SystemExit(f"train exited {res.returncode}: {res.stderr[-2000:]}")
+    summary = json.loads((workdir / "summary.json").read_text())
+    return {**summary["restart"], "compile_cache": summary["compile_cache"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=2, help="RL steps before the restart")
+    ap.add_argument("--sft", type=int, default=2, help="warm-up steps of the preparation")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        _train(t / "base", t / "prep_cache", args.steps, args.sft)
+        runs = {}
+        for kind in ("cold", "warm"):
+            shutil.copytree(t / "base", t / kind)
+            runs[kind] = _train(t / kind, t / "cache", args.steps + 1, args.sft)
+    cold, warm = runs["cold"], runs["warm"]
+    out = {
+        "cold": cold,
+        "warm": warm,
+        "first_rollout_ratio": round(warm["first_rollout_s"] / cold["first_rollout_s"], 3),
+        "first_step_ratio": round(warm["first_step_s"] / cold["first_step_s"], 3),
+    }
+    if args.json:
+        print(json.dumps(out))
+        return
+    for kind, r in runs.items():
+        c = r["compile_cache"]
+        print(
+            f"{kind}: first rollout {r['first_rollout_s']:.1f} s, first train step "
+            f"{r['first_step_s']:.1f} s after the command started ({c['hits']} hits, "
+            f"{c['misses']} misses)"
+        )
+    print(
+        f"warm / cold: first rollout {out['first_rollout_ratio']:.2f}x, first train step "
+        f"{out['first_step_ratio']:.2f}x (goal: <= 0.33x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
