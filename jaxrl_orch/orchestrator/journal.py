@@ -1,7 +1,7 @@
 """RolloutJournal: every finished train rollout on disk as it lands, so a restart loses none.
 
 What it owns: the files under ``<workdir>/rollouts/journal/``, one per start of the run
-(``epoch_<n>.jsonl``), and the three kinds of line the loop appends to the newest:
+(``epoch_<n>.jsonl``), and the four kinds of line the loop appends to the newest:
 
 - ``open``: a train group was drawn from the data: its ordinal in the data order (the
   ``train_groups`` counter a checkpoint saves), its env and its example (JSON), so a restart
@@ -25,9 +25,9 @@ bytes when ``landed`` returns; ``sync`` fsyncs them, at each checkpoint and at t
 at each ``sync``, so a kill -9 there loses what landed since the last checkpoint (a SIGTERM
 does not: the drain ends with a sync).
 
-Bad input, counted (``problems``) and named once per file, never fatal: a torn last line (the
-kill), a line that is not JSON or not a record, a ``done`` from a version the epoch line says
-was lost.
+Bad input, counted (``problems``; the first bad line named), never fatal: a torn last line
+(the kill), a line that is not JSON or not a record, a ``done`` from a version an epoch line
+says was lost (``future``).
 
 Who drives it: the loop (``landed`` per train episode; ``sync`` in ``checkpoint_state`` and at
 shutdown), the shipper (``shipped``), the dispatcher's admission (``opened``, through a callable),

@@ -19,8 +19,8 @@ The rule, for the run restarting from trainer version ``v`` with the data cursor
   ``o >= T`` when the data order draws the ordinal again (its example must hash the same, or
   the kept rollouts are not used: ``mismatched``);
 - a group that cannot complete (no copy of its example to send again: ``unsendable``) is
-  dropped whole and counted; so are records a ``done`` from a lost version (``future``, counted
-  by the replay's purge).
+  dropped whole and counted; a ``done`` from a lost version is forgotten and counted
+  (``future``, by the replay's purge), and its member runs again.
 
 Pure: no I/O, no asyncio.
 """
