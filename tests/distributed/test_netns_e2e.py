@@ -38,7 +38,7 @@ PODS = {
     "engine-0": ("engine", 0, 0),
     "engine-1": ("engine", 1, 0),
 }
-Table = set[tuple[str, str, int, str, int]]
+Table = netns.Table
 
 
 def pod_name(host: str) -> str:
@@ -91,7 +91,7 @@ def _run(hosts: netns.Hosts, cmd: list[str], logs: Path) -> dict[str, Table]:
     deadline = time.monotonic() + 600
     while any(p.poll() is None for p in trainers) and time.monotonic() < deadline:
         for host, proc in procs.items():
-            seen[host] |= hosts.sockets(proc)
+            seen[host] |= hosts.sockets(host, proc)
         if any(p.poll() not in (None, 0) for p in procs.values()):
             break
         time.sleep(0.5)
@@ -115,14 +115,9 @@ def _tails(logs: Path) -> str:
 def _check_sockets(seen: Mapping[str, Table], address: Mapping[str, str]) -> None:
     """Every listener on its own host's address; every connection from its host's address to
     another host's (a loopback or wildcard end at either side would be an address of no host)."""
-    run = set(address.values())
+    assert netns.misplaced(seen, address) == dict.fromkeys(seen, []), address
     for host, table in seen.items():
-        own = address[host]
-        listening = {(a, port) for state, a, port, _, _ in table if state == "LISTEN"}
-        assert listening and {a for a, _ in listening} == {own}, (host, own, sorted(listening))
-        links = {row for row in table if row[0] != "LISTEN"}
-        strays = {row for row in links if row[1] != own or row[3] not in run}
-        assert not strays, (host, own, sorted(strays))
+        assert any(row[0] == "LISTEN" for row in table), (host, table)
     # The run's traffic crossed hosts: the group's coordinator, the weight pulls, the requests.
     leader = address["trainer-0"]
     assert any(r[3:] == (leader, COORDINATOR_PORT) for r in seen["trainer-1"]), seen["trainer-1"]

@@ -7,7 +7,8 @@ and a switch namespace holding the bridge every host's other end is attached to.
 added to this machine's own namespace, so no traffic leaves the namespaces the test made, and
 two tests at once each get a switch of their own. Each host's names resolve in every namespace
 through ``/etc/netns/NS/hosts`` (``ip netns exec`` mounts it over ``/etc/hosts``), as a pod's
-names resolve in a JobSet's headless service. ``popen`` starts a command on a host, its
+names resolve in a JobSet's headless service (``hostname_at`` puts a host's own hostname
+elsewhere, as Debian's 127.0.1.1). ``popen`` starts a command on a host, its
 hostname (a UTS namespace of its own) its first name's first label, as a pod's is.
 ``close`` stops what is still running there and removes the namespaces and their files, however
 the test ended. Needs root and iproute2's ``ip``; ``unavailable`` says why not, for a skip.
@@ -47,6 +48,23 @@ def _endpoint(text: str) -> tuple[str, int]:
     return str(ip), int(port, 16)
 
 
+Table = set[tuple[str, str, int, str, int]]  # (state, local address, port, remote, port)
+
+
+def misplaced(seen: Mapping[str, Table], address: Mapping[str, str]) -> dict[str, list]:
+    """Per host, the sockets of its table (``seen``) not on its own address (``address``): a
+    listener elsewhere (every interface, a loopback address), a connection with an end that is
+    no host's address (a loopback one included). Empty lists where all is well."""
+    run = set(address.values())
+    found = {}
+    for host, table in seen.items():
+        own = address[host]
+        found[host] = sorted(
+            row for row in table if row[1] != own or (row[0] != "LISTEN" and row[3] not in run)
+        )
+    return found
+
+
 def unavailable() -> str | None:
     """Why namespaces cannot be made here, or None."""
     if os.geteuid() != 0:
@@ -67,10 +85,11 @@ def _ip(*args: str) -> None:
 class Hosts:
     """Namespaces named for the hosts ``names`` (host -> its names, the first its hostname's)."""
 
-    def __init__(self, names: Mapping[str, Sequence[str]]) -> None:
+    def __init__(self, names: Mapping[str, Sequence[str]], hostname_at: str | None = None) -> None:
         tag = uuid.uuid4().hex[:6]
         self.switch = f"jx{tag}-sw"
         self.names = {host: list(n) for host, n in names.items()}
+        self.hostname_at = hostname_at
         self.ns = {host: f"jx{tag}-{i}" for i, host in enumerate(names)}
         hosts = list(NETWORK.hosts())
         self.address = {host: str(hosts[i]) for i, host in enumerate(names)}
@@ -112,12 +131,14 @@ class Hosts:
             (NETNS_ETC / ns / "hosts").write_text(self._table(host))
 
     def _table(self, here: str) -> str:
-        """``/etc/hosts`` on host ``here``: every host's names, and its own hostname (a pod's
-        own name resolves to its address there; another pod's bare hostname does not)."""
+        """``/etc/hosts`` on host ``here``: every host's names, and its own hostname, at its
+        address as in a pod (another pod's bare hostname does not resolve there), or at
+        ``hostname_at`` (Debian writes 127.0.1.1)."""
         lines = ["127.0.0.1 localhost"]
         for host, names in self.names.items():
-            own = [names[0].split(".")[0]] if host == here else []
-            lines.append(" ".join([self.address[host], *names, *own]))
+            lines.append(" ".join([self.address[host], *names]))
+        hostname = self.names[here][0].split(".")[0]
+        lines.append(f"{self.hostname_at or self.address[here]} {hostname}")
         return "\n".join(lines) + "\n"
 
     def popen(self, host: str, cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:
@@ -129,21 +150,32 @@ class Hosts:
         self.procs.append(proc)
         return proc
 
-    def sockets(self, proc: subprocess.Popen) -> set[tuple[str, str, int, str, int]]:
-        """The TCP socket table of the host ``proc`` runs on, now (empty once it exited):
-        ``(state, local address, port, remote address, port)``. Read from the kernel's table
-        of its namespace (``/proc/PID/net/tcp``; psutil reads the caller's)."""
+    def sockets(self, host: str, proc: subprocess.Popen) -> Table:
+        """The TCP socket table of ``host``, read through ``proc`` running there (empty once it
+        exited): ``(state, local address, port, remote address, port)``. Read from the kernel's
+        table of its namespace (``/proc/PID/net/tcp``; psutil reads the caller's). A process
+        that has exited shows another namespace's table there, so the read counts only when
+        ``proc`` is in ``host``'s namespace before and after it."""
         found = set()
         for name in ("tcp", "tcp6"):
+            if not self._inside(host, proc):
+                return set()
             try:
                 lines = Path(f"/proc/{proc.pid}/net/{name}").read_text().splitlines()[1:]
             except OSError:
-                continue
+                return set()
             for line in lines:
                 fields = line.split()
                 local, remote = _endpoint(fields[1]), _endpoint(fields[2])
                 found.add((TCP_STATES.get(fields[3], fields[3]), *local, *remote))
-        return found
+        return found if self._inside(host, proc) else set()
+
+    def _inside(self, host: str, proc: subprocess.Popen) -> bool:
+        try:
+            now = os.stat(f"/proc/{proc.pid}/ns/net").st_ino
+            return now == os.stat(f"/run/netns/{self.ns[host]}").st_ino
+        except OSError:
+            return False
 
     def close(self) -> None:
         for proc in self.procs:
