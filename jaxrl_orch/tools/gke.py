@@ -24,8 +24,9 @@ is required: a fresh random one goes in a Secret mounted read-only (mode 0400) w
 ``gs://`` (every pod reads and writes it). A preemption is a SIGTERM with the pod's grace
 period: ``terminationGracePeriodSeconds`` is the run's drain bound plus the time to write its
 checkpoint (``_SAVE_S``); after a failure the whole JobSet restarts (``failurePolicy``), up
-to ``--max_restarts`` times, and the run resumes from its workdir. ``--queue`` adds Kueue's
-queue label.
+to ``--max_restarts`` times, and the run resumes from its workdir. The JobSet succeeds when the
+trainer job does (``successPolicy``): the replicas' jobs, which serve until stopped, are then
+deleted. ``--queue`` adds Kueue's queue label.
 """
 
 from __future__ import annotations
@@ -140,6 +141,10 @@ def manifests(
         "spec": {
             "network": {"enableDNSHostnames": True, "subdomain": name},
             "failurePolicy": {"maxRestarts": max_restarts},
+            # Done when the trainer group is: replicas serve until stopped, so JobSet's default
+            # (every job completes) would hold their slices forever. On completion JobSet
+            # deletes the jobs still running: the replicas get SIGTERM and drain.
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": [TRAINER_JOB]},
             "replicatedJobs": jobs,
         },
     }

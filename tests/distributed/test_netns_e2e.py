@@ -147,10 +147,15 @@ def test_two_trainer_hosts_and_two_replica_hosts_under_a_jobset_match_one_proces
     assert_same_run(tmp_path / "single", workdir, 2, _tails(logs))
     for host, (job, i, j) in PODS.items():
         k = j if job == "trainer" else 2 + i
-        line = next(x for x in (logs / f"{host}.log").read_text().splitlines() if "platform" in x)
+        log = (logs / f"{host}.log").read_text()
+        line = next(x for x in log.splitlines() if "platform" in x)
         assert line.startswith(
             f"== platform: gke-jobset (JOBSET_NAME={JOBSET}, REPLICATED_JOB_NAME={job}, "
             f"JOB_INDEX={i}, JOB_COMPLETION_INDEX={j}): process {k}, coordinator "
             f"{JOBSET}-trainer-0-0.{JOBSET}:{COORDINATOR_PORT}, "
         ), line
+        if job == "trainer":  # the listener no flag names: on the address of the pod's name
+            listen = f"[process {k}] the trainer group's collectives listen on "
+            where = f"{listen}{hosts.address[host]} (--host_address, or the platform"
+            assert where in log, log[-3000:]
     _check_sockets(seen, hosts.address)
