@@ -61,6 +61,7 @@ from jaxrl_orch.config import listing
 from jaxrl_orch.config.load import load_config
 from jaxrl_orch.config.rl import RLSettings
 from jaxrl_orch.config.train import TrainConfig, WarmupSettings
+from jaxrl_orch.distributed.addresses import add_launch_flags
 from jaxrl_orch.distributed.platform import resolve_flags
 from jaxrl_orch.paths import as_path
 
@@ -107,35 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="run TrainConfig's built-in defaults without a gin file, on purpose",
     )
-    roles = p.add_argument_group(
-        "processes (docs/scale-out.md; python -m jaxrl_orch.distributed.launch_local sets these)",
-        "Processes.trainer_processes (P) and engine_replicas (R) name the layout; process K < P "
-        "trains (0 also runs the orchestrator), P <= K < P + R serves as replica K - P. The first "
-        "four flags, when left out, come from the platform (JAX_*, GKE JobSet, TPU VM, Slurm).",
-    )
-    roles.add_argument("--process_index", type=int, default=None, help="this process's K")
-    roles.add_argument(
-        "--coordinator_address",
-        default=None,
-        help="HOST:PORT of the trainer group's jax.distributed coordinator (trainer process 0)",
-    )
-    roles.add_argument(
-        "--engine_addresses",
-        default="",
-        help="http://HOST:PORT,... the URL of every engine replica, in replica order (a replica "
-        "binds the host and port of its own)",
-    )
-    roles.add_argument(
-        "--weight_source",
-        default=None,
-        help="HOST:PORT where trainer process 0 offers new weights; replicas pull only from it",
-    )
-    roles.add_argument(
-        "--api_key_file",
-        default=None,
-        help="a file holding the API key replicas require and the orchestrator sends (needed "
-        "for replicas beyond loopback)",
-    )
+    add_launch_flags(p)
     p.add_argument(
         "--list_config",
         action="store_true",
@@ -268,7 +241,7 @@ def _prepare(
     handed = handed_fd_from_env()
     claim = claim_workdir(args.workdir, handed) if role.leader else None
     try:
-        role = join_group(role, args.coordinator_address)  # before any JAX computation
+        role = join_group(role, args.coordinator_address, args.host_address)  # before any JAX
         if claim is None and role.leader:  # on a TPU slice the index is known only now
             claim = claim_workdir(args.workdir, handed)
         if role.kind != "single":

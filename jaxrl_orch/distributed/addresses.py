@@ -1,6 +1,7 @@
 """The addresses a multi-process run is given on the command line, checked before any work.
 
-What it owns: ``Replicas`` (the three below together, as the run's parts carry them),
+What it owns: ``add_launch_flags`` (the train command's flags that place a process in a
+multi-process run), ``Replicas`` (the three below together, as the run's parts carry them),
 ``replica_urls`` (``--engine_addresses``: one ``http://HOST:PORT`` per engine replica, in replica
 order; a replica binds the host and port of its own URL, the pool sends requests to it),
 ``host_port`` (``--weight_source``: the ``HOST:PORT`` where the trainer leader's weight server
@@ -14,12 +15,55 @@ command calls these before it imports anything heavy.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import shlex
 import stat
 from pathlib import Path
 from urllib.parse import urlsplit
+
+
+def add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that place this process in a multi-process run (docs/scale-out.md)."""
+    roles = parser.add_argument_group(
+        "processes (docs/scale-out.md; python -m jaxrl_orch.distributed.launch_local sets these)",
+        "Processes.trainer_processes (P) and engine_replicas (R) name the layout; process K < P "
+        "trains (0 also runs the orchestrator), P <= K < P + R serves as replica K - P. The first "
+        "four flags, when left out, come from the platform (JAX_*, GKE JobSet, TPU VM, Slurm).",
+    )
+    roles.add_argument("--process_index", type=int, default=None, help="this process's K")
+    roles.add_argument(
+        "--coordinator_address",
+        default=None,
+        help="HOST:PORT of the trainer group's jax.distributed coordinator (trainer process 0)",
+    )
+    roles.add_argument(
+        "--engine_addresses",
+        default="",
+        help="http://HOST:PORT,... the URL of every engine replica, in replica order (a replica "
+        "binds the host and port of its own)",
+    )
+    roles.add_argument(
+        "--weight_source",
+        default=None,
+        help="HOST:PORT where trainer process 0 offers new weights; replicas pull only from it",
+    )
+    roles.add_argument(
+        "--host_address",
+        default=None,
+        help="this host's address on the network the run's hosts share: a trainer's listener "
+        "that no other flag names binds it (the group's CPU collectives, which its peers dial). "
+        "Default: the host the platform names for this process (a JobSet pod's own name, TPU "
+        "worker K, Slurm node K), resolved; else this host's address on the route to the "
+        "coordinator",
+    )
+    roles.add_argument(
+        "--api_key_file",
+        default=None,
+        help="a file holding the API key replicas require and the orchestrator sends (needed "
+        "for replicas beyond loopback)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)

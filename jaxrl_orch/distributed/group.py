@@ -6,7 +6,8 @@ What it owns
     (K = 0, the leader, also runs the orchestrator), P <= K < P + R is engine replica K - P.
     One process without replicas is ``single`` (every part in one process, the default).
     ``join_group``: ``jax.distributed.initialize`` for a group of P > 1 (explicit coordinator
-    and process id, or auto-detected on a TPU slice when both are left out).
+    and process id, or auto-detected on a TPU slice when both are left out), its CPU
+    collectives listening on this host's address (``collectives``).
     ``Channel``: leader -> peers commands. Every message is three ``broadcast_one_to_all``
     collectives over the group's devices (a header, a JSON body, the arrays), so a peer
     receives exactly what the leader sent, in order: ``TRAIN`` (a packed batch), ``CHECKPOINT``
@@ -41,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
+
+from jaxrl_orch.distributed.collectives import listen_at, route_address
 
 TRAIN, CHECKPOINT, STOP, ABORT = 1, 2, 3, 4
 ABORT_TIMEOUT_S = 60.0
@@ -115,9 +118,16 @@ def resolve_role(trainer_processes: int, engine_replicas: int, process_index: in
     return Role(kind, process_index, p, r)
 
 
-def join_group(role: Role, coordinator_address: str | None, timeout_s: int = 300) -> Role:
+def join_group(
+    role: Role,
+    coordinator_address: str | None,
+    host_address: str | None = None,
+    timeout_s: int = 300,
+) -> Role:
     """Form the trainer group's ``jax.distributed`` cluster (trainers of a group of P > 1 only);
-    returns the role with the process index jax.distributed assigned."""
+    returns the role with the process index jax.distributed assigned. The group's CPU
+    collectives listen on ``host_address`` (None: this host's address on the route to the
+    coordinator; ``collectives``)."""
     if role.kind != "trainer" or role.trainer_processes == 1:
         return role
     if role.process_index < 0 and coordinator_address is None:
@@ -137,12 +147,25 @@ def join_group(role: Role, coordinator_address: str | None, timeout_s: int = 300
             # interface): loopback for a local group, the slice's address on a TPU VM.
             coordinator_bind_address=coordinator_address,
         )
+        _collectives_on(role, coordinator_address, host_address)
     if jax.process_count() != role.trainer_processes:
         raise ValueError(
             f"jax.distributed formed {jax.process_count()} processes, the config names "
             f"trainer_processes={role.trainer_processes}"
         )
     return dataclasses.replace(role, process_index=jax.process_index())
+
+
+def _collectives_on(role: Role, coordinator: str, host_address: str | None) -> None:
+    where = "--host_address, or the platform's name for this host"
+    if host_address is None:
+        host_address, where = route_address(coordinator), f"the route to {coordinator}"
+    if listen_at(host_address):
+        print(
+            f"[process {role.process_index}] the trainer group's collectives listen on "
+            f"{host_address} ({where})",
+            flush=True,
+        )
 
 
 class Channel:

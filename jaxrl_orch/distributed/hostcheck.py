@@ -19,6 +19,7 @@ as its pods start; a TPU VM's worker list and a Slurm node list exist before the
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import struct
 import sys
@@ -42,15 +43,20 @@ def addresses(host: str) -> set[str]:
 
 def is_here(found: set[str]) -> bool:
     """Whether one of ``found`` is an address of this host (its network namespace)."""
-    for address in found:
+    return here(found) is not None
+
+
+def here(found: set[str]) -> str | None:
+    """The first of ``found`` (in order) that is an address of this host, or None."""
+    for address in sorted(found):
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             try:
                 probe.bind((address.split("%")[0], 0))
             except OSError:
                 continue
-            return True
-    return False
+            return address
+    return None
 
 
 def _resolved(host: str, named: str, wait_s: float, resolve: Resolve) -> set[str]:
@@ -74,32 +80,62 @@ def check_hosts(
     given: set[str],
     trainer_processes: int,
     resolve: Resolve | None = None,
-) -> None:
-    """Refuse, naming its source, a host of this process's launch that cannot be used here."""
+) -> str | None:
+    """Refuse, naming its source, a host of this process's launch that cannot be used here.
+    Returns this host's address where the platform names this process's host (else None)."""
     resolve = resolve or addresses
     k, p, wait = values["process_index"], trainer_processes, found.dns_wait_s
+    mine = None
     if found.own_host and "process_index" not in given and isinstance(k, int):
         own = _resolved(found.own_host, f"{found.index_from}={k}", wait, resolve)
-        if not is_here(own):
+        mine = here(own)
+        if mine is None:
             raise ValueError(
                 f"{found.index_from}={k} puts this process on {found.own_host!r} "
                 f"({', '.join(sorted(own))}), which is not this host: two processes would claim "
                 f"index {k}; allowed: the index whose host is this one (read: {found.describe()})"
             )
     if not isinstance(k, int) or (k < p and p == 1):
-        return  # a trainer on its own joins no group
+        return mine  # a trainer on its own joins no group
     flag = "coordinator_address" if k < p else "weight_source"
     if not values[flag]:
-        return  # the flags' own checks name it
+        return mine  # the flags' own checks name it
     named = f"--{flag}" if flag in given else found.leader_from
     host, _ = host_port(str(values[flag]), named)
-    here = _resolved(host, named, wait, resolve)
-    if k == 0 and not is_here(here):
+    leader = _resolved(host, named, wait, resolve)
+    if k == 0 and not is_here(leader):
         raise ValueError(
-            f"{named}: {values[flag]!r} ({', '.join(sorted(here))}) is not this host, but "
+            f"{named}: {values[flag]!r} ({', '.join(sorted(leader))}) is not this host, but "
             "trainer process 0 runs the coordinator there; allowed: an address or name of "
             "this host (or give this process the index of the host named there)"
         )
+    return mine
+
+
+def check_host_address(
+    address: str, coordinator: object, resolve: Resolve | None = None, flag: str = "--host_address"
+) -> str:
+    """``address`` (``--host_address``) as one of this host's addresses. A loopback address is
+    refused when the coordinator's is not: the group's hosts meet on the coordinator's network,
+    and a peer given a loopback address dials its own host."""
+    resolve = resolve or addresses
+    found = _resolved(address.strip(), flag, 5.0, resolve)
+    mine = here(found)
+    if mine is None:
+        raise ValueError(
+            f"{flag}={address!r} ({', '.join(sorted(found))}) is not an address of this host; "
+            "allowed: an address of this host's interface that the run's other hosts reach"
+        )
+    if coordinator and ipaddress.ip_address(mine.split("%")[0]).is_loopback:
+        leader, _ = host_port(str(coordinator), "--coordinator_address")
+        far = _resolved(leader, "--coordinator_address", 5.0, resolve)
+        if not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in far):
+            raise ValueError(
+                f"{flag}={address!r} is a loopback address, but the coordinator "
+                f"{coordinator!r} is not: the group's other hosts would dial their own "
+                "loopback; allowed: this host's address on the network they share"
+            )
+    return mine
 
 
 _CLAIMS: dict[str, socket.socket] = {}  # held for the life of the process

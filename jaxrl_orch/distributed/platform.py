@@ -7,7 +7,9 @@ What it owns
     group's coordinator (trainer process 0's host, ``COORDINATOR_PORT``), the weight source
     (the same host, ``WEIGHT_PORT``) and, where the platform names their hosts, the engine
     replicas' URLs (``ENGINE_PORT``). ``resolve_flags``: the launch flags given win, the
-    platform fills only those left out, and one line says what came from where. The ports are
+    platform fills only those left out, and one line says what came from where; this host's
+    address (``--host_address``, else the platform's host for this process, resolved) rides
+    along for the trainer group's collectives. The ports are
     ``tpu_scripts``' defaults; other ports are given as the flags themselves.
 
 The platforms, the first whose variable is set wins (docs/scale-out.md):
@@ -39,7 +41,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from jaxrl_orch.distributed.addresses import host_port
-from jaxrl_orch.distributed.hostcheck import Resolve, check_hosts, claim_index
+from jaxrl_orch.distributed.hostcheck import Resolve, check_host_address, check_hosts, claim_index
 
 COORDINATOR_PORT = 8476
 WEIGHT_PORT = 8477
@@ -110,7 +112,7 @@ def resolve_flags(
     if len(given) < len(FLAGS):
         found = detect(env, trainer_processes, engine_replicas)
     if found.name == "none":  # nothing to take: the flags' own checks name what is missing
-        return args
+        return _with_host(args, None, args.coordinator_address, resolve)
     offered = {
         "process_index": found.process_index,
         "coordinator_address": found.coordinator,
@@ -119,7 +121,7 @@ def resolve_flags(
     }
     values = {flag: getattr(args, flag) if flag in given else offered[flag] for flag in FLAGS}
     _complete(found, values, trainer_processes, engine_replicas)
-    check_hosts(found, values, given, trainer_processes, resolve)
+    own = check_hosts(found, values, given, trainer_processes, resolve)
     k = values["process_index"]
     run = values["coordinator_address"] or values["weight_source"]
     if isinstance(k, int) and run:
@@ -133,7 +135,19 @@ def resolve_flags(
             f"{engine_replicas} engine replicas)"
         )
     print(launch_line(found, values, given), flush=True)
-    return argparse.Namespace(**{**vars(args), **values})
+    resolved = argparse.Namespace(**{**vars(args), **values})
+    return _with_host(resolved, own, values["coordinator_address"], resolve)
+
+
+def _with_host(
+    args: argparse.Namespace, own: str | None, coordinator: object, resolve: Resolve | None
+) -> argparse.Namespace:
+    """``args`` with ``host_address``: the flag's, checked, or this host's address where the
+    platform named this process's host (``own``), or None (``group`` takes the route to the
+    coordinator)."""
+    given = getattr(args, "host_address", None)
+    address = check_host_address(given, coordinator, resolve) if given else own
+    return argparse.Namespace(**{**vars(args), "host_address": address})
 
 
 def _complete(found: Platform, values: Mapping[str, object], p: int, r: int) -> None:

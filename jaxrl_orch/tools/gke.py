@@ -25,7 +25,8 @@ is required: a fresh random one goes in a Secret mounted read-only (mode 0400) w
 period: ``terminationGracePeriodSeconds`` is the run's drain bound plus the time to write its
 checkpoint (``config.orchestrator.SAVE_AFTER_DRAIN_S``); after a failure the whole JobSet
 restarts (``failurePolicy``), up to ``--max_restarts`` times, and the run resumes from its
-workdir. ``--queue`` adds Kueue's queue label.
+workdir. The JobSet succeeds when the trainer job does (``successPolicy``): the replicas' jobs,
+which serve until stopped, are then deleted. ``--queue`` adds Kueue's queue label.
 """
 
 from __future__ import annotations
@@ -140,6 +141,10 @@ def manifests(
         "spec": {
             "network": {"enableDNSHostnames": True, "subdomain": name},
             "failurePolicy": {"maxRestarts": max_restarts},
+            # Done when the trainer group is: replicas serve until stopped, so JobSet's default
+            # (every job completes) would hold their slices forever. On completion JobSet
+            # deletes the jobs still running: the replicas get SIGTERM and drain.
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": [TRAINER_JOB]},
             "replicatedJobs": jobs,
         },
     }

@@ -21,37 +21,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support.checkout import subprocess_env, xla_flags
+from support.multiprocess import assert_same_run, env, params, rl_rows, single_run, wait_single
 
 pytestmark = pytest.mark.slow
-
-SCENARIO = [
-    "Warmup.steps = 2",
-    "Warmup.batch_size = 8",
-    "RL.prompts_per_step = 2",
-    "RL.group_size = 4",
-    "RL.eval_examples = 4",
-    "RL.eval_every = 5",
-    "Outputs.checkpoint_every = 3",
-    "RL.max_new_tokens = 16",
-    "Engine.slots = 8",
-    "RL.dynamic_sampling = False",
-    "Outputs.export_hf = True",
-    # An untrained model scores (near) 0 on the real task: a user env with a dense reward
-    # (tests/support/dense_env.py), plugged by name so every process imports it.
-    "Data.env = 'support.dense_env:make'",
-]
-
-
-def _env(devices: int | None) -> dict[str, str]:
-    env = subprocess_env(JAX_PLATFORMS="cpu")  # tests/ on PYTHONPATH: support.dense_env
-    if devices:
-        env["XLA_FLAGS"] = xla_flags(devices)
-    return env
-
-
-def _params(*extra: str) -> list[str]:
-    return [f"--gin_param={p}" for p in [*SCENARIO, *extra]]
 
 
 def _launch(workdir: Path, *extra: str, replicas: int = 2, trainers: int = 2, **kw):
@@ -63,16 +35,11 @@ def _launch(workdir: Path, *extra: str, replicas: int = 2, trainers: int = 2, **
         f"--engine_replicas={replicas}",
         "--devices_per_process=2",
         f"--workdir={workdir}",
-        *_params(*extra),
+        *params(*extra),
     ]
     return subprocess.Popen(
-        cmd, env=_env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw
+        cmd, env=env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw
     )
-
-
-def _rl_rows(workdir: Path) -> dict[int, dict]:
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "train/reward_mean" in r}
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 900) -> str:
@@ -102,18 +69,7 @@ def _logs(workdir: Path) -> str:
 
 
 def _single(workdir: Path, *extra: str) -> None:
-    """The scenario in one process that splits its 6 devices like the multi-process run:
-    trainer fsdp over 4, decode tp over 2."""
-    mesh = ("Trainer.mesh = (('fsdp', 4),)", "Engine.mesh = (('tp', 2),)")
-    cmd = [sys.executable, "-m", "jaxrl_orch.train", f"--workdir={workdir}"]
-    ref = subprocess.run(
-        [*cmd, *_params(*extra, *mesh, "Processes.colocated = False")],
-        env=_env(6),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    wait_single(single_run(workdir, *extra))
 
 
 def test_group_of_two_with_two_replicas_matches_one_process(tmp_path: Path) -> None:
@@ -124,16 +80,8 @@ def test_group_of_two_with_two_replicas_matches_one_process(tmp_path: Path) -> N
     multi = tmp_path / "multi"
     out = _finish(_launch(multi, *steps))
     assert "exited with" not in out, out[-4000:] + _logs(multi)
-    a, b = _rl_rows(single), _rl_rows(multi)
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5], (sorted(a), sorted(b), _logs(multi))
-    for step in a:
-        for key in ("trainer/loss", "train/reward_mean", "trainer/entropy", "trainer/grad_norm"):
-            assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-5), (step, key)
-        assert b[step]["trainer/batch_tokens"] == a[step]["trainer/batch_tokens"], step
-    sa = json.loads((single / "summary.json").read_text())
+    assert_same_run(single, multi, 5, _logs(multi))
     sb = json.loads((multi / "summary.json").read_text())
-    assert sb["eval_reward_final"] == pytest.approx(sa["eval_reward_final"], abs=1e-6)
-    assert sb["eval_reward_before_rl"] == pytest.approx(sa["eval_reward_before_rl"], abs=1e-6)
     # The same outputs as the single-process command, plus one log per process.
     for name in ("summary.json", "report.md", "config.gin", "export/config.json"):
         assert (multi / name).exists(), name
@@ -146,7 +94,6 @@ def test_group_of_two_with_two_replicas_matches_one_process(tmp_path: Path) -> N
         "process_3_engine.log",
     ]
     assert sb["replicas"]["live"] == 2 and sb["replicas"]["lost_total"] == 0
-    assert any(abs(a[s]["trainer/loss"]) > 1e-4 for s in a), "no learning signal: a vacuous test"
     # Every replica pulled every version, the last one included.
     for k in (2, 3):
         log = (multi / "logs" / f"process_{k}_engine.log").read_text()
@@ -160,7 +107,7 @@ def test_a_lora_group_with_a_replica_matches_one_process_and_moves_only_adapters
     _single(single, *lora)
     out = _finish(_launch(multi, *lora, replicas=1))
     assert "exited with" not in out, out[-4000:] + _logs(multi)
-    a, b = _rl_rows(single), _rl_rows(multi)
+    a, b = rl_rows(single), rl_rows(multi)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4], (sorted(a), sorted(b), _logs(multi))
     for step in a:
         for key in ("trainer/loss", "train/reward_mean", "trainer/grad_norm"):
@@ -258,7 +205,7 @@ def _wait_for_step(workdir: Path, proc: subprocess.Popen, step: int, timeout: fl
     metrics = workdir / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and step in _rl_rows(workdir):
+        if metrics.exists() and step in rl_rows(workdir):
             return
         time.sleep(0.3)
     raise AssertionError(f"step {step} never appeared (exit {proc.poll()})\n{_logs(workdir)}")
@@ -281,7 +228,7 @@ def test_lost_trainer_stops_the_run_sigterm_drains_and_the_same_command_resumes(
     # 2. The same command resumes; SIGTERM to the launcher drains every role and checkpoints.
     proc = _launch(workdir, *run, replicas=1, start_new_session=True)
     try:
-        first = max(_rl_rows(workdir)) + 1
+        first = max(rl_rows(workdir)) + 1
         _wait_for_step(workdir, proc, first + 1)
         proc.send_signal(signal.SIGTERM)
         out = _finish(proc, timeout=240)
@@ -339,7 +286,7 @@ def test_a_second_launcher_on_a_running_run_is_refused_and_the_run_completes(tmp
         os.killpg(proc.pid, signal.SIGKILL)
         raise
     assert proc.returncode == 0 and "exited with" not in out, out[-3000:] + _logs(workdir)
-    assert sorted(_rl_rows(workdir)) == [1, 2, 3, 4]
+    assert sorted(rl_rows(workdir)) == [1, 2, 3, 4]
     # The same launch again on the finished run: nothing is run and no history file is written.
     history = _history(workdir)
     out = _finish(_launch(workdir, *run, replicas=1, trainers=1), timeout=300)

@@ -335,7 +335,38 @@ HOSTS_REFUSED = {
         1,
         {},
     ),
+    # this host's address for the group's collectives: one of its own, reachable by its peers
+    "--host_address='203.0.113.7' (203.0.113.7) is not an address of this host": (
+        {**TRAINER, "JOB_COMPLETION_INDEX": "1"},
+        (f"--host_address={FAR}",),
+        2,
+        1,
+        {},
+    ),
+    "--host_address='127.0.0.1' is a loopback address, but the coordinator "
+    "'run1-trainer-0-0.run1:8476' is not: the group's other hosts would dial their own "
+    "loopback": (
+        {**TRAINER, "JOB_COMPLETION_INDEX": "1"},
+        ("--host_address=127.0.0.1",),
+        2,
+        1,
+        {"run1-trainer-0-0.run1": "10.0.0.4"},
+    ),
 }
+
+
+def test_this_hosts_address_is_the_platforms_name_for_it_resolved_or_the_flags(names):
+    """The trainer group's collectives listen there (``group.join_group``): a pod's own name,
+    resolved; a flag given wins; with no name for this host, None (the route to the
+    coordinator)."""
+    pod_1 = {**TRAINER, "JOB_COMPLETION_INDEX": "1"}
+    names.table["run1-trainer-0-1.run1"] = "127.0.0.1"
+    assert resolve_flags(_args(), pod_1, 2, 1).host_address == "127.0.0.1"
+    names.table["this-host"] = "127.0.0.1"
+    flag = _args("--host_address=this-host")
+    assert resolve_flags(flag, pod_1, 2, 1).host_address == "127.0.0.1"
+    flags = ["--process_index=1", "--coordinator_address=h:1", "--engine_addresses=http://e:2"]
+    assert resolve_flags(_args(*flags, "--weight_source=h:3"), {}, 2, 1).host_address is None
 
 
 @pytest.mark.parametrize("message", HOSTS_REFUSED)

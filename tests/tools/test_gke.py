@@ -63,6 +63,8 @@ def test_the_v5e_16_slice_is_one_trainer_job_of_four_hosts_and_two_engine_jobs()
     assert js["spec"]["network"] == {"enableDNSHostnames": True, "subdomain": "rl-16"}
     assert js["metadata"]["labels"] == {"kueue.x-k8s.io/queue-name": "team-a"}
     assert js["spec"]["failurePolicy"] == {"maxRestarts": 10}
+    # the run ends with the trainer group: the replicas' jobs never complete on their own
+    assert js["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["trainer"]}
     assert secret["stringData"] == {"key": "k" * 64} and "k" * 64 not in yaml.safe_dump(js)
 
 
