@@ -48,7 +48,6 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.typing import DTypeLike  # noqa: E402
 
-from jaxrl_orch.compose.compile_cache import use_compile_cache  # noqa: E402
 from jaxrl_orch.compose.engines import build_engine  # noqa: E402
 from jaxrl_orch.compose.model import model_config, tokenizer_spec  # noqa: E402
 from jaxrl_orch.compose.placement import Placement, build_placement  # noqa: E402
@@ -323,9 +322,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"{chip} slice like Processes.tpu_topology {topology!r}: the report compares "
                     "every program against one chip's HBM"
                 )
-        # The run's own cache setting: a second compile of the same composition loads its
-        # programs (docs/faults.md, "A restart's cost").
-        cache = use_compile_cache(cfg.processes.compile_cache)
+        # No persistent compilation cache here: a deviceless (compile-only) client cannot load
+        # a cached executable ("PjRtCompiler must be constructed with a Client to call
+        # DeserializeLoadedExecutable"), so every entry would be written for nothing and every
+        # later compile warn and compile again (measured: docs/faults.md, "A restart's cost").
+        jax.config.update("jax_enable_compilation_cache", False)
         t0 = time.perf_counter()
         programs, info = compile_all(cfg, devices, replica_devices)
         compile_s = time.perf_counter() - t0
@@ -334,7 +335,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = aot_report.build_report(topology, chip, programs, info, args.max_fraction)
     report["compile_s"] = round(compile_s, 2)
-    report["compile_cache"] = cache.summary()
     if args.json:
         print(json.dumps(report, indent=1, sort_keys=True))
     else:

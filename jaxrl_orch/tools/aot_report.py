@@ -244,8 +244,6 @@ def format_text(r: dict[str, Any]) -> str:
             f"roofline {d['hbm_roofline_tokens_per_s_per_chip']:.0f})"
         )
     if "compile_s" in r:
-        c = r["compile_cache"]
-        cache = "off" if c["dir"] is None else f"{c['dir']}: {c['hits']} hits, {c['misses']} misses"
-        lines.append(f"compiled in {r['compile_s']:.1f} s; compile cache {cache}")
+        lines.append(f"compiled in {r['compile_s']:.1f} s")
     lines.append("fits" if r["fits"] else "DOES NOT FIT: " + "; ".join(r["shortfalls"]))
     return "\n".join(lines)

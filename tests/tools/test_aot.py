@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import jax
 import pytest
 from support.checkout import ROOT
 
@@ -184,7 +185,15 @@ class _FakeCompiled:
         return {"flops": 1e12, "bytes accessed": 1e9}
 
 
-def test_a_program_that_does_not_fit_exits_1_naming_it(monkeypatch, capsys):
+@pytest.fixture
+def cache_flag_restored():
+    """aot.main turns JAX's persistent cache off in its process: this one goes on after."""
+    before = jax.config.jax_enable_compilation_cache
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+
+
+def test_a_program_that_does_not_fit_exits_1_naming_it(monkeypatch, capsys, cache_flag_restored):
     """The verdict path of main() (the real compiles are test_tpu_configs_fit's): 15 GB of
     temporaries on a 16 GB v5e chip is over 90%; the message names the program and the gap."""
     model = {"flops": 1.0, "bytes": 1.0, "min_bytes_per_step": 1.0}
@@ -213,9 +222,15 @@ def test_a_program_that_does_not_fit_exits_1_naming_it(monkeypatch, capsys):
     assert "decode_step" not in err
     report = json.loads(out)
     assert report["fits"] is False and report["programs"]["decode_step"]["bytes_per_chip"] == 2e9
+    assert report["compile_s"] >= 0
+    # No persistent cache for a deviceless compile: it could not load what it wrote.
+    assert jax.config.jax_enable_compilation_cache is False
+    assert "compiled in " in aot_report.format_text(report)
 
 
-def test_a_program_xla_refuses_for_memory_is_a_shortfall_not_an_error(monkeypatch, capsys):
+def test_a_program_xla_refuses_for_memory_is_a_shortfall_not_an_error(
+    monkeypatch, capsys, cache_flag_restored
+):
     """XLA refuses to compile a program whose temporaries alone exceed the chip's HBM (what an
     8B model trained on every weight hits on 4 v5e chips): that is exit 1 naming it."""
 
