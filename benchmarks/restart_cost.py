@@ -2,7 +2,8 @@
 
 What it measures: the main job (``configs/reverse_text.gin``, its warm-up cut to ``--sft``
 steps so the preparation is short) is run to RL step ``--steps`` once (not timed), leaving a
-checkpoint. Two copies of that workdir are then resumed by the same command to one more step:
+checkpoint (flat groups kept: a 2-step warm-up scores 0 everywhere). Two copies of that
+workdir are then resumed by the same command to one more step:
 the first on an empty compilation cache (cold: every program compiles), the second on the
 cache the first filled (warm). Each resume's own report (``summary.json["restart"]``) gives the
 seconds from the command's start to its first rollout and to its first train step; the ratio
@@ -32,6 +33,8 @@ def _train(workdir: Path, cache: Path, steps: int, sft: int) -> dict:
         f"Warmup.steps = {sft}",
         f"RL.steps = {steps}",
         "Outputs.export_hf = False",
+        # two SFT steps leave the policy scoring 0 everywhere: keep the flat groups
+        "RL.dynamic_sampling = False",
         f"Processes.compile_cache = '{cache}'",
     ]
     cmd = [sys.executable, "-m", "jaxrl_orch.train", "--gin_file=configs/reverse_text.gin"]

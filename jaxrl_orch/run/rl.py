@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from typing import Any
 
@@ -47,7 +48,7 @@ from jaxrl_orch.orchestrator.loop import Orchestrator
 from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
 from jaxrl_orch.run.export import export_policy
-from jaxrl_orch.run.history import rl_summary, trim_for_rl
+from jaxrl_orch.run.history import rl_evals, rl_summary, trim_for_rl
 from jaxrl_orch.run.restart import RestartClock
 from jaxrl_orch.run.stop import StopFlag
 from jaxrl_orch.run.summary import eval_line, merge_evals
@@ -115,11 +116,12 @@ async def _lead(
     """Trainer process 0 (or the only process): the orchestrator and the weight path."""
     cfg = parts.cfg
     start_step = trainer.version + 1
-    _trim_history(parts, start_step)
+    eval_at_start = _eval_at_start(parts, start_step)
+    _trim_history(parts, start_step, eval_at_start)
     times = StepTimes(side.engine_seconds, synchronous=cfg.orchestrator.synchronous)
     publisher = InProcessPublisher()
     restart = RestartClock(parts.started, parts.compile_cache)
-    orch = _orchestrator(parts, built, side, trainer, publisher, times, restart)
+    orch = _orchestrator(parts, built, side, trainer, publisher, times, restart, eval_at_start)
     if orch_state:
         orch.restore(orch_state)
     path = _weight_path(parts, side, trainer, ckpt, orch, times, publisher, restart)
@@ -203,6 +205,7 @@ def _orchestrator(
     publisher: InProcessPublisher,
     times: StepTimes,
     restart: RestartClock,
+    eval_at_start: bool,
 ) -> Orchestrator:
     cfg = parts.cfg
     env = parts.env
@@ -211,7 +214,7 @@ def _orchestrator(
     views = {env.name: env, parts.sampled_eval: AtTemperature(env, cfg.rl.temperature)}
     sources = {env.name: parts.data.eval, parts.sampled_eval: parts.data.sampled_eval}
     return build_orchestrator(
-        cfg.loop,
+        dataclasses.replace(cfg.loop, eval_at_start=eval_at_start),
         PolicyHandle(trainer.version),
         backend=Backend(
             pool=side.pool, trainer=trainer, version_source=publisher, reload_fn=side.swap
@@ -238,9 +241,22 @@ def _orchestrator(
     )
 
 
-def _trim_history(parts: RunParts, start_step: int) -> None:
+def _eval_at_start(parts: RunParts, start_step: int) -> bool:
+    """Whether this start evaluates the policy it starts from: not on a resume whose restored
+    version's eval is already on record for every view (a restart then reaches its first train
+    step without the engine's time for it)."""
+    if not parts.cfg.loop.eval_at_start:
+        return False
+    if start_step == 1:
+        return True
+    recorded = rl_evals(parts.workdir).get(start_step - 1, {})
+    views = (parts.env.name, parts.sampled_eval)
+    return not all(any(k.startswith(f"eval/{v}/") for k in recorded) for v in views)
+
+
+def _trim_history(parts: RunParts, start_step: int, eval_at_start: bool) -> None:
     """Rows an interrupted attempt wrote past the restored step are written again."""
-    dropped = trim_for_rl(parts.workdir, start_step, parts.cfg.loop.eval_at_start)
+    dropped = trim_for_rl(parts.workdir, start_step, eval_at_start)
     if any(dropped.values()):
         what = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in dropped.items())
         stage("resume", f"at step {start_step}; the earlier attempt's rows past it: {what}")
