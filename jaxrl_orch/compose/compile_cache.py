@@ -23,12 +23,16 @@ floor. One listener per process, for its life (JAX compiles on any thread); a ru
 deltas from its start, so runs in one process (the tests) each count their own.
 
 Only this process's compiles are counted: an engine replica's stay in its own process.
+
+A directory that cannot be made or written, or on a disk nearly full (``MIN_FREE_BYTES``),
+turns the cache off for the run in one line (``== compile cache: off: ...``): the run needs none.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -39,6 +43,9 @@ from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.paths import is_url
 
 AUTO = "auto"
+# Below this much free space the cache is turned off at the start: a CPU run's entries take
+# tens of MB, an accelerator run's hundreds.
+MIN_FREE_BYTES = 256 << 20
 _REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
 _HIT = "/jax/compilation_cache/cache_hits"
 _FLOORS = {
@@ -124,17 +131,34 @@ class CompileCache:
         return {"dir": where, "hits": hits, "misses": misses}
 
 
+def _usable(directory: Path | None) -> Path | None:
+    """``directory``, or None said in one line when it cannot serve: it cannot be made, this
+    process may not write it, or its disk has less than ``MIN_FREE_BYTES`` free. Left on, JAX
+    would warn once per program it failed to write, and compile every one again anyway."""
+    if directory is None:
+        return None
+    why = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = f"cannot make {directory} ({exc.strerror or exc})"
+    else:
+        free = shutil.disk_usage(directory).free
+        if not os.access(directory, os.W_OK | os.X_OK):
+            why = f"cannot write {directory} (permission denied)"
+        elif free < MIN_FREE_BYTES:
+            why = f"{directory} has {free / 1e6:.0f} MB free, under {MIN_FREE_BYTES / 1e6:.0f} MB"
+    if why is not None:
+        stage("compile cache", f"off: {why}")
+        return None
+    return directory
+
+
 def use_compile_cache(value: str | None) -> CompileCache:
     """Point this process's persistent compilation cache where ``value`` says (see the module
     docstring), before anything compiles; returns the run's view of it. A directory that cannot
     be made turns the cache off, said in one line: the run needs none."""
-    directory = cache_dir(value)
-    if directory is not None:
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            stage("compile cache", f"off: cannot make {directory} ({exc.strerror or exc})")
-            directory = None
+    directory = _usable(cache_dir(value))
     _COUNTS.listen()
     jax.config.update("jax_enable_compilation_cache", directory is not None)
     if directory is not None:

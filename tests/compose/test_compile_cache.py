@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
+from jaxrl_orch.compose import compile_cache
 from jaxrl_orch.compose.compile_cache import cache_dir, use_compile_cache
 from jaxrl_orch.config.load import SECTION_BY_NAME
 
@@ -93,3 +94,25 @@ def test_a_directory_that_cannot_be_made_turns_the_cache_off(tmp_path, capsys):
     _compile(9.0)
     assert cache.directory is None and cache.counts() == (0, 0)
     assert f"== compile cache: off: cannot make {blocker / 'xla'}" in capsys.readouterr().out
+
+
+def test_a_directory_it_may_not_write_turns_the_cache_off(tmp_path, capsys, monkeypatch):
+    # Root may write anywhere, so the refusal the kernel would give another user is stood in
+    # for at the one check the module makes.
+    monkeypatch.setattr(compile_cache.os, "access", lambda path, mode: False)
+    cache = use_compile_cache(str(tmp_path / "ro"))
+    _compile(10.0)
+    assert cache.directory is None and cache.counts() == (0, 0)
+    out = capsys.readouterr().out
+    assert f"== compile cache: off: cannot write {tmp_path / 'ro'} (permission denied)" in out
+
+
+def test_a_nearly_full_disk_turns_the_cache_off(tmp_path, capsys, monkeypatch):
+    usage = compile_cache.shutil.disk_usage(tmp_path)._replace(free=10 << 20)
+    monkeypatch.setattr(compile_cache.shutil, "disk_usage", lambda path: usage)
+    cache = use_compile_cache(str(tmp_path / "full"))
+    _compile(11.0)
+    assert cache.directory is None and not list((tmp_path / "full").iterdir())
+    assert f"== compile cache: off: {tmp_path / 'full'} has 10 MB free, under 268 MB" in (
+        capsys.readouterr().out
+    )
