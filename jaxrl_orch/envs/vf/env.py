@@ -9,9 +9,10 @@ What it owns
 - Data: the taskset's tasks are the examples, ``{"split", "task"}`` by position. A taskset whose
   config has a ``split`` field is loaded once per split (``"train"`` / ``"eval"``); any other
   holds out every ``holdout_every``-th task.
-- Serving: verifiers' ``env.serving()`` (its interception server) and the ``EngineBridge`` open
-  once, on the first rollout, in the loop that runs it, and close in ``aclose()``, which the
-  stages call on every exit path (end, drain, crash).
+- Serving: verifiers' ``env.serving()`` (its interception server), the ``EngineBridge`` and the
+  loop's loopback client for in-process harnesses (``envs.vf.loopback``) open once, on the
+  first rollout, in the loop that runs it, and close in ``aclose()``, which the stages call on
+  every exit path (end, drain, crash).
 - ``run``: one episode of the example's task through ``run_slot``, its model calls sent by
   verifiers' ``TrainClient`` (renderer from ``tokenizer_dir``) to the bridge, which answers with
   the ``InferenceClient`` the dispatcher handed this rollout; then ``traces.episode_rollout``.
@@ -36,6 +37,7 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from jaxrl_orch.envs.base import EnvTokenizer, stop_ids_of, with_stop_ids
+from jaxrl_orch.envs.vf import loopback
 from jaxrl_orch.envs.vf.bridge import EngineBridge, check_sampling_keys
 from jaxrl_orch.envs.vf.traces import episode_rollout
 from jaxrl_orch.paths import as_path, is_url
@@ -101,6 +103,7 @@ class VerifiersEnv:
         self.holdout_every = int(holdout_every)
         self.bridge = EngineBridge(model=self.name, max_model_len=max_prompt_len)
         self._tasks = self._load()
+        _preload()
         self._renderer: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._opening: asyncio.Task | None = None
@@ -171,6 +174,7 @@ class VerifiersEnv:
     async def _open(self) -> None:
         stack = contextlib.AsyncExitStack()
         try:
+            await stack.enter_async_context(loopback.shared_session())
             await stack.enter_async_context(self.vf_env.serving())
             await self.bridge.start()
             stack.push_async_callback(self.bridge.stop)
@@ -250,6 +254,19 @@ class VerifiersEnv:
             temperature=sampling.temperature, max_tokens=sampling.max_tokens
         )
         return vf.ModelContext(model=self.name, client=client, sampling=vf_sampling)
+
+
+def _preload() -> None:
+    """What the first rollout would otherwise do on the event loop, stalling every rollout:
+    httpx imports its transport (httpcore, anyio's backend) on its first request, and the first
+    trace asks for verifiers' commit (package metadata, then ``git rev-parse`` in a subprocess
+    it waits for), which verifiers caches for the process."""
+    import anyio._backends._asyncio  # noqa: F401
+    import anyio.streams.stapled  # noqa: F401
+    import httpcore  # noqa: F401
+    from verifiers.v1.utils.version import verifiers_commit
+
+    verifiers_commit()
 
 
 def _renderer_config(name: str) -> Any:
