@@ -50,6 +50,13 @@ EXAMPLES = {
 }
 KEY_VAR = "JAXRL_ORCH_BRIDGE_KEY"  # the bridge takes no key; a name verifiers reads no config for
 QUIET = ("verifiers", "renderers", "httpx", "aiohttp.access")
+# verifiers' interception server keeps one TrainClient per distinct client config, and its
+# httpx pool holds a connection per request in flight; httpcore's bookkeeping on every request
+# and reply scans each idle connection against all the others (quadratic in the pool). Rollouts
+# spread over this many configs, which differ only in a header the bridge ignores, keep each
+# pool a sixteenth of the run's concurrency.
+CLIENT_POOLS = 16
+POOL_HEADER = "X-Jaxrl-Client-Pool"
 
 
 def register_examples(taskset_id: str) -> None:
@@ -107,6 +114,8 @@ class VerifiersEnv:
         self._renderer: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._opening: asyncio.Task | None = None
+        self._contexts: dict[tuple[float, int, int], Any] = {}
+        self._turn = 0
 
     # ------------------------------------------------------------------ data
 
@@ -177,6 +186,7 @@ class VerifiersEnv:
             await stack.enter_async_context(loopback.shared_session())
             await stack.enter_async_context(self.vf_env.serving())
             await self.bridge.start()
+            self._contexts.clear()  # they name the bridge's URL, a new port each opening
             stack.push_async_callback(self.bridge.stop)
             await self._learn_prompt_cap()
         except BaseException:
@@ -242,6 +252,16 @@ class VerifiersEnv:
         )
 
     def _context(self, sampling: SamplingParams) -> Any:
+        """The rollout's model context: one of ``CLIENT_POOLS`` client configs in turn, built
+        once per sampling and pool."""
+        self._turn = (self._turn + 1) % CLIENT_POOLS
+        key = (sampling.temperature, sampling.max_tokens, self._turn)
+        ctx = self._contexts.get(key)
+        if ctx is None:
+            ctx = self._contexts[key] = self._new_context(sampling, self._turn)
+        return ctx
+
+    def _new_context(self, sampling: SamplingParams, pool: int) -> Any:
         import verifiers.v1 as vf
 
         client = vf.TrainClientConfig(
@@ -249,6 +269,7 @@ class VerifiersEnv:
             api_key_var=KEY_VAR,
             renderer=self.renderer_config,
             renderer_model_name=self.tokenizer_dir,
+            headers={POOL_HEADER: str(pool)},
         )
         vf_sampling = vf.SamplingConfig(
             temperature=sampling.temperature, max_tokens=sampling.max_tokens
