@@ -79,7 +79,7 @@ def _round(env, engine, examples) -> float:
 # the ones above them), per rollout.
 STAGES = (
     ("episode (verifiers' run_slot, all of it)", "env.py", "run_slot"),
-    ("  harness -> interception: the chat call's client side", "completions.py", "create"),
+    ("  harness -> interception: the chat call's client side", "vf_chat.py", "_chat"),
     ("  interception server: one model call", "server.py", "handle_request"),
     ("    TrainClient: render, then POST to the bridge", "train.py", "get_response"),
     ("      bridge: parse, engine, reply (jaxrl_orch)", "bridge.py", "_generate"),

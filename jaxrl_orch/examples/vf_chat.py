@@ -10,17 +10,28 @@ turn. A subclass sets ``follow_up``; the default is one turn.
 Tool calls: ``run_tools`` executes the calls of a turn against ``TOOLS`` (name -> a function of
 keyword arguments returning text) and answers each with a ``tool`` message; an unknown tool or
 bad arguments become that message's text, as a real tool server would answer.
+
+The chat calls go over the loop's shared loopback client (``envs.vf.loopback``), JSON in and
+out, and each reply reaches ``follow_up`` as the OpenAI SDK's ``ChatCompletionMessage``; an
+error status from the interception server raises ``ChatCallError`` with its body.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import httpx
+import aiohttp
 import verifiers.v1 as vf
-from openai import NOT_GIVEN, AsyncOpenAI
+from openai.types.chat import ChatCompletionMessage
+
+from jaxrl_orch.envs.vf import loopback
+
+
+class ChatCallError(RuntimeError):
+    """The interception server answered a chat call with an error status."""
 
 
 class ChatConfig(vf.HarnessConfig):
@@ -57,21 +68,30 @@ class ChatHarness(vf.Harness[ChatConfig]):
             messages.append({"role": "user", "content": prompt})
         else:
             messages += [m if isinstance(m, dict) else m.model_dump() for m in prompt or []]
-        # Loopback only, whatever the proxy settings; a plain-http endpoint needs no TLS, and
-        # loading a verified TLS context costs tens of ms per episode on the event loop. One
-        # client per episode: a pool shared by hundreds of episodes costs more to scan.
-        http = httpx.AsyncClient(trust_env=False, verify=False, timeout=None)
-        async with AsyncOpenAI(
-            base_url=endpoint, api_key=secret, max_retries=0, http_client=http
-        ) as client:
+        url = f"{endpoint.rstrip('/')}/chat/completions"
+        headers = {"Authorization": f"Bearer {secret}"}
+        async with contextlib.AsyncExitStack() as stack:
+            http = loopback.session() or await stack.enter_async_context(loopback.new_session())
             for turn in range(self.config.max_turns):
-                reply = await client.chat.completions.create(
-                    model=ctx.model, messages=messages, tools=self.TOOL_SPECS or NOT_GIVEN
-                )
-                message = reply.choices[0].message
-                messages.append(message.model_dump(exclude_none=True))
-                more = self.follow_up(data, message, turn)
+                body: dict[str, Any] = {"model": ctx.model, "messages": messages}
+                if self.TOOL_SPECS:
+                    body["tools"] = self.TOOL_SPECS
+                wire = await _chat(http, url, headers, body)
+                messages.append({k: v for k, v in wire.items() if v is not None})
+                more = self.follow_up(data, ChatCompletionMessage.model_validate(wire), turn)
                 if not more:
                     break
                 messages += more
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
+
+
+async def _chat(
+    http: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any]
+) -> dict[str, Any]:
+    """The assistant message of one chat call, as the wire has it."""
+    async with http.post(url, json=body, headers=headers) as response:
+        if response.status >= 400:
+            text = await response.text()
+            raise ChatCallError(f"chat call answered HTTP {response.status}: {text[:1000]}")
+        reply = await response.json(content_type=None)
+    return reply["choices"][0]["message"]

@@ -120,17 +120,24 @@ class FaultLog:
 
 def culprit(frame: Any) -> str:
     """The innermost frame outside the standard library (asyncio included), as
-    ``function (file:line)``; the innermost one at all if every frame is the stdlib's."""
-    chosen = frame
+    ``function (file:line)``; the innermost one at all if every frame is the stdlib's. A loop
+    in its own machinery (every frame up to asyncio's ``_run_once`` the stdlib's: its select,
+    between callbacks) runs no one's coroutine, so the frame that started the loop is not named
+    for it: the collector or another thread holding the interpreter stalls it there."""
+    if frame is None:
+        return "an unknown place"
     f = frame
     while f is not None:
         if not os.path.realpath(f.f_code.co_filename).startswith(_STDLIB):
-            chosen = f
-            break
+            return _where(f)
+        if f.f_code.co_name == "_run_once":
+            return f"asyncio's own machinery, no coroutine ({_where(frame)})"
         f = f.f_back
-    if chosen is None:
-        return "an unknown place"
-    return f"{chosen.f_code.co_name} ({chosen.f_code.co_filename}:{chosen.f_lineno})"
+    return _where(frame)
+
+
+def _where(f: Any) -> str:
+    return f"{f.f_code.co_name} ({f.f_code.co_filename}:{f.f_lineno})"
 
 
 class LoopWatchdog:

@@ -47,6 +47,7 @@ from jaxrl_orch.orchestrator.dispatcher.dispatch import EvalPlan
 from jaxrl_orch.orchestrator.loop import Orchestrator
 from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
+from jaxrl_orch.run.ending import freeze_heap
 from jaxrl_orch.run.export import export_policy
 from jaxrl_orch.run.history import rl_evals, rl_summary, trim_for_rl
 from jaxrl_orch.run.restart import RestartClock
@@ -126,6 +127,7 @@ async def _lead(
         orch.restore(orch_state)
     path = _weight_path(parts, side, trainer, ckpt, orch, times, publisher, restart)
     await side.start()
+    freeze_heap()  # the engine and the trainer the stage built, before the first rollout
     trainer.start(path.on_publish, copy_params=parts.placement.colocated)
     drain = asyncio.ensure_future(_drain_on_stop(stop, orch, cfg.orchestrator.drain_timeout_s))
     t0 = time.perf_counter()

@@ -9,9 +9,10 @@ What it owns
 - Data: the taskset's tasks are the examples, ``{"split", "task"}`` by position. A taskset whose
   config has a ``split`` field is loaded once per split (``"train"`` / ``"eval"``); any other
   holds out every ``holdout_every``-th task.
-- Serving: verifiers' ``env.serving()`` (its interception server) and the ``EngineBridge`` open
-  once, on the first rollout, in the loop that runs it, and close in ``aclose()``, which the
-  stages call on every exit path (end, drain, crash).
+- Serving: verifiers' ``env.serving()`` (its interception server), the ``EngineBridge`` and the
+  loop's loopback client for in-process harnesses (``envs.vf.loopback``) open once, on the
+  first rollout, in the loop that runs it, and close in ``aclose()``, which the stages call on
+  every exit path (end, drain, crash).
 - ``run``: one episode of the example's task through ``run_slot``, its model calls sent by
   verifiers' ``TrainClient`` (renderer from ``tokenizer_dir``) to the bridge, which answers with
   the ``InferenceClient`` the dispatcher handed this rollout; then ``traces.episode_rollout``.
@@ -36,6 +37,7 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from jaxrl_orch.envs.base import EnvTokenizer, stop_ids_of, with_stop_ids
+from jaxrl_orch.envs.vf import loopback
 from jaxrl_orch.envs.vf.bridge import EngineBridge, check_sampling_keys
 from jaxrl_orch.envs.vf.traces import episode_rollout
 from jaxrl_orch.paths import as_path, is_url
@@ -48,6 +50,14 @@ EXAMPLES = {
 }
 KEY_VAR = "JAXRL_ORCH_BRIDGE_KEY"  # the bridge takes no key; a name verifiers reads no config for
 QUIET = ("verifiers", "renderers", "httpx", "aiohttp.access")
+# verifiers' interception server keeps one TrainClient per distinct client config, and its
+# httpx pool holds a connection per request in flight; httpcore's bookkeeping on every request
+# and reply scans each idle connection against all the others (quadratic in the pool). Rollouts
+# spread over this many configs, which differ only in a header the bridge ignores, keep each
+# pool a quarter of the run's concurrency (a sixteenth of the quadratic cost). Not more: each
+# client loads a verified TLS context when it is built, tens of ms on the loop per opening.
+CLIENT_POOLS = 4
+POOL_HEADER = "X-Jaxrl-Client-Pool"
 
 
 def register_examples(taskset_id: str) -> None:
@@ -101,9 +111,12 @@ class VerifiersEnv:
         self.holdout_every = int(holdout_every)
         self.bridge = EngineBridge(model=self.name, max_model_len=max_prompt_len)
         self._tasks = self._load()
+        _preload()
         self._renderer: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._opening: asyncio.Task | None = None
+        self._contexts: dict[tuple[float, int, int], Any] = {}
+        self._turn = 0
 
     # ------------------------------------------------------------------ data
 
@@ -171,8 +184,10 @@ class VerifiersEnv:
     async def _open(self) -> None:
         stack = contextlib.AsyncExitStack()
         try:
+            await stack.enter_async_context(loopback.shared_session())
             await stack.enter_async_context(self.vf_env.serving())
             await self.bridge.start()
+            self._contexts.clear()  # they name the bridge's URL, a new port each opening
             stack.push_async_callback(self.bridge.stop)
             await self._learn_prompt_cap()
         except BaseException:
@@ -189,7 +204,8 @@ class VerifiersEnv:
         from openai import AsyncOpenAI
         from renderers.client import _resolve_max_prompt_len
 
-        http = httpx.AsyncClient(trust_env=False)
+        # Plain http on loopback: no verified TLS context to load (tens of ms on the loop).
+        http = httpx.AsyncClient(trust_env=False, verify=False)
         async with AsyncOpenAI(
             base_url=f"{self.bridge.base_url}/v1", api_key="-", http_client=http
         ) as c:
@@ -238,6 +254,16 @@ class VerifiersEnv:
         )
 
     def _context(self, sampling: SamplingParams) -> Any:
+        """The rollout's model context: one of ``CLIENT_POOLS`` client configs in turn, built
+        once per sampling and pool."""
+        self._turn = (self._turn + 1) % CLIENT_POOLS
+        key = (sampling.temperature, sampling.max_tokens, self._turn)
+        ctx = self._contexts.get(key)
+        if ctx is None:
+            ctx = self._contexts[key] = self._new_context(sampling, self._turn)
+        return ctx
+
+    def _new_context(self, sampling: SamplingParams, pool: int) -> Any:
         import verifiers.v1 as vf
 
         client = vf.TrainClientConfig(
@@ -245,11 +271,25 @@ class VerifiersEnv:
             api_key_var=KEY_VAR,
             renderer=self.renderer_config,
             renderer_model_name=self.tokenizer_dir,
+            headers={POOL_HEADER: str(pool)},
         )
         vf_sampling = vf.SamplingConfig(
             temperature=sampling.temperature, max_tokens=sampling.max_tokens
         )
         return vf.ModelContext(model=self.name, client=client, sampling=vf_sampling)
+
+
+def _preload() -> None:
+    """What the first rollout would otherwise do on the event loop, stalling every rollout:
+    httpx imports its transport (httpcore, anyio's backend) on its first request, and the first
+    trace asks for verifiers' commit (package metadata, then ``git rev-parse`` in a subprocess
+    it waits for), which verifiers caches for the process."""
+    import anyio._backends._asyncio  # noqa: F401
+    import anyio.streams.stapled  # noqa: F401
+    import httpcore  # noqa: F401
+    from verifiers.v1.utils.version import verifiers_commit
+
+    verifiers_commit()
 
 
 def _renderer_config(name: str) -> Any:
