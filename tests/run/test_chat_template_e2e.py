@@ -20,7 +20,11 @@ from pathlib import Path
 
 import pytest
 import transformers  # the dev extra has it: a missing one fails, never skips
-from support.chat_checkpoints import write_llama3_tokenizer, write_qwen_tokenizer
+from support.chat_checkpoints import (
+    tiny_chat_config,
+    write_llama3_tokenizer,
+    write_qwen_tokenizer,
+)
 from support.checkout import xla_flags
 
 pytestmark = pytest.mark.slow
@@ -33,24 +37,13 @@ EVAL = ["over the fox", "text please"]
 def _write_checkpoint(directory: Path, family: str) -> None:
     from flax import nnx
 
-    from jaxrl_orch.models.configs import ModelConfig
     from jaxrl_orch.models.hf_import import save_hf_checkpoint
     from jaxrl_orch.models.transformer import Transformer
 
     writer = {"qwen": write_qwen_tokenizer, "llama3": write_llama3_tokenizer}[family]
     writer(directory)  # a 300-id BPE: the model's 320 rows pad past it
-    cfg = ModelConfig(
-        vocab_size=320,
-        d_model=32,
-        n_layers=1,
-        n_heads=2,
-        n_kv_heads=1,
-        head_dim=16,
-        d_ff=64,
-        qkv_bias=family == "qwen",  # config.json: Qwen2ForCausalLM; else LlamaForCausalLM
-        tie_embeddings=family == "qwen",
-        max_seq_len=256,
-    )
+    qwen = family == "qwen"  # config.json: Qwen2ForCausalLM; else LlamaForCausalLM
+    cfg = tiny_chat_config(320, qkv_bias=qwen, tie_embeddings=qwen, max_seq_len=256)
     save_hf_checkpoint(Transformer(cfg, rngs=nnx.Rngs(0)), cfg, directory)
 
 

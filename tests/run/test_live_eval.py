@@ -286,6 +286,9 @@ def test_a_harness_scores_the_live_policy_of_the_version_it_names(tmp_path):
         "Engine.serve_port": port,
         "Engine.warmup": False,
         "Outputs.export_hf": False,
+        # every version moves the policy: the toy's one warm-up step trains at lr 0, and a reply
+        # from version 0 then scores exactly as one from version 1
+        "RL.lr_warmup_steps": 0,
     }
     parts = prepare(toy_config(settings), tmp_path / "run")
     stop = StopFlag(parts.role)

@@ -42,7 +42,7 @@ import pytest
 import yaml
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
-from support.chat_checkpoints import write_qwen_tokenizer
+from support.chat_checkpoints import tiny_chat_config, write_qwen_tokenizer
 from support.checkout import ROOT
 from support.openai_server import serve
 
@@ -50,7 +50,7 @@ from jaxrl_orch.compose.model import build_model, pretrained_params
 from jaxrl_orch.config.load import load_config
 from jaxrl_orch.models.hf_import import save_hf_checkpoint
 from jaxrl_orch.models.tokenizer import load_tokenizer
-from jaxrl_orch.models.transformer import ModelConfig, Transformer
+from jaxrl_orch.models.transformer import Transformer
 from jaxrl_orch.serve import build_host, checkpoint_bindings
 from jaxrl_orch.trainer.logprobs import token_stats
 from jaxrl_orch.types import SamplingParams
@@ -88,15 +88,7 @@ PROMPTS = ["Reverse: the cat sat", "the lazy dog"]
 def export(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("lm_eval") / "export"
     tokenizer = load_tokenizer(write_qwen_tokenizer(directory))
-    cfg = ModelConfig(
-        vocab_size=tokenizer.vocab_size,
-        d_model=32,
-        n_layers=1,
-        n_heads=2,
-        n_kv_heads=1,
-        head_dim=16,
-        d_ff=64,
-    )
+    cfg = tiny_chat_config(tokenizer.vocab_size)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     nnx.update(model, jax.tree.map(lambda x: x * 4, nnx.state(model, nnx.Param)))
     save_hf_checkpoint(model, cfg, directory)

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxrl_orch.models.configs import ModelConfig
+
 QWEN_TEMPLATE = (
     "{%- if tools %}\n"
     "    {{- '<|im_start|>system\\n' }}\n"
@@ -149,6 +151,13 @@ CORPUS = [
     "hello world, reverse the text please",
     "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024",
 ]
+
+
+def tiny_chat_config(vocab_size: int, **overrides: Any) -> ModelConfig:
+    """The tests' one-layer model behind a written tokenizer: 32 wide, 2 heads over 1 KV head;
+    ``overrides`` set the rest (bias, tied embeddings, context) per checkpoint family."""
+    shape = {"d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16}
+    return ModelConfig(vocab_size=vocab_size, **{**shape, "d_ff": 64, **overrides})
 
 
 def write_tokenizer(

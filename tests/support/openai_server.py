@@ -20,11 +20,10 @@ import jax
 from jaxrl_orch.inference.engine import DecodeEngine
 from jaxrl_orch.inference.limits import EngineLimits
 from jaxrl_orch.models.tokenizer import load_tokenizer
-from jaxrl_orch.models.transformer import ModelConfig
 from jaxrl_orch.serving.app import make_app
 from jaxrl_orch.serving.host import EngineHost
 from jaxrl_orch.serving.runner import HttpServer
-from support.chat_checkpoints import write_qwen_tokenizer
+from support.chat_checkpoints import tiny_chat_config, write_qwen_tokenizer
 
 MODEL = "tiny-qwen"
 LIMITS = EngineLimits(
@@ -34,15 +33,7 @@ LIMITS = EngineLimits(
 
 def tiny_chat_host(directory: Path, *, seed: int = 0) -> EngineHost:
     tokenizer = load_tokenizer(write_qwen_tokenizer(directory))
-    cfg = ModelConfig(
-        vocab_size=tokenizer.vocab_size,
-        d_model=32,
-        n_layers=1,
-        n_heads=2,
-        n_kv_heads=1,
-        head_dim=16,
-        d_ff=64,
-    )
+    cfg = tiny_chat_config(tokenizer.vocab_size)
     engine = DecodeEngine(cfg, limits=LIMITS, decode_widths=(2,))  # one generate program
     # A random model this small greedily repeats one token forever; scaled up, its greedy text
     # changes token to token (broken UTF-8 and special ids included): what the text paths and
