@@ -19,4 +19,5 @@ from jaxrl_orch.distributed.group import join_group, resolve_role  # noqa: E402
 k, coordinator = int(sys.argv[1]), sys.argv[2]
 join_group(resolve_role(2, 1, k), coordinator)
 gathered = multihost_utils.process_allgather(np.array([k + 1]))
-print("gathered", gathered.ravel().tolist(), flush=True)
+# One string, one write: gloo's own log lines (C++, the same stream) cannot land inside it.
+print(f"gathered {gathered.ravel().tolist()}", flush=True)

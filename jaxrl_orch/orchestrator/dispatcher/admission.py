@@ -17,7 +17,7 @@ The order, one rollout at a time (``RolloutDispatcher._fill`` asks while permits
        gate's promise is per group, like AReaL's). A source that raises ``StopIteration``
        has run dry: its env opens no more groups, the others continue.
     After a restart, the groups its plan sends again (``reissue``: drawn before the checkpoint,
-    not finished) come before step 3's fresh groups, with their own ordinals; a group opening
+    not finished) come before the fresh groups of 3, with their own ordinals; a group opening
     takes the finished rollouts the plan kept for its ordinal (``recovery.Recovery.take``).
     A group is stamped with ``policy.version`` when it opens (``policy_version_at_start``) and
     with where it sits in the run (``position``: its rollouts' sampling seeds).
