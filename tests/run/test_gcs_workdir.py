@@ -117,3 +117,28 @@ def test_a_run_writes_resumes_and_reads_back_through_gcs(gcs, tmp_path):
     assert any((wd / "tb").iterdir())  # TensorBoard events, written by tensorboardX's gs://
     assert url in res.stdout  # the closing line names the URL, not a local path
     assert not (tmp_path / "gs:").exists()  # nothing was written to a local "gs:" directory
+
+
+def test_the_rollout_journal_on_gcs_writes_parts_at_each_sync_and_replays_them(gcs):
+    from jaxrl_orch.orchestrator.journal import RolloutJournal
+
+    path = as_path(f"gs://{BUCKET}/journal_run/rollouts/journal")
+    journal = RolloutJournal(path)
+    journal.replay()
+    journal.begin(0, [])
+    journal.opened("sim", 0, {"id": 1})
+    r = _rollout(2)
+    r.slot, r.num_turns = (0, 0), 1
+    journal.landed([r])
+    assert RolloutJournal(path).replay().done == {}  # objects cannot be appended: not yet
+    journal.sync()  # a checkpoint: the lines since the last one become one object
+    replay = RolloutJournal(path).replay()
+    assert list(replay.opens) == [0] and replay.done[(0, 0)]["versions"] == [-1, 2]
+    again = RolloutJournal(path)
+    again.replay()
+    again.begin(2, [replay.opens[0]])  # the next start: its own file, the old ones gone
+    again.close()
+    names = sorted(p.name for p in path.iterdir())
+    assert names == ["epoch_000002.part0.jsonl"] and list(RolloutJournal(path).replay().opens) == [
+        0
+    ]
