@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -21,3 +22,5 @@ join_group(resolve_role(2, 1, k), coordinator)
 gathered = multihost_utils.process_allgather(np.array([k + 1]))
 # One string, one write: gloo's own log lines (C++, the same stream) cannot land inside it.
 print(f"gathered {gathered.ravel().tolist()}", flush=True)
+# The test reads the socket tables every 0.2 s: the collectives' listeners stay up a while.
+time.sleep(2.0)
