@@ -66,7 +66,8 @@ def test_split_placement_run_writes_metrics_checkpoints_and_report(tmp_path):
     assert [r["step"] for r in sampled] == [0, 2, 3]
     assert summary["eval_sampled_reward_final"] == sampled[-1]["eval/reverse_text@t1/reward_mean"]
     assert checkpoints(wd)[-1] == 3
-    assert sorted(p.name for p in (wd / "rollouts").iterdir())[:1] == ["step_00000001.jsonl"]
+    assert sorted(p.name for p in (wd / "rollouts").glob("step_*"))[:1] == ["step_00000001.jsonl"]
+    assert [p.name for p in (wd / "rollouts" / "journal").iterdir()] == ["epoch_000001.jsonl"]
     for name in ("report.md", "reward.png", "age_hist.png", "timeline.png", "config.gin"):
         assert (wd / name).stat().st_size > 0, name
     # The final policy, as an HF checkpoint of the trainer's last version.
