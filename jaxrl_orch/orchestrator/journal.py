@@ -114,7 +114,6 @@ class Replay:
     scored: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     problems: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     named: list[str] = dataclasses.field(default_factory=list)
-    epochs: int = 0
 
     def purge(self, version: int) -> None:
         """An epoch line: the run restarted from ``version``; later ones never happened."""
@@ -137,7 +136,6 @@ class Replay:
             try:
                 rec = json.loads(line)
                 if "epoch" in rec:
-                    self.epochs += 1
                     self.purge(int(rec["version"]))
                 else:
                     self.take(rec)

@@ -44,7 +44,6 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 from support.chat_checkpoints import tiny_chat_config, write_qwen_tokenizer
 from support.checkout import ROOT
-from support.openai_server import serve
 
 from jaxrl_orch.compose.model import build_model, pretrained_params
 from jaxrl_orch.config.load import load_config
@@ -108,12 +107,6 @@ def host(export):
     host, _ = build_host(args, None)
     yield host
     host.stop()
-
-
-@pytest.fixture(scope="module")
-def url(host):
-    with serve(host) as base:
-        yield base
 
 
 @pytest.fixture(scope="module")
