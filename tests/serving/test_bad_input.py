@@ -261,6 +261,9 @@ def test_one_bad_request_among_those_sharing_its_prompt_fails_alone(served, monk
     engine.hold(after=0)  # every request below is in flight before one token is decoded
     first = [post(_body()) for _ in range(2)]
     until(lambda: host.in_flight == 2, what="two requests of the prompt in flight")
+    # The engine's loop is parked in its first decode call, so nothing posted below is inserted
+    # (where the bad one would fail at once) before the test has counted it in flight.
+    engine.wait_held()
     # A setting the engine's slot fields cannot hold is refused by name before it is queued.
     r = _post(served.client, _body(top_k=2**31))
     assert r.status_code == 400, r.text
