@@ -28,7 +28,6 @@ from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine_api import JetStreamEngine
 from jaxrl_orch.models.tokenizer import Tokenizer
 from jaxrl_orch.orchestrator.metrics.writers import stage
-from jaxrl_orch.serving.app import make_app
 from jaxrl_orch.serving.host import EngineHost
 from jaxrl_orch.serving.runner import HttpServer
 
@@ -113,6 +112,9 @@ def serve_live_policy(
     """The started ``LivePolicy``, or None when ``Engine.serve_port`` is unset."""
     if cfg.engine.serve_port is None:
         return None
+    # Imported when the port is asked for: a run without one does not load FastAPI.
+    from jaxrl_orch.serving.app import make_app
+
     host = LiveHost(engine, model=cfg.model.name, tokenizer=tokenizer, driver=driver)
     withheld = None if cfg.engine.serve_control else CONTROL_SETTING
     app = make_app(host, withhold_control=withheld)

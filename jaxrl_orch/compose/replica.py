@@ -16,7 +16,6 @@ import jax
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas, bind_of, host_port
 from jaxrl_orch.distributed.group import Role
-from jaxrl_orch.distributed.replica import replica_server, serve_until_signal
 from jaxrl_orch.inference.engine_api import ReplicaEngine
 from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.serving.runner import HttpServer
@@ -39,6 +38,10 @@ def serve_replica(
 ) -> dict[str, Any]:
     """Serve ``engine`` at this replica's URL until SIGTERM / SIGINT (the launcher's stop).
     ``adapters``: a LoRA run's adapter tree (``compose.trainers.rl_adapters``), else None."""
+    # The HTTP app is imported by the role that serves it: every process imports this module
+    # for ``check_bind``, and a trainer's start should not pay for FastAPI.
+    from jaxrl_orch.distributed.replica import replica_server, serve_until_signal
+
     url = replicas.urls[role.replica]
     host, server = replica_server(
         engine,

@@ -29,7 +29,6 @@ from typing import Any
 
 from jaxrl_orch.compose.engines import build_engine
 from jaxrl_orch.compose.parts import RunParts, build_run
-from jaxrl_orch.compose.replica import serve_replica
 from jaxrl_orch.compose.trainers import rl_adapters
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas
@@ -43,7 +42,7 @@ from jaxrl_orch.run.history import check_history
 from jaxrl_orch.run.identity import check_resume, record_identity
 from jaxrl_orch.run.rl import run_rl
 from jaxrl_orch.run.stop import StopFlag
-from jaxrl_orch.run.warmup import run_warmup
+from jaxrl_orch.run.warmup import NOT_LOADED, rl_restores_every_weight, run_warmup
 from jaxrl_orch.tools.report import write_report
 
 
@@ -99,12 +98,16 @@ def _stages(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
         mesh = parts.placement.decode_mesh
         engine = build_engine(cfg, parts.model_cfg, mesh, parts.tokenizer).engine
         adapters = rl_adapters(cfg, parts.model_cfg)
+        # Imported by the role that serves: a trainer process does not load the HTTP stack.
+        from jaxrl_orch.compose.replica import serve_replica
+
         return serve_replica(cfg, engine, role, parts.engine_addresses, adapters)
     parts.workdir.mkdir(parents=True, exist_ok=True)
     # A group's peers take the same warm-up steps (same data, same seed); process 0 writes.
     writer = JsonlWriter(parts.workdir / "metrics.jsonl" if role.leader else os.devnull)
     try:
-        params, info = run_warmup(parts, writer, stop)
+        weights = not rl_restores_every_weight(parts)
+        params, info = run_warmup(parts, writer, stop, weights=weights)
     finally:
         writer.close()
     summary: dict[str, Any] = {**info, "max_staleness": cfg.orchestrator.max_staleness}
@@ -121,7 +124,8 @@ def _stages(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
         f"{rl.algorithm}, {rl.steps} steps of {rl.prompts_per_step} prompts x {rl.group_size} "
         f"samples, max_staleness {orch.max_staleness} ({orch.age_policy})",
     )
-    summary.update(run_coroutine(run_rl(parts, params, stop)))
+    sft_params = None if params is NOT_LOADED else params  # the RL restore sets every weight
+    summary.update(run_coroutine(run_rl(parts, sft_params, stop)))
     return summary
 
 

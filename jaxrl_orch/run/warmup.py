@@ -35,15 +35,40 @@ from jaxrl_orch.orchestrator.metrics.writers import (
 from jaxrl_orch.paths import as_path, copy_tree
 from jaxrl_orch.run.history import trim_for_sft
 from jaxrl_orch.run.stop import StopFlag
-from jaxrl_orch.trainer.checkpoint import Checkpointer, restore_trainer, save_trainer
+from jaxrl_orch.trainer.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    restore_trainer,
+    save_trainer,
+)
 from jaxrl_orch.trainer.sft import run_sft
 from jaxrl_orch.trainer.trainer import Trainer
 
 
+class _NotLoaded:
+    def __repr__(self) -> str:
+        return "NOT_LOADED"
+
+
+# What ``run_warmup`` returns for params when a complete warm-up's arrays were not read.
+NOT_LOADED: Any = _NotLoaded()
+
+
+def rl_restores_every_weight(parts: RunParts) -> bool:
+    """Whether the RL stage will take every weight it trains from its own checkpoint: a resumed
+    full fine-tune without a KL reference. The warm-up's weights would only be overwritten
+    then (with LoRA they are the frozen base; with ``kl_beta`` the reference policy)."""
+    cfg = parts.cfg
+    plain = not cfg.lora.rank and cfg.rl.loss.kl_beta == 0 and cfg.rl.after_warmup != "sft"
+    return plain and has_steps(parts.workdir / "checkpoints")
+
+
 def run_warmup(
-    parts: RunParts, writer: JsonlWriter, stop: StopFlag
+    parts: RunParts, writer: JsonlWriter, stop: StopFlag, *, weights: bool = True
 ) -> tuple[Any, dict[str, float]]:
-    """The warm-up, or its checkpoint: complete (skip), partial (continue), or none."""
+    """The warm-up, or its checkpoint: complete (skip), partial (continue), or none.
+    ``weights=False``: a complete warm-up on disk is reported and its arrays are not read
+    (params ``NOT_LOADED``; see ``rl_restores_every_weight``)."""
     cfg = parts.cfg
     own = parts.workdir / "sft"
     if cfg.warmup.from_workdir is not None and not has_steps(own) and parts.role.leader:
@@ -55,6 +80,13 @@ def run_warmup(
         multihost_utils.sync_global_devices("warm-up checkpoint in place")
     ckpt = Checkpointer(own, max_to_keep=1, async_save=False)
     latest = ckpt.latest_step()
+    if not weights and _complete_on_disk(ckpt, latest, cfg.warmup.steps):
+        ckpt.close()
+        if latest is None:
+            return NOT_LOADED, {"sft_steps": 0.0}
+        held = "not loaded: the RL checkpoint holds every weight"
+        stage("warm-up", f"complete after {latest} SFT steps in {own} ({held})")
+        return NOT_LOADED, {"sft_steps": float(latest), "sft_restored": 1.0}
     resuming = latest is not None or has_steps(parts.workdir / "checkpoints")
     init = None if resuming else pretrained_params(parts.cfg.model.name)
     trainer = build_trainer(parts, "sft", cfg.warmup.learning_rate, init_params=init)
@@ -136,6 +168,19 @@ def _train(
         info["sft_final_loss"] = hist[-1]["sft/loss"]
     save(cfg.warmup.steps, complete=True)
     return trainer.params, info
+
+
+def _complete_on_disk(ckpt: Checkpointer, step: int | None, steps: int) -> bool:
+    """Whether the warm-up is complete: none asked for, or checkpoint ``step`` says so in its
+    JSON item alone; one that cannot be read is left to the restore, which sets it aside."""
+    if step is None:
+        return steps == 0
+    try:
+        state = ckpt.read_state(step)
+    except CheckpointError:
+        return False
+    # Checkpoints without the flag are complete warm-ups (e.g. via warmup_from).
+    return bool(state.get("complete", True)) or step >= steps
 
 
 def has_steps(directory: epath.Path) -> bool:

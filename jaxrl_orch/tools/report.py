@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from jaxrl_orch.paths import as_path
-from jaxrl_orch.tools import plots
 from jaxrl_orch.tools.report_data import (
     BEHAVIOURS,
     ReportInputError,
@@ -212,6 +211,10 @@ def _markdown(
 
 def write_report(workdir: str | Path) -> dict[str, dict]:
     """Write the plots and ``report.md``: ``{"written": {name: Path}, "skipped": {name: why}}``."""
+    # matplotlib is imported here, where the plots are drawn: a run's start formats its restart
+    # line from this module and should not pay for it before its first rollout.
+    from jaxrl_orch.tools import plots
+
     workdir = as_path(workdir)  # a local directory or a gs:// prefix
     records = read_metrics(workdir / "metrics.jsonl")
     summary = read_summary(workdir)

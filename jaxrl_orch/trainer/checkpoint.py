@@ -218,6 +218,22 @@ class Checkpointer:
             "orchestrator": dict(out["orchestrator"]),
         }
 
+    def read_state(self, step: int) -> dict[str, Any]:
+        """The orchestrator's dict saved under ``step``, without reading a single array: what a
+        stage that keeps its arrays elsewhere (a resumed run's warm-up) needs to know."""
+        path = os.path.join(self.directory, str(step))
+        try:
+            out = self._manager.restore(
+                step, args=ocp.args.Composite(orchestrator=ocp.args.JsonRestore())
+            )
+        except Exception as e:  # noqa: BLE001 - any failure here means an unusable checkpoint
+            raise CheckpointError(
+                f"checkpoint step {step} at {path} could not be read ({type(e).__name__}: {e})"
+            ) from e
+        if out["orchestrator"] is None:
+            raise CheckpointError(f"checkpoint step {step} at {path} lacks its orchestrator item")
+        return dict(out["orchestrator"])
+
     def set_aside(self, step: int) -> str:
         """Move step ``step``'s directory to ``<directory>.corrupt/<step>``; returns where."""
         src = as_path(self.directory) / str(step)

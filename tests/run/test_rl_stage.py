@@ -19,7 +19,7 @@ from support.runs import prepare, run
 from support.toy_rl import LowercaseEnv, toy_config
 from support.train_cmd import all_rows, checkpoints
 
-from jaxrl_orch.run import rl
+from jaxrl_orch.run import rl, warmup
 
 STALENESS = 1
 STEP_KEYS = ("trainer/loss", "time/train_s", "time/transfer_s", "time/generate_s")
@@ -27,17 +27,19 @@ EVAL_KEY = f"eval/{LowercaseEnv.name}/reward_mean"
 
 
 def _config(steps: int):
-    return toy_config(
-        {
-            "RL.steps": steps,
-            "Orchestrator.max_staleness": STALENESS,
-            "Outputs.checkpoint_every": 2,
-            "RL.eval_every": 2,
-            "Outputs.export_hf": False,
-            # Each program compiles when first used, not all of them up front (~14 s here).
-            "Engine.warmup": False,
-        }
-    )
+    return toy_config(_overrides(steps))
+
+
+def _overrides(steps: int) -> dict:
+    return {
+        "RL.steps": steps,
+        "Orchestrator.max_staleness": STALENESS,
+        "Outputs.checkpoint_every": 2,
+        "RL.eval_every": 2,
+        "Outputs.export_hf": False,
+        # Each program compiles when first used, not all of them up front (~14 s here).
+        "Engine.warmup": False,
+    }
 
 
 def _step_rows(wd: Path) -> list[dict]:
@@ -91,7 +93,18 @@ def test_rl_stage_writes_each_step_with_its_times_evals_and_checkpoints_and_resu
     ages = {int(a): n for a, n in summary["age_histogram"].items()}
     assert ages and max(ages) <= STALENESS and sum(ages.values()) > 0
 
+    built = []
+    build = warmup.build_trainer
+    monkeypatch.setattr(
+        warmup,
+        "build_trainer",
+        lambda p, kind, *a, **k: built.append(kind) or build(p, kind, *a, **k),
+    )
     again = run(prepare(_config(5), wd))  # the same workdir, two more steps
+
+    # A resumed full fine-tune takes every weight from its RL checkpoint: the warm-up stage
+    # builds no trainer of its own (its weights would only be overwritten).
+    assert built == []
 
     assert again["resumed_from_step"] == 3 and again["rl_steps"] == 5
     assert again["rl_steps_this_run"] == 2
@@ -103,3 +116,13 @@ def test_rl_stage_writes_each_step_with_its_times_evals_and_checkpoints_and_resu
     ages = {int(a): n for a, n in again["age_histogram"].items()}
     assert ages and max(ages) <= STALENESS
     assert again["overlap"] is None  # a new schedule: 2 steps, 1 period, as above
+
+
+def test_the_warm_up_weights_are_skipped_only_where_the_rl_checkpoint_replaces_them(tmp_path):
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)  # a resumed run
+    assert warmup.rl_restores_every_weight(prepare(_config(5), tmp_path))
+    # The warm-up's weights are the KL reference or the LoRA base there.
+    for setting in ({"Loss.kl_beta": 0.1}, {"Lora.rank": 4}):
+        cfg = toy_config({**_overrides(5), **setting})
+        assert not warmup.rl_restores_every_weight(prepare(cfg, tmp_path)), setting
+    assert not warmup.rl_restores_every_weight(prepare(_config(5), tmp_path / "fresh"))

@@ -146,6 +146,17 @@ def test_corrupt_checkpoint_names_the_path(tmp_path):
         Checkpointer(tmp_path / "ok").restore(other)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_read_state_reads_the_json_item_alone(tmp_path):
+    path = tmp_path / "ckpts"
+    _tiny_saved(path, steps=(1, 2))
+    _corrupt(path / "2")  # its arrays no longer restore; its JSON does, without them
+    assert Checkpointer(path).read_state(2) == {"a": 2}
+    (path / "1" / "orchestrator" / "metadata").unlink()
+    with pytest.raises(CheckpointError, match=rf"step 1 at {path / '1'} could not be read"):
+        Checkpointer(path).read_state(1)
+
+
 def _corrupt(step_dir):
     """Overwrite the array chunk files of one step (metadata stays intact)."""
     hit = 0
