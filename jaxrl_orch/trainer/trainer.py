@@ -40,9 +40,11 @@ schedule pauses a colocated engine there); ``on_batch(arrays)`` gets each packed
 the step (a trainer group's process 0 hands it to its peers, docs/design.md section 8). A peer takes
 the same step with ``follow(arrays)``: same arrays, same RNG stream, so the same params.
 
-Background mode: ``start()`` launches one worker thread; ``submit(batch)`` enqueues and returns
-at once (so the orchestrator's event loop never blocks on device work); an exception in the
-worker is kept and re-raised by the next ``submit``, ``check``, ``wait_idle`` or ``stop``.
+Background mode: ``start()`` launches one worker thread, which first compiles the step for the
+one batch shape a row floor gives (``precompile``: while the first rollouts are drawn, not when
+the first batch is in); ``submit(batch)`` enqueues and returns at once (so the orchestrator's
+event loop never blocks on device work); an exception in the worker is kept and re-raised by
+the next ``submit``, ``check``, ``wait_idle`` or ``stop``.
 ``gauges()`` reports ``trainer/*`` numbers of the last step.
 
 Never: imports orchestration code, writes metrics itself, or re-tokenizes anything.
@@ -69,29 +71,12 @@ from jaxrl_orch.trainer import optim as optim_lib
 from jaxrl_orch.trainer import step as step_lib
 from jaxrl_orch.trainer.params import BaseWeights, fingerprint, initial_params
 from jaxrl_orch.trainer.programs import build_programs
+from jaxrl_orch.trainer.rows import RowLayout
 from jaxrl_orch.types import TrainBatch
 from sharding.rules import TRAINER_RULES, Rules
 
 # publish(version, params, metrics): see "Publishing contract" in the module docstring.
 Publisher = Callable[[int, Any, dict[str, float]], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class RowLayout:
-    """How samples become rows: ``row_len`` tokens a row; ``num_rows`` fixes the row count of
-    every batch (None: as many as the batch needs), ``min_rows`` is its floor (rounded up to
-    whole chunks), ``pad_id`` fills the padding."""
-
-    row_len: int = 2048
-    num_rows: int | None = None
-    min_rows: int | None = None
-    pad_id: int = 0
-
-    def __post_init__(self) -> None:
-        if self.row_len < 2:
-            raise ValueError(
-                f"row_len must be >= 2 (targets are shifted by one), got {self.row_len}"
-            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +109,7 @@ class Trainer:
         self.step_cfg = step or step_lib.StepConfig()
         self.optim_cfg = optim or optim_lib.OptimConfig()
         self.rows = rows
-        self._min_rows = _check_rows(rows, model_config, self.step_cfg.rows_multiple)
+        self._min_rows = rows.floor(model_config, self.step_cfg.rows_multiple)
         self.hooks = hooks
 
         programs = build_programs(
@@ -266,7 +251,26 @@ class Trainer:
         self._worker = threading.Thread(target=self._run, name="trainer", daemon=True)
         self._worker.start()
 
+    def precompile(self) -> bool:
+        """Compile the step for the one batch shape a row floor gives (module docstring) while
+        the first rollouts are drawn, so the first batch does not wait for it (the jitted step
+        then finds it compiled). False where the shape is not known before (no floor)."""
+        rows = max(self.rows.num_rows or 0, self._min_rows)
+        if not rows:
+            return False
+        batch = self.rows.abstract_batch(rows, self._batch_shardings)
+        # A step's key is a split of this one, alike in shape, type and placement. Nothing
+        # runs here: a trainer group's peers take no part in the leader's compile.
+        rng = jax.ShapeDtypeStruct(self.rng.shape, self.rng.dtype, sharding=self.rng.sharding)
+        args = (self.params, self.opt_state, batch, rng, self.ref_params, self.frozen)
+        self._step_fn.lower(*args).compile()
+        return True
+
     def _run(self) -> None:
+        try:
+            self.precompile()
+        except BaseException as e:  # noqa: BLE001 - kept and re-raised on the caller's side
+            self._error = e
         while True:
             batch = self._queue.get()
             try:
@@ -370,17 +374,3 @@ class Trainer:
         self.rng = jax.device_put(np.asarray(state["rng"], dtype=np.uint32), self._replicated)
         self.version = int(state["version"])
         self.steps_done = int(state["steps_done"])
-
-
-def _check_rows(rows: RowLayout, model_config: ModelConfig, multiple: int) -> int:
-    """Validate ``rows`` against the model and the step's chunking; returns the row floor
-    rounded up to whole chunks (``multiple`` rows)."""
-    if rows.row_len > model_config.max_seq_len:
-        raise ValueError(
-            f"row_len {rows.row_len} exceeds the model's max_seq_len {model_config.max_seq_len}"
-        )
-    if rows.num_rows is not None and rows.num_rows % multiple:
-        raise ValueError(
-            f"num_rows {rows.num_rows} must be a multiple of chunk_rows * minibatches = {multiple}"
-        )
-    return -(-(rows.min_rows or 0) // multiple) * multiple

@@ -4,6 +4,8 @@ exactly those of the same batch packed tight."""
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -42,3 +44,22 @@ def test_a_batch_needing_more_rows_than_min_rows_still_trains():
     t = Trainer(TINY, mesh, rows=rows, step=step_lib.StepConfig(kind="rl", chunk_rows=2))
     packed = t.pack(make_batch(1, seed=3, n_samples=9))
     assert packed.num_rows > 2 and packed.num_rows % 2 == 0
+
+
+def _compiled_programs(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.getMessage()]
+
+
+@pytest.mark.parametrize("precompiled", [True, False])
+def test_the_first_batch_finds_the_step_already_compiled(precompiled, caplog):
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("fsdp", "tp"))
+    cfg = step_lib.StepConfig(kind="rl", chunk_rows=2)
+    t = Trainer(TINY, mesh, rows=RowLayout(row_len=32, min_rows=12), step=cfg, seed=0)
+    if precompiled:  # what the worker does at start, before it takes the first batch
+        assert t.precompile()
+    with caplog.at_level(logging.WARNING), jax.log_compiles(True):
+        t.train_step(make_batch(1, seed=1, n_samples=5))
+    steps = [m for m in _compiled_programs(caplog) if "jit(step)" in m]
+    assert (steps == []) if precompiled else len(steps) == 1, _compiled_programs(caplog)
+    # Without a row floor the batch's shape is not known before it arrives.
+    assert not Trainer(TINY, mesh, rows=RowLayout(row_len=32), step=cfg, seed=0).precompile()
