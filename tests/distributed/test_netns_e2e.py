@@ -1,22 +1,25 @@
 """End-to-end: a run over hosts of their own, each a network namespace (``support.netns``).
 
 Two trainer hosts (2 CPU devices each) and two replica hosts, each with its own interface and
-address, run the same command, ``python -m jaxrl_orch.train``, with the environment a GKE
-JobSet gives its pods (the run's layout read from it: ``distributed.platform``) and names that
-resolve as the JobSet's headless service resolves them. The run completes with the losses of
-the one-process run, and every host's socket table, read all through the run, shows each
-listener on its own host's address and every connection between two hosts' addresses: nothing
-binds every interface, and nothing dials a loopback address another host was meant to be.
+address, run the same command, ``python -m jaxrl_orch.train``, with the environment the
+scheduler gives its processes (the run's layout read from it: ``distributed.platform``) and
+names that resolve as that scheduler's names do: a GKE JobSet's pods (their headless service),
+a TPU VM slice's workers (``TPU_WORKER_HOSTNAMES``), a Slurm job step's tasks, one per node.
+Each run completes with the losses of the one-process run, and every host's socket table, read
+all through the run, shows each listener on its own host's address and every connection
+between two hosts' addresses: nothing binds every interface, and nothing dials a loopback
+address another host was meant to be.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,8 @@ pytestmark = [
 ]
 
 JOBSET = "run1"
+# The run's processes in order: process K is the K-th (trainers, then replicas).
+HOSTS = ("trainer-0", "trainer-1", "engine-0", "engine-1")
 # host -> (replicated job, JOB_INDEX, JOB_COMPLETION_INDEX), as JobSet labels its pods
 PODS = {
     "trainer-0": ("trainer", 0, 0),
@@ -47,25 +52,87 @@ def pod_name(host: str) -> str:
     return f"{JOBSET}-{job}-{i}-{j}.{JOBSET}"
 
 
-def pod_env(host: str) -> dict[str, str]:
-    """What the pod's environment holds: the JobSet's labels (downward API), the Indexed Job's
-    completion index, the hostname Kubernetes sets."""
+@dataclasses.dataclass(frozen=True)
+class Scheduler:
+    """How a scheduler names a run's hosts and what it sets in each process's environment."""
+
+    platform: str  # as the platform line names it
+    name: Callable[[str], str]  # host -> the name the others reach it by (its hostname first)
+    variables: Callable[[str], dict[str, str]]  # host -> what the scheduler sets there
+    read: tuple[str, ...]  # the variables the platform line names, in its order
+
+    def env(self, host: str) -> dict[str, str]:
+        return {**env(2), **self.variables(host)}
+
+    def line(self, host: str) -> str:
+        """How the platform line of ``host`` starts: what was read, K, the coordinator."""
+        variables = self.variables(host)
+        read = ", ".join(f"{k}={variables[k]}" for k in self.read)
+        leader = self.name("trainer-0")
+        return (
+            f"== platform: {self.platform} ({read}): process {HOSTS.index(host)}, coordinator "
+            f"{leader}:{COORDINATOR_PORT}, "
+        )
+
+
+def _jobset(host: str) -> dict[str, str]:
+    """A pod's environment: the JobSet's labels (downward API), the Indexed Job's completion
+    index, the hostname Kubernetes sets."""
     job, i, j = PODS[host]
-    found = env(2)
-    found.update(
-        JOBSET_NAME=JOBSET,
-        REPLICATED_JOB_NAME=job,
-        JOB_INDEX=str(i),
-        JOB_COMPLETION_INDEX=str(j),
-        HOSTNAME=pod_name(host).split(".")[0],
-    )
-    return found
+    return {
+        "JOBSET_NAME": JOBSET,
+        "REPLICATED_JOB_NAME": job,
+        "JOB_INDEX": str(i),
+        "JOB_COMPLETION_INDEX": str(j),
+        "HOSTNAME": pod_name(host).split(".")[0],
+    }
 
 
-@pytest.fixture
-def hosts():
-    made = netns.Hosts({host: [pod_name(host)] for host in PODS})
-    yield made
+def _tpu_vm(host: str) -> dict[str, str]:
+    """A TPU VM worker's: its place in the slice and the slice's workers, in order (the
+    whole run on one slice: the trainer group's workers first, then the replicas')."""
+    workers = ",".join(f"w-{k}" for k in range(len(HOSTS)))
+    return {"TPU_WORKER_ID": str(HOSTS.index(host)), "TPU_WORKER_HOSTNAMES": workers}
+
+
+def _slurm(host: str) -> dict[str, str]:
+    """A Slurm task's, one task per node (``srun --ntasks-per-node=1``)."""
+    return {
+        "SLURM_PROCID": str(HOSTS.index(host)),
+        "SLURM_NTASKS": str(len(HOSTS)),
+        "SLURM_STEP_NODELIST": f"node[01-{len(HOSTS):02d}]",
+        "SLURMD_NODENAME": f"node{HOSTS.index(host) + 1:02d}",
+    }
+
+
+SCHEDULERS = {
+    "gke-jobset": Scheduler(
+        "gke-jobset",
+        pod_name,
+        _jobset,
+        ("JOBSET_NAME", "REPLICATED_JOB_NAME", "JOB_INDEX", "JOB_COMPLETION_INDEX"),
+    ),
+    "tpu-vm": Scheduler(
+        "tpu-vm",
+        lambda host: f"w-{HOSTS.index(host)}",
+        _tpu_vm,
+        ("TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES"),
+    ),
+    "slurm": Scheduler(
+        "slurm",
+        lambda host: f"node{HOSTS.index(host) + 1:02d}",
+        _slurm,
+        ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NODELIST"),
+    ),
+}
+
+
+@pytest.fixture(params=SCHEDULERS)
+def scheduled(request):
+    """The scheduler under test and its hosts: namespaces named as that scheduler names them."""
+    scheduler = SCHEDULERS[request.param]
+    made = netns.Hosts({host: [scheduler.name(host)] for host in HOSTS})
+    yield scheduler, made
     made.close()
 
 
@@ -77,17 +144,18 @@ def _key(tmp_path: Path) -> Path:
     return path
 
 
-def _run(hosts: netns.Hosts, cmd: list[str], logs: Path) -> dict[str, Table]:
-    """``cmd`` on every host, each with its pod's environment, until the trainers exit; then
-    the replicas get SIGTERM, as a JobSet's pods do when it completes. Returns each host's
+def _run(scheduler: Scheduler, hosts: netns.Hosts, cmd: list[str], logs: Path) -> dict[str, Table]:
+    """``cmd`` on every host, each with its scheduler's environment, until the trainers exit;
+    then the replicas get SIGTERM, as a JobSet's pods do when it completes. Returns each host's
     socket table over the run (every entry seen, read twice a second)."""
     logs.mkdir()
     procs = {}
-    for host in PODS:  # replicas first, as a JobSet starts them: in no particular order
+    for host in HOSTS:  # as a scheduler starts them: in no order the run may count on
+        env = scheduler.env(host)
         with open(logs / f"{host}.log", "w") as out:
-            procs[host] = hosts.popen(host, cmd, env=pod_env(host), stdout=out, stderr=out)
-    seen: dict[str, Table] = {host: set() for host in PODS}
-    trainers = [procs[h] for h in PODS if h.startswith("trainer")]
+            procs[host] = hosts.popen(host, cmd, env=env, stdout=out, stderr=out)
+    seen: dict[str, Table] = {host: set() for host in HOSTS}
+    trainers = [procs[h] for h in HOSTS if h.startswith("trainer")]
     deadline = time.monotonic() + 600
     while any(p.poll() is None for p in trainers) and time.monotonic() < deadline:
         for host, proc in procs.items():
@@ -104,7 +172,7 @@ def _run(hosts: netns.Hosts, cmd: list[str], logs: Path) -> dict[str, Table]:
             codes[host] = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             codes[host] = "still running"
-    assert codes == dict.fromkeys(PODS, 0), (codes, _tails(logs))
+    assert codes == dict.fromkeys(HOSTS, 0), (codes, _tails(logs))
     return seen
 
 
@@ -123,14 +191,20 @@ def _check_sockets(seen: Mapping[str, Table], address: Mapping[str, str]) -> Non
     assert any(r[3:] == (leader, COORDINATOR_PORT) for r in seen["trainer-1"]), seen["trainer-1"]
     assert (leader, COORDINATOR_PORT) in {r[1:3] for r in seen["trainer-0"] if r[0] == "LISTEN"}
     for replica in ("engine-0", "engine-1"):
-        assert any(r[3:] == (leader, WEIGHT_PORT) for r in seen[replica]), (replica, seen[replica])
+        # A weight pull is a short connection: seen from either end (the side that closes
+        # first keeps it in TIME_WAIT a while; the other's may be gone before a read).
+        pull = (address[replica], leader, WEIGHT_PORT)
+        at_replica = any((r[1], *r[3:]) == pull for r in seen[replica])
+        at_leader = any((r[3], *r[1:3]) == pull for r in seen["trainer-0"])
+        assert at_replica or at_leader, (replica, seen[replica], seen["trainer-0"])
         to_replica = (address[replica], ENGINE_PORT)
         assert any(r[3:] == to_replica for r in seen["trainer-0"]), (replica, seen["trainer-0"])
 
 
-def test_two_trainer_hosts_and_two_replica_hosts_under_a_jobset_match_one_process(
-    tmp_path: Path, hosts: netns.Hosts
+def test_two_trainer_hosts_and_two_replica_hosts_under_each_scheduler_match_one_process(
+    tmp_path: Path, scheduled: tuple[Scheduler, netns.Hosts]
 ) -> None:
+    scheduler, hosts = scheduled
     steps = ["RL.steps = 2", "Orchestrator.max_staleness = 0"]
     single = single_run(tmp_path / "single", *steps)  # meanwhile: the run waits on its hosts
     workdir = tmp_path / "multi"  # on GKE a gs:// URL; here every namespace sees this path
@@ -138,23 +212,19 @@ def test_two_trainer_hosts_and_two_replica_hosts_under_a_jobset_match_one_proces
         layout = ["Processes.trainer_processes = 2", "Processes.engine_replicas = 2"]
         cmd = [sys.executable, "-m", "jaxrl_orch.train", f"--workdir={workdir}"]
         cmd += [f"--api_key_file={_key(tmp_path)}", *params(*steps, *layout)]
-        seen = _run(hosts, cmd, tmp_path / "logs")
+        seen = _run(scheduler, hosts, cmd, tmp_path / "logs")
     except BaseException:
         single.kill()
         raise
     wait_single(single)
     logs = tmp_path / "logs"
     assert_same_run(tmp_path / "single", workdir, 2, _tails(logs))
-    for host, (job, i, j) in PODS.items():
-        k = j if job == "trainer" else 2 + i
+    for host in HOSTS:
+        k = HOSTS.index(host)
         log = (logs / f"{host}.log").read_text()
         line = next(x for x in log.splitlines() if "platform" in x)
-        assert line.startswith(
-            f"== platform: gke-jobset (JOBSET_NAME={JOBSET}, REPLICATED_JOB_NAME={job}, "
-            f"JOB_INDEX={i}, JOB_COMPLETION_INDEX={j}): process {k}, coordinator "
-            f"{JOBSET}-trainer-0-0.{JOBSET}:{COORDINATOR_PORT}, "
-        ), line
-        if job == "trainer":  # the listener no flag names: on the address of the pod's name
+        assert line.startswith(scheduler.line(host)), line
+        if host.startswith("trainer"):  # the listener no flag names: on the address of its name
             listen = f"[process {k}] the trainer group's collectives listen on "
             where = f"{listen}{hosts.address[host]} (--host_address, or the platform"
             assert where in log, log[-3000:]
