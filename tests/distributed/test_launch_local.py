@@ -180,6 +180,28 @@ def test_a_replica_failing_differently_each_time_is_restarted_until_the_limit(
     assert (wd / "logs" / "process_1_engine.log").read_text().count("replica 1 starting") == 3
 
 
+def test_a_replica_that_exits_0_was_drained_and_is_not_restarted(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])
+    wd = tmp_path / "run"
+    argv = ["--trainer_processes=1", "--engine_replicas=1", "--devices_per_process=0"]
+    argv += [f"--workdir={wd}", "--gin_param=x"]
+    rc: list[int] = []
+    with _launcher(*argv, program=_standin("drained")) as launcher:
+        thread = threading.Thread(target=lambda: rc.append(launcher.run()))
+        thread.start()
+        try:
+            deadline = time.monotonic() + 60
+            while "not restarted" not in capsys.readouterr().out:
+                assert thread.is_alive() and time.monotonic() < deadline
+                time.sleep(0.1)
+            time.sleep(1.0)  # a few supervision rounds: a restart would start it again
+        finally:
+            (wd / "go").write_text("")
+            thread.join(60)
+    assert rc == [0] and launcher.restarts == 0
+    assert (wd / "logs" / "process_1_engine.log").read_text().count("replica 1 starting") == 1
+
+
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o620, 0o604], ids=lambda m: f"{m:04o}")
 def test_every_command_refuses_a_key_file_others_may_read_or_write(mode, tmp_path, capsys):
     key = tmp_path / "engine.key"
