@@ -47,6 +47,7 @@ JOIN = Route("POST", "/replicas/join", None, Decision)
 DRAIN = Route("POST", "/replicas/drain", None, Decision)
 KINDS = {JOIN.path: "join", DRAIN.path: "drain"}
 
+MAX_SAID = 50  # refusals said on the console; all are counted
 Answer = tuple[int, Decision]  # an HTTP status and its body
 Handler = Callable[[str, str], Awaitable[Answer]]  # (kind, url) -> answer, on the pool's loop
 
@@ -67,10 +68,17 @@ class JoinDesk:
             return self._refused
 
     def refuse(self, url: str, why: str) -> None:
-        """Count a refused join (any thread) and say so in one line."""
+        """Count a refused join (any thread) and say so in one line; past ``MAX_SAID`` lines
+        they are only counted, so a stranger's requests cannot fill the console."""
         with self._lock:
             self._refused += 1
-        print(f"!! engine replica join refused: {url[:200]}: {why}; the run goes on", flush=True)
+            n = self._refused
+        if n <= MAX_SAID:
+            print(
+                f"!! engine replica join refused: {url[:200]}: {why}; the run goes on", flush=True
+            )
+        if n == MAX_SAID:
+            print(f"!! {MAX_SAID} joins refused: further ones are counted, not said", flush=True)
 
     async def serve(self, handler: Handler) -> None:
         """Take requests with ``handler`` on this loop until cancelled."""
@@ -106,7 +114,8 @@ async def ask(
     or ``DRAIN``) the replica at ``url``, with the run's key. Raises ``JoinRefused`` on a
     refusal, aiohttp's or asyncio's errors when the run does not answer."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    # A leader that is gone may also drop packets: the connection itself gets a few seconds.
+    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, 5.0))
     async with aiohttp.ClientSession(timeout=timeout) as session:
         where = f"http://{weight_source}{route.path}"
         async with session.request(route.method, where, params={"url": url}, headers=headers) as r:

@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from jaxrl_orch.distributed.admission import Answer, Decision, JoinDesk
-from jaxrl_orch.distributed.replica_client import RemoteEngineClient, ReplicaLost, WeightPullError
+from jaxrl_orch.distributed.replica_client import RemoteEngineClient
 from jaxrl_orch.types import Completion
 
 
@@ -134,7 +134,9 @@ class Membership:
             version, params = self._current
             try:
                 await self._load(i, version, params, first=first)
-            except (ReplicaLost, WeightPullError) as exc:
+            except (RuntimeError, ValueError) as exc:
+                # ReplicaLost, WeightPullError, an answer outside the contract: this replica
+                # is refused, and the pool's probes (the task group it runs in) go on.
                 self.left.add(i)
                 self.desk.refuse(url, f"it did not load version {version}: {exc}")
                 return

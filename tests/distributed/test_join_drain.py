@@ -107,6 +107,41 @@ def test_a_replica_joins_at_the_current_version_then_serves(run_server, tmp_path
     assert "admitted as replica 1" in joiner.said()
 
 
+def test_a_joiner_that_a_new_version_overtakes_loads_it_too_before_it_serves(
+    run_server, tmp_path, capsys
+):
+    offer, desk = run_server
+    key = _key_file(tmp_path)
+    first = StandInProcess(40, False, "--key-file", key).wait_ready()
+    run = ("--run", offer.address, "--join")
+    joiner = StandInProcess(41, False, "--key-file", key, "--pull-delay", "1.5", *run)
+
+    async def main():
+        pool, watch = await _started([first.url], offer, desk)
+        await asyncio.to_thread(joiner.wait_ready)
+        await _until(lambda: len(pool.clients) == 2, "the joiner admitted")
+        await pool.load_weights(4, _weights(4))  # while it loads version 3
+        picked = set()
+        while 1 not in pool.live:  # no group goes to it until it holds version 4
+            picked.add(pool.select().replica)
+            await asyncio.sleep(0.02)
+        done = await (await _on(pool, 1)).generate([1], SAMPLING)
+        watch.cancel()
+        await pool.close()
+        return pool, picked, done
+
+    try:
+        pool, picked, done = asyncio.run(main())
+    finally:
+        first.kill()
+        joiner.kill()
+    out = capsys.readouterr().out
+    assert f"== engine replica 1 ({joiner.url}) admitted: loading version 3" in out
+    assert f"== engine replica 1 ({joiner.url}) joined at version 4" in out
+    assert picked == {0} and done.versions == [4]
+    assert pool.members()[1]["joined_at_version"] == 4
+
+
 def test_a_drained_replica_finishes_what_it_holds_moves_its_groups_and_exits_0(
     run_server, tmp_path, capsys
 ):

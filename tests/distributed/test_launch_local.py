@@ -270,6 +270,31 @@ def test_train_refuses_a_bad_process_layout(flags, match, capsys, tmp_path):
     assert re.search(match, capsys.readouterr().err)
 
 
+@pytest.mark.parametrize(
+    ("changed", "match"),
+    [
+        ({"process_index": "2"}, r"--join serves a replica the run numbers itself: drop --proc"),
+        (
+            {"engine_addresses": "http://127.0.0.1:1"},
+            r"--join serves a replica the run numbers itself: drop --engine_addresses",
+        ),
+        ({"weight_source": None}, r"--join needs --weight_source=HOST:PORT"),
+        ({"join": "127.0.0.1:5"}, r"--join: '127.0.0.1:5' has no scheme"),
+        ({"api_key_file": None}, r"--join needs --api_key_file: the run admits only replicas"),
+    ],
+)
+def test_train_refuses_a_bad_join(changed, match, capsys, tmp_path):
+    key = tmp_path / "key"
+    key.write_text("s3cr3t")
+    key.chmod(0o600)
+    flags = {"join": "http://127.0.0.1:5", "weight_source": "127.0.0.1:3", "api_key_file": key}
+    flags |= changed  # None: left out
+    argv = [f"--workdir={tmp_path}", "--gin_param=Processes.engine_replicas = 2"]
+    argv += [f"--{k}={v}" for k, v in flags.items() if v is not None]
+    assert train.main(argv) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
 def test_train_refuses_an_unreadable_or_empty_api_key_file(capsys, tmp_path):
     empty = tmp_path / "key"
     empty.write_text("  \n")

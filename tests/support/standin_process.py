@@ -9,7 +9,8 @@ sample at once with the one token ``N`` stamped with the version it holds; with 
 answers none (they stay in flight until their client goes away, which cancels them). Each
 answered sample counts as one second of engine time (``/health``'s ``engine_s``), so a test
 counts a replica's answers without a hook into the process. Prints ``READY <url> <pid>``.
-``--delay S`` answers each sample S seconds after it came; ``--model`` names the model it
+``--delay S`` answers each sample S seconds after it came, ``--pull-delay S`` takes S seconds
+to "pull" each offer; ``--model`` names the model it
 serves; ``--key-file`` makes it require that key; ``--run HOST:PORT`` links it to a run's weight
 server as a replica of a run is (``replica.RunLink``: SIGTERM asks the run to drain it first),
 and ``--join`` also has it ask the run to admit it once it is up.
@@ -28,6 +29,7 @@ import queue
 import signal
 import subprocess
 import threading
+import time
 
 from jaxrl_orch.types import Completion
 from support.checkout import helper_cmd, subprocess_env
@@ -75,7 +77,8 @@ def _host(args: argparse.Namespace):
         def _start_driver(self, params, version):
             return TimedDriver(version, args.answer, args.hold, args.delay)
 
-    def source(uuid, layout, timeout_s):  # the offer "arrives" at once
+    def source(uuid, layout, timeout_s):  # the offer "arrives" (at once, or after the delay)
+        time.sleep(args.pull_delay)
         return {"uuid": uuid}
 
     return StandInHost(StandInEngine(), replica=args.answer, model=args.model, source=source)
@@ -93,6 +96,7 @@ def main() -> None:
     parser.add_argument("--answer", type=int, required=True)
     parser.add_argument("--hold", action="store_true")
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--pull-delay", type=float, default=0.0)
     parser.add_argument("--model", default="stand-in")
     parser.add_argument("--key-file", default=None)
     parser.add_argument("--run", default=None)
