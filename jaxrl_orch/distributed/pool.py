@@ -266,7 +266,10 @@ class RemotePool(Membership):
     # ------------------------------------------------------------------ InferencePool
 
     def select(self) -> PinnedClient:
-        live = sorted(self.serving) or sorted(set(range(len(self.clients))) - self.left)
+        # None serving: pin to a replica that may come back (not one that left); the group's
+        # first request then waits for one in ``wait_live``.
+        every = range(len(self.clients))
+        live = sorted(self.serving) or sorted(set(every) - self.left) or list(every)
         self._turn += 1
         order = live[self._turn % len(live) :] + live[: self._turn % len(live)]
         return PinnedClient(self, min(order, key=lambda i: self.clients[i].in_flight))
