@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.gin_file, args.gin_param)
         layout = (cfg.processes.trainer_processes, cfg.processes.engine_replicas)
-        args = resolve_flags(args, os.environ, *layout)
+        if args.join is None:  # a replica joining mid-run is given its flags: it has no index
+            args = resolve_flags(args, os.environ, *layout)
         # Heavy imports (jax) only after the config checks.
         from jaxrl_orch.run import stages
 
@@ -231,13 +232,13 @@ def _prepare(
     """This process's role (joining the trainer group's cluster first), the workdir claimed
     when this process writes it (``owner``; a launcher's claim is adopted), then the run's
     parts, or the summary of a run the workdir holds complete (``stages.finished``)."""
-    from jaxrl_orch.distributed.group import join_group, resolve_role
+    from jaxrl_orch.distributed.group import Role, join_group, resolve_role
     from jaxrl_orch.owner import claim_workdir, handed_fd_from_env
 
-    role = resolve_role(
-        cfg.processes.trainer_processes, cfg.processes.engine_replicas, args.process_index
-    )
-    replicas = _replicas(cfg.processes.engine_replicas, args)
+    p, r = cfg.processes.trainer_processes, cfg.processes.engine_replicas
+    # A replica joining mid-run comes after the run's own: the pool gives it its index.
+    role = Role("engine", p + r, p, r) if args.join else resolve_role(p, r, args.process_index)
+    replicas = _replicas(r, args)
     handed = handed_fd_from_env()
     claim = claim_workdir(args.workdir, handed) if role.leader else None
     try:
@@ -262,6 +263,8 @@ def _replicas(engine_replicas: int, args: argparse.Namespace) -> Replicas:
     ``--api_key_file``), checked against the config's ``engine_replicas``."""
     from jaxrl_orch.distributed.addresses import Replicas, host_port, read_api_key, replica_urls
 
+    if args.join is not None:
+        return _joiner(args)
     urls = replica_urls(args.engine_addresses)
     if engine_replicas and len(urls) != engine_replicas:
         raise ValueError(
@@ -276,6 +279,23 @@ def _replicas(engine_replicas: int, args: argparse.Namespace) -> Replicas:
             "and every engine replica pulls them from there (launch_local sets it)"
         )
     return Replicas(urls, args.weight_source, read_api_key(args.api_key_file))
+
+
+def _joiner(args: argparse.Namespace) -> Replicas:
+    """Where a replica joining mid-run serves (``--join``), and the run it joins."""
+    from jaxrl_orch.distributed.addresses import Replicas, bind_of, host_port, read_api_key
+
+    for flag in ("process_index", "engine_addresses"):
+        if getattr(args, flag) not in (None, ""):
+            raise ValueError(f"--join serves a replica the run numbers itself: drop --{flag}")
+    if args.weight_source is None:
+        raise ValueError("--join needs --weight_source=HOST:PORT: the run's trainer process 0")
+    bind_of(args.join, "--join")
+    host_port(args.weight_source)
+    key = read_api_key(args.api_key_file)
+    if key is None:
+        raise ValueError("--join needs --api_key_file: the run admits only replicas with its key")
+    return Replicas((), args.weight_source, key, join=args.join.rstrip("/"))
 
 
 def _run(stages: ModuleType, parts: RunParts, stop: StopFlag) -> dict[str, Any]:

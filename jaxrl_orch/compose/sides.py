@@ -52,6 +52,7 @@ from jaxrl_orch.compose.staging import (
     tree_nbytes,
 )
 from jaxrl_orch.distributed.addresses import Replicas
+from jaxrl_orch.distributed.admission import JoinDesk
 from jaxrl_orch.distributed.group import CHECKPOINT, STOP, TRAIN, Channel
 from jaxrl_orch.distributed.offer_server import open_offer
 from jaxrl_orch.distributed.offer_wire import Offerer
@@ -251,8 +252,10 @@ class ReplicaSide:
         self.staging = GroupStaging.of(trainer, engine)
         replicas = parts.engine_addresses
         transport = parts.cfg.processes.weight_transport
-        self.offer = open_offer(transport, replicas.weight_source, replicas.api_key)
-        self.pool = _replica_pool(parts, self.offer, self.staging)
+        # Replicas that join mid-run ask the weight server; the pool decides (docs/scale-out.md).
+        desk = JoinDesk(has_key=replicas.api_key is not None)
+        self.offer = open_offer(transport, replicas.weight_source, replicas.api_key, desk)
+        self.pool = _replica_pool(parts, self.offer, self.staging, desk)
         self._watch: asyncio.Future | None = None
         self.bytes_moved = 0  # what each replica pulls per version
 
@@ -310,7 +313,8 @@ class ReplicaSide:
         return self.pool.gauges()
 
     def summary(self) -> dict[str, Any]:
-        replicas = {k.split("/")[1]: v for k, v in self.pool.gauges().items()}
+        replicas: dict[str, Any] = {k.split("/")[1]: v for k, v in self.pool.gauges().items()}
+        replicas["members"] = self.pool.members()
         return {"overlap": None, "replicas": replicas}
 
     def held(self) -> str | None:
@@ -318,13 +322,17 @@ class ReplicaSide:
         return None
 
 
-def _replica_pool(parts: RunParts, offer: Offerer, staging: GroupStaging) -> RemotePool:
+def _replica_pool(
+    parts: RunParts, offer: Offerer, staging: GroupStaging, desk: JoinDesk
+) -> RemotePool:
     replicas: Replicas = parts.engine_addresses
     return RemotePool(
         replicas.urls,
         offer,
         parts.cfg.processes,
         api_key=replicas.api_key,
+        model=parts.cfg.model.name,  # what a replica joining mid-run must serve
+        desk=desk,
         # Every load names the staged layout: a replica whose decode mesh differs (its host
         # has more devices than a trainer host) pulls in it and reshards on its own devices.
         layout=staging.layout,

@@ -59,6 +59,15 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
         "coordinator",
     )
     roles.add_argument(
+        "--join",
+        default=None,
+        metavar="URL",
+        help="serve as an engine replica that joins a running run: bind http://HOST:PORT (URL), "
+        "then ask trainer process 0 at --weight_source to admit it, with --api_key_file's key "
+        "(the run's); it serves once it holds the run's current weights. Give the run's gin "
+        "files and bindings, no --process_index or --engine_addresses (docs/scale-out.md)",
+    )
+    roles.add_argument(
         "--api_key_file",
         default=None,
         help="a file holding the API key replicas require and the orchestrator sends (needed "
@@ -69,11 +78,13 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
 @dataclasses.dataclass(frozen=True)
 class Replicas:
     """Where a run's engine replicas are: their URLs in replica order, the weight source they
-    pull from, the API key they require (None: loopback only). Empty for one process."""
+    pull from, the API key they require (None: loopback only). Empty for one process.
+    ``join``: this process is a replica joining a running run, serving at that URL."""
 
     urls: tuple[str, ...] = ()
     weight_source: str | None = None
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    join: str | None = None
 
 
 def host_port(text: str, flag: str = "--weight_source") -> tuple[str, int]:

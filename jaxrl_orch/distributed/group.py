@@ -79,6 +79,8 @@ class Role:
     def describe(self) -> str:
         if self.kind == "single":
             return "one process: engine, trainer and orchestrator"
+        if self.kind == "engine" and self.replica >= self.engine_replicas:
+            return "an engine replica joining the run (--join)"
         if self.kind == "engine":
             return f"engine replica {self.replica} of {self.engine_replicas}"
         lead = " (leader: runs the orchestrator)" if self.leader else ""

@@ -31,7 +31,9 @@ Supervision
     - A trainer process that dies stops the whole run at once (the others would block in a
       collective), naming it and its log; the same command resumes from the last checkpoint.
     - A replica that dies is restarted (``--restart_replicas``, on by default) on the same
-      port; it pulls the current weights before it serves again. One that exits the same way
+      port; it pulls the current weights before it serves again. One that exits 0 was drained
+      on purpose (SIGTERM to it: it asked the run to drain it, docs/scale-out.md) and is left
+      stopped. One that exits the same way
       twice in a row (``replica_exits``) stops the run with its last line and its log's path.
     - Every process dies with the launcher (Linux ``PR_SET_PDEATHSIG``), even a kill -9 of it.
     - SIGTERM / SIGINT here: passed to trainer process 0, which drains (at most
@@ -184,6 +186,7 @@ class LocalLauncher:
         self.procs: dict[int, subprocess.Popen] = {}
         self.exits = ExitWatch()
         self.restarts = 0
+        self.drained: set[int] = set()  # replicas that exited 0: left the run on purpose
         self.stop_at: float | None = None
 
     def _new_key(self) -> Path:
@@ -287,7 +290,14 @@ class LocalLauncher:
                 return 0
             for k in range(self.p, self.p + self.r):
                 code = self.procs[k].poll()
-                if code is not None and self.args.restart_replicas and self.stop_at is None:
+                if code == 0 and k not in self.drained:
+                    self.drained.add(k)
+                    print(
+                        f"launch_local: engine replica {k - self.p} drained and exited 0; "
+                        "not restarted",
+                        flush=True,
+                    )
+                elif code and self.args.restart_replicas and self.stop_at is None:
                     stopped = self._replica_exited(k, code)
                     if stopped is not None:
                         self.kill_all()

@@ -18,8 +18,14 @@ Invariants:
   off at the offer's expiry, or after ``idle_s`` without progress. None of it touches another
   pull or the process: each connection is a task of the server's own event loop.
 
+Replicas joining and leaving (``admission``): given a ``JoinDesk`` it also takes the keyed
+``POST /replicas/join`` and ``/replicas/drain`` (the replica's URL in the query, no body) and
+hands each to the pool through the desk; a join without the run's key is refused (401), counted
+and said, before anything is dialled, and so is every join to a run without a key.
+
 Driven by the pool (``offer`` from the orchestrator's event loop); ``close`` stops the thread.
-Never serves anything but offers, and never reads what a request sends beyond its head.
+Never serves anything but offers and those two requests, and never reads what a request sends
+beyond its head.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from aiohttp import web
 
 from jaxrl_orch.config.runtime import WEIGHT_TRANSPORTS
 from jaxrl_orch.distributed import offer_wire as wire
-from jaxrl_orch.distributed.addresses import host_port
+from jaxrl_orch.distributed.addresses import bind_of, host_port
+from jaxrl_orch.distributed.admission import DRAIN, JOIN, KINDS, JoinDesk
 from jaxrl_orch.distributed.transfer import JaxWeightOffer
 from jaxrl_orch.serving.errors import error_body
 from jaxrl_orch.serving.guard import bearer, key_refusal
@@ -79,9 +86,11 @@ class HttpWeightOffer:
         *,
         api_key: str | None = None,
         idle_s: float = IDLE_S,
+        desk: JoinDesk | None = None,
     ) -> None:
         HttpServer.check_bind(host, api_key)
         self._key = bearer(api_key)
+        self._desk = desk
         self.idle_s = float(idle_s)
         self._lock = threading.Lock()
         self._offers: dict[int, _Offer] = {}
@@ -166,6 +175,9 @@ class HttpWeightOffer:
     async def _serve(self, sock: Any) -> None:
         app = web.Application(middlewares=[self._guard], client_max_size=wire.MAX_FIELD_BYTES)
         app.router.add_route(wire.OFFER.method, wire.OFFER.path, self._answer)
+        if self._desk is not None:
+            for route in (JOIN, DRAIN):
+                app.router.add_route(route.method, route.path, self._admission)
         runner = web.AppRunner(
             app,
             handle_signals=False,
@@ -199,6 +211,8 @@ class HttpWeightOffer:
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         refusal = key_refusal(request.headers.get("Authorization"), self._key)
         if refusal is not None:
+            if self._desk is not None and request.path == JOIN.path:
+                self._desk.refuse(request.query.get("url", "(no url)"), f"401: {refusal}")
             return _error(401, refusal)
         if request.body_exists:
             return _error(400, "a weight pull sends no body")
@@ -225,6 +239,29 @@ class HttpWeightOffer:
             if request.transport is not None:  # a reader that stalled, or left: cut off
                 request.transport.abort()
         return response
+
+    async def _admission(self, request: web.Request) -> web.StreamResponse:
+        """A keyed join or drain (``admission``): checked here, decided by the pool."""
+        kind, url = KINDS[request.path], request.query.get("url", "")
+        desk = self._desk
+        try:
+            bind_of(url, "url")
+        except ValueError as exc:
+            if kind == "join":
+                desk.refuse(url or "(no url)", f"400: {exc}")
+            return _error(400, str(exc))
+        url = url.rstrip("/")
+        if kind == "join" and not desk.has_key:
+            why = "this run has no API key, and a replica joins only a run with one"
+            desk.refuse(url, f"403: {why}")
+            return _error(403, f"{why} (--api_key_file)")
+        decided = desk.submit(kind, url)
+        if decided is None:
+            return _error(503, "the run is not taking replicas now (starting or stopping)")
+        status, decision = await asyncio.wrap_future(decided)
+        if status >= 400:
+            return _error(status, decision.message)
+        return web.json_response(decision.model_dump(), status=status)
 
     async def _stream(self, response: web.StreamResponse, offer: _Offer) -> None:
         """The frame's head, then every shard's bytes; each write must progress in ``idle_s``."""
@@ -259,13 +296,16 @@ def _error(status: int, message: str) -> web.Response:
     return response
 
 
-def open_offer(transport: str, weight_source: str, api_key: str | None) -> Any:
+def open_offer(
+    transport: str, weight_source: str, api_key: str | None, desk: JoinDesk | None = None
+) -> Any:
     """The sender ``Processes.weight_transport`` names, on ``weight_source`` (HOST:PORT):
-    ``http`` (``HttpWeightOffer``, with the run's key) or ``jax`` (``JaxWeightOffer``, which
-    prints ``JAX_LINE`` once: see its module)."""
+    ``http`` (``HttpWeightOffer``, with the run's key, taking joins and drains for ``desk``) or
+    ``jax`` (``JaxWeightOffer``, which prints ``JAX_LINE`` once: see its module; it takes no
+    joins)."""
     host, port = host_port(weight_source)
     if transport == "http":
-        return HttpWeightOffer(host, port, api_key=api_key)
+        return HttpWeightOffer(host, port, api_key=api_key, desk=desk)
     if transport == "jax":
         print("== weights: " + JAX_LINE.format(address=weight_source), flush=True)
         return JaxWeightOffer(host, port)

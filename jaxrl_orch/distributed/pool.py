@@ -37,6 +37,10 @@ background task) probes every replica on its own schedule; a lost one that answe
 (restarted, or resumed with SIGCONT) gets the current weights before it is live again, so it
 never serves an old version, and every token still carries the version that produced it.
 
+Joining and leaving mid-run (``membership.Membership``, which this class is): a replica the
+run's weight server admits (``admission``) is checked, loads the current version, and only then
+is live; a drained one takes no new groups, finishes the requests it holds, and leaves.
+
 Runs on the orchestrator's event loop; never blocks it (the HTTP calls are asyncio's).
 """
 
@@ -47,6 +51,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from jaxrl_orch.distributed.admission import JoinDesk
+from jaxrl_orch.distributed.membership import Membership
 from jaxrl_orch.distributed.offer_wire import Offerer
 from jaxrl_orch.distributed.replica_client import RemoteEngineClient, ReplicaLost, WeightPullError
 from jaxrl_orch.serving.contract import Health
@@ -67,7 +73,7 @@ class Deadlines(Protocol):
     replica_health_timeout_s: float
 
 
-class RemotePool:
+class RemotePool(Membership):
     def __init__(
         self,
         addresses: Sequence[str],
@@ -78,9 +84,12 @@ class RemotePool:
         layout: dict | None = None,
         base_layout: dict | None = None,
         api_key: str | None = None,
+        model: str | None = None,
+        desk: JoinDesk | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("RemotePool needs at least one replica address")
+        super().__init__(api_key=api_key, model=model, desk=desk)
         timeout_s = deadlines.replica_request_timeout_s
         self.clients = [
             RemoteEngineClient(a, replica=i, timeout_s=timeout_s, api_key=api_key)
@@ -194,17 +203,20 @@ class RemotePool:
         """Probe every replica, each on its own schedule so that one not answering (or one
         loading its weights to rejoin) never delays the others' probes: see ``_watch_one``."""
         async with asyncio.TaskGroup() as probes:
+            self._probes = probes  # a replica admitted later gets its probes here
             for i in range(len(self.clients)):
                 probes.create_task(self._watch_one(i))
+            if self.desk is not None:
+                probes.create_task(self.desk.serve(self.decide))
 
     async def _watch_one(self, i: int) -> None:
         """Replica ``i``'s probes: a live one silent for ``replica_health_timeout_s`` is lost; a
         lost one that answers is re-admitted with the current weights first; each answer updates
         its engine time."""
         timeout_s = self.deadlines.replica_health_timeout_s
-        while True:
+        while i not in self.left:  # a drained replica is no longer probed
             await asyncio.sleep(self.probe_interval_s)
-            if self._current is None:
+            if self._current is None or i in self.left:
                 continue
             health = await self.clients[i].health(timeout_s)
             now = time.monotonic()
@@ -215,7 +227,7 @@ class RemotePool:
                 continue
             self._answered[i] = now
             self._count_engine_s(i, health)
-            if i not in self.live:
+            if i not in self.live and i not in self.draining:
                 await self._rejoin(i, first=health.version < 0)
 
     def _count_engine_s(self, i: int, health: Health) -> None:
@@ -242,19 +254,22 @@ class RemotePool:
         print(f"engine replica {i} is back, serving version {version}", flush=True)
 
     async def wait_live(self) -> int:
-        """A live replica (the least busy); waits while none is."""
-        while not self.live:
+        """A live replica taking new groups (the least busy); waits while none is."""
+        while not self.serving:
             self._changed.clear()
             await self._changed.wait()
         self._turn += 1
         start = self._turn
-        order = sorted(self.live, key=lambda i: (i - start) % len(self.clients))
+        order = sorted(self.serving, key=lambda i: (i - start) % len(self.clients))
         return min(order, key=lambda i: self.clients[i].in_flight)
 
     # ------------------------------------------------------------------ InferencePool
 
     def select(self) -> PinnedClient:
-        live = sorted(self.live) or list(range(len(self.clients)))
+        # None serving: pin to a replica that may come back (not one that left); the group's
+        # first request then waits for one in ``wait_live``.
+        every = range(len(self.clients))
+        live = sorted(self.serving) or sorted(set(every) - self.left) or list(every)
         self._turn += 1
         order = live[self._turn % len(live) :] + live[: self._turn % len(live)]
         return PinnedClient(self, min(order, key=lambda i: self.clients[i].in_flight))
@@ -268,6 +283,7 @@ class RemotePool:
             "replicas/reissued_requests_total": float(self.reissued_total),
             "replicas/in_flight": float(sum(c.in_flight for c in self.clients)),
             "replicas/weight_pull_s_total": self.pull_s,
+            **self.membership_gauges(),
         }
 
     async def close(self) -> None:
@@ -295,10 +311,13 @@ class PinnedClient:
             replica = self.replica
             moves = self._moves
             # A replica lost since the group was pinned may be alive but silent: a request sent
-            # there would wait for its own timeout, so the group moves first.
-            if replica in self.pool.live:
+            # there would wait for its own timeout, so the group moves first; so does a group on
+            # a replica being drained (its requests already sent finish there).
+            if replica in self.pool.serving:
                 try:
-                    return await self.pool.clients[replica].generate(prompt_ids, sampling)
+                    done = await self.pool.clients[replica].generate(prompt_ids, sampling)
+                    self.pool.served(replica, done)
+                    return done
                 except ReplicaLost as lost:
                     self.pool._lose(replica, lost.cause)
                 self.pool.reissued_total += 1

@@ -84,6 +84,19 @@ _BROKEN = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.Cl
 _JSON = {"Content-Type": "application/json"}
 
 
+class _Card(BaseModel):
+    id: str
+
+
+class _Models(BaseModel):
+    data: list[_Card]
+
+
+# vLLM's model list: keyed where the replica has a key (the health probe is not), so a joining
+# replica that answers it with the run's key is one that takes the run's key.
+MODELS = Route("GET", "/v1/models", None, _Models)
+
+
 class ReplicaLost(RuntimeError):
     def __init__(self, replica: int, address: str, cause: str) -> None:
         super().__init__(f"replica {replica} at {address} is lost: {cause}")
@@ -246,6 +259,20 @@ class RemoteEngineClient:
             return None
         self.alive = True
         return answer
+
+    async def served_model(self, timeout_s: float) -> str:
+        """The model the replica serves, asked with the run's key; a ``RuntimeError`` saying
+        why when it does not answer, refuses the key or answers outside vLLM's model list."""
+        try:
+            cards = (await self._call(MODELS, None, timeout_s)).data
+        except _Status as err:
+            hint = " (it does not take the run's API key)" if err.status in (401, 403) else ""
+            raise self._failed(MODELS, f"{err}{hint}") from None
+        except (TimeoutError, aiohttp.ClientError, ValueError) as err:
+            raise self._failed(MODELS, f"{type(err).__name__}: {err}") from None
+        if len(cards) != 1:
+            raise self._failed(MODELS, f"lists {len(cards)} models, not one")
+        return cards[0].id
 
     async def load_weights(
         self,

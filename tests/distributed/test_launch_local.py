@@ -180,6 +180,28 @@ def test_a_replica_failing_differently_each_time_is_restarted_until_the_limit(
     assert (wd / "logs" / "process_1_engine.log").read_text().count("replica 1 starting") == 3
 
 
+def test_a_replica_that_exits_0_was_drained_and_is_not_restarted(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])
+    wd = tmp_path / "run"
+    argv = ["--trainer_processes=1", "--engine_replicas=1", "--devices_per_process=0"]
+    argv += [f"--workdir={wd}", "--gin_param=x"]
+    rc: list[int] = []
+    with _launcher(*argv, program=_standin("drained")) as launcher:
+        thread = threading.Thread(target=lambda: rc.append(launcher.run()))
+        thread.start()
+        try:
+            deadline = time.monotonic() + 60
+            while "not restarted" not in capsys.readouterr().out:
+                assert thread.is_alive() and time.monotonic() < deadline
+                time.sleep(0.1)
+            time.sleep(1.0)  # a few supervision rounds: a restart would start it again
+        finally:
+            (wd / "go").write_text("")
+            thread.join(60)
+    assert rc == [0] and launcher.restarts == 0
+    assert (wd / "logs" / "process_1_engine.log").read_text().count("replica 1 starting") == 1
+
+
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o620, 0o604], ids=lambda m: f"{m:04o}")
 def test_every_command_refuses_a_key_file_others_may_read_or_write(mode, tmp_path, capsys):
     key = tmp_path / "engine.key"
@@ -244,6 +266,31 @@ def test_free_ports_are_distinct():
 )
 def test_train_refuses_a_bad_process_layout(flags, match, capsys, tmp_path):
     argv = [f"--workdir={tmp_path}", "--gin_param=Processes.engine_replicas = 2", *flags]
+    assert train.main(argv) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("changed", "match"),
+    [
+        ({"process_index": "2"}, r"--join serves a replica the run numbers itself: drop --proc"),
+        (
+            {"engine_addresses": "http://127.0.0.1:1"},
+            r"--join serves a replica the run numbers itself: drop --engine_addresses",
+        ),
+        ({"weight_source": None}, r"--join needs --weight_source=HOST:PORT"),
+        ({"join": "127.0.0.1:5"}, r"--join: '127.0.0.1:5' has no scheme"),
+        ({"api_key_file": None}, r"--join needs --api_key_file: the run admits only replicas"),
+    ],
+)
+def test_train_refuses_a_bad_join(changed, match, capsys, tmp_path):
+    key = tmp_path / "key"
+    key.write_text("s3cr3t")
+    key.chmod(0o600)
+    flags = {"join": "http://127.0.0.1:5", "weight_source": "127.0.0.1:3", "api_key_file": key}
+    flags |= changed  # None: left out
+    argv = [f"--workdir={tmp_path}", "--gin_param=Processes.engine_replicas = 2"]
+    argv += [f"--{k}={v}" for k, v in flags.items() if v is not None]
     assert train.main(argv) == 2
     assert re.search(match, capsys.readouterr().err)
 

@@ -10,7 +10,8 @@ launcher's own work (its claim, the hand-off, its supervision) in seconds.
   ``ADOPTED``, then waits for ``WORKDIR/go`` and exits 0. Another trainer waits likewise.
 - A replica, by ``MODE``: ``serve`` prints ``serving`` and waits like a trainer; ``same`` fails
   at start the same way every time (a line, then ``error: Engine.slots must be >= 1, got 0``,
-  exit 2); ``differs`` fails at start with the number of its start in the error line.
+  exit 2); ``differs`` fails at start with the number of its start in the error line;
+  ``drained`` exits 0 at once, as a replica the run drained does.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def _trainer(workdir: Path, index: int) -> int:
 
 def _replica(workdir: Path, index: int, mode: str) -> int:
     print(f"replica {index} starting", flush=True)
+    if mode == "drained":
+        print("drained: it may exit", flush=True)
+        return 0
     if mode == "serve":
         print("serving", flush=True)
         _wait_for_go(workdir)
