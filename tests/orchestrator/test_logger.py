@@ -8,6 +8,8 @@ import io
 import json
 import os
 import struct
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -212,3 +214,20 @@ def test_tensorboard_writer_writes_an_event_file(tmp_path):
         ev = event_pb2.Event.FromString(rec)
         scalars += [(ev.step, v.tag, v.simple_value) for v in ev.summary.value]
     assert scalars == [(3, "train/loss", 0.75), (4, "train/loss", 0.5)]
+
+
+def test_the_tensorboard_writer_does_not_import_torch(tmp_path):
+    pytest.importorskip("torch")  # where torch is absent there is nothing to leave out
+    script = f"""
+import sys
+from jaxrl_orch.orchestrator.metrics.writers import TensorBoardWriter
+w = TensorBoardWriter({str(tmp_path / "tb")!r})
+w.write(1, {{"train/loss": 0.5}})
+w.close()
+assert "torch" not in sys.modules, "tensorboardX imported torch"
+import torch  # what a later part of the run may still import
+print("ok", torch.__version__)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-2000:]
+    assert glob.glob(os.path.join(tmp_path, "tb", "events.out.tfevents.*"))

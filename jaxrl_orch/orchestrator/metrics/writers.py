@@ -157,10 +157,8 @@ class TensorBoardWriter:
     """Scalars to a TensorBoard event file under ``logdir`` (tensorboardX, no TensorFlow)."""
 
     def __init__(self, logdir: str | os.PathLike) -> None:
-        from tensorboardX import SummaryWriter  # imported lazily: it pulls in protobuf
-
         self.logdir = os.fspath(logdir)
-        self._w = SummaryWriter(self.logdir)
+        self._w = _summary_writer()(self.logdir)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         for k, v in clean_metrics(metrics).items():
@@ -169,3 +167,21 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self._w.close()
+
+
+def _summary_writer() -> Any:
+    """tensorboardX's ``SummaryWriter``, imported here (it pulls in protobuf) and without torch:
+    tensorboardX imports torch wherever it is installed (about a second of every run's start),
+    only to accept torch tensors, and this writer hands it floats. A ``None`` entry in
+    ``sys.modules`` makes that optional import fail as if torch were absent, for the length of
+    this import only; a process that imported torch already keeps it."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
