@@ -42,7 +42,7 @@ from jaxrl_orch.run.history import check_history
 from jaxrl_orch.run.identity import check_resume, record_identity
 from jaxrl_orch.run.rl import run_rl
 from jaxrl_orch.run.stop import StopFlag
-from jaxrl_orch.run.warmup import NOT_LOADED, rl_restores_every_weight, run_warmup
+from jaxrl_orch.run.warmup import rl_restores_every_weight, run_warmup
 from jaxrl_orch.tools.report import write_report
 
 
@@ -124,8 +124,7 @@ def _stages(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
         f"{rl.algorithm}, {rl.steps} steps of {rl.prompts_per_step} prompts x {rl.group_size} "
         f"samples, max_staleness {orch.max_staleness} ({orch.age_policy})",
     )
-    sft_params = None if params is NOT_LOADED else params  # the RL restore sets every weight
-    summary.update(run_coroutine(run_rl(parts, sft_params, stop)))
+    summary.update(run_coroutine(run_rl(parts, params, stop)))
     return summary
 
 

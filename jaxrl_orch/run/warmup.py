@@ -41,17 +41,9 @@ from jaxrl_orch.trainer.checkpoint import (
     restore_trainer,
     save_trainer,
 )
+from jaxrl_orch.trainer.params import Restoring
 from jaxrl_orch.trainer.sft import run_sft
 from jaxrl_orch.trainer.trainer import Trainer
-
-
-class _NotLoaded:
-    def __repr__(self) -> str:
-        return "NOT_LOADED"
-
-
-# What ``run_warmup`` returns for params when a complete warm-up's arrays were not read.
-NOT_LOADED: Any = _NotLoaded()
 
 
 def rl_restores_every_weight(parts: RunParts) -> bool:
@@ -67,8 +59,9 @@ def run_warmup(
     parts: RunParts, writer: JsonlWriter, stop: StopFlag, *, weights: bool = True
 ) -> tuple[Any, dict[str, float]]:
     """The warm-up, or its checkpoint: complete (skip), partial (continue), or none.
-    ``weights=False``: a complete warm-up on disk is reported and its arrays are not read
-    (params ``NOT_LOADED``; see ``rl_restores_every_weight``)."""
+    ``weights=False``: a complete warm-up on disk is reported and its arrays are not read: the
+    params are ``Restoring()``, the RL trainer's weights coming from its own checkpoint (see
+    ``rl_restores_every_weight``)."""
     cfg = parts.cfg
     own = parts.workdir / "sft"
     if cfg.warmup.from_workdir is not None and not has_steps(own) and parts.role.leader:
@@ -83,10 +76,10 @@ def run_warmup(
     if not weights and _complete_on_disk(ckpt, latest, cfg.warmup.steps):
         ckpt.close()
         if latest is None:
-            return NOT_LOADED, {"sft_steps": 0.0}
+            return Restoring(), {"sft_steps": 0.0}
         held = "not loaded: the RL checkpoint holds every weight"
         stage("warm-up", f"complete after {latest} SFT steps in {own} ({held})")
-        return NOT_LOADED, {"sft_steps": float(latest), "sft_restored": 1.0}
+        return Restoring(), {"sft_steps": float(latest), "sft_restored": 1.0}
     resuming = latest is not None or has_steps(parts.workdir / "checkpoints")
     init = None if resuming else pretrained_params(parts.cfg.model.name)
     trainer = build_trainer(parts, "sft", cfg.warmup.learning_rate, init_params=init)

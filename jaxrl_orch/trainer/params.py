@@ -10,6 +10,11 @@ fresh adapters from ``seed`` (``B = 0``: the run starts exactly at the base); th
 returns only them, so no random base is built beside a given one. ``BaseWeights`` gives the
 base back dense, alone or merged with adapters.
 
+``Restoring()`` as ``init_params``: every weight comes from the checkpoint restore that follows
+(a resumed full fine-tune), so nothing is drawn or placed: ``params`` are abstract arrays on
+their shardings until ``Trainer.load_state``, and a resume holds one copy of the weights at its
+peak, not two. A LoRA trainer's base is not in its checkpoints, so it cannot be restored so.
+
 ``fingerprint(frozen)`` names a base by its content (one float32 sum per array, hashed): a
 checkpoint of adapters records it, and a resume onto another base is refused (adapters are
 only meaningful on the weights they were trained over).
@@ -32,6 +37,14 @@ from jaxrl_orch.models.lora_config import LoraConfig
 from jaxrl_orch.models.qlora import dequantize_base, quantize_base
 from jaxrl_orch.models.transformer import ModelConfig, Transformer
 from jaxrl_orch.trainer.programs import TrainPrograms
+from sharding.rules import abstract_arrays
+
+
+class Restoring:
+    """``init_params`` of a trainer a checkpoint restore fills (see the module docstring)."""
+
+    def __repr__(self) -> str:
+        return "Restoring()"
 
 
 def initial_params(
@@ -39,6 +52,13 @@ def initial_params(
 ) -> tuple[Any, Any]:
     """``(params, frozen)`` on their shardings (see the module docstring)."""
     build = lambda: Transformer(model_config, rngs=nnx.Rngs(seed))
+    if isinstance(init_params, Restoring):
+        if model_config.lora is not None:
+            raise ValueError(
+                "a LoRA trainer cannot be built from its restore alone (Restoring()): its "
+                "checkpoints hold the adapters, not the frozen base; give the base"
+            )
+        return abstract_arrays(programs.abstract_params, programs.param_shardings), None
     if model_config.lora is None:
         if init_params is not None:
             return _place(init_params, programs.abstract_params, programs.param_shardings), None

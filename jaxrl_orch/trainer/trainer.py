@@ -69,11 +69,11 @@ from jaxrl_orch.algorithms.packing import PackedBatch, pack_samples
 from jaxrl_orch.models.transformer import ModelConfig
 from jaxrl_orch.trainer import optim as optim_lib
 from jaxrl_orch.trainer import step as step_lib
-from jaxrl_orch.trainer.params import BaseWeights, fingerprint, initial_params
+from jaxrl_orch.trainer.params import BaseWeights, Restoring, fingerprint, initial_params
 from jaxrl_orch.trainer.programs import build_programs
 from jaxrl_orch.trainer.rows import RowLayout
 from jaxrl_orch.types import TrainBatch
-from sharding.rules import TRAINER_RULES, Rules
+from sharding.rules import TRAINER_RULES, Rules, abstract_arrays
 
 # publish(version, params, metrics): see "Publishing contract" in the module docstring.
 Publisher = Callable[[int, Any, dict[str, float]], None]
@@ -120,13 +120,14 @@ class Trainer:
         self.frozen_shardings = programs.frozen_shardings
         # LoRA: params are the adapters, frozen the base (trainer/params.py); else frozen None.
         self.params, self.frozen = initial_params(programs, model_config, mesh, seed, init_params)
+        self._unrestored = isinstance(init_params, Restoring)  # abstract arrays until load_state
         lora = model_config.lora
         self._base = None if lora is None else BaseWeights(programs, lora)
         self._fingerprint: str | None = None
         self.optimizer = programs.optimizer
         self._schedule = optim_lib.make_schedule(self.optim_cfg)
         self.opt_shardings = programs.opt_shardings
-        self.opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
+        self.opt_state = self._initial_opt_state(programs)
         self._copy = jax.jit(
             lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings
         )
@@ -134,6 +135,8 @@ class Trainer:
         if self.step_cfg.kind == "rl" and self.step_cfg.loss.kl_beta > 0:
             # The reference policy is the initial policy, frozen. It is not checkpointed: a
             # resumed trainer is rebuilt from the same seed / init_params, so it is rebuilt too.
+            if self._unrestored:
+                raise ValueError("with kl_beta > 0 the reference is the initial policy: give it")
             self.ref_params = self._copy(self.params)
         self._step_fn = programs.step_fn
         # A trainer group (several processes, docs/design.md section 8): every process passes the
@@ -151,6 +154,12 @@ class Trainer:
         self._error: BaseException | None = None
         self._busy = False
         self._last: dict[str, float] = {}
+
+    def _initial_opt_state(self, programs: Any) -> Any:
+        """Fresh optimizer state on its shardings; abstract where a restore fills it."""
+        if self._unrestored:
+            return abstract_arrays(programs.abstract_opt_state, self.opt_shardings)
+        return jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
 
     # ------------------------------------------------------------------ stepping
 
@@ -192,6 +201,8 @@ class Trainer:
     def step_arrays(self, arrays: dict[str, np.ndarray]) -> dict[str, float]:
         """One optimizer step on a packed batch's arrays (``BATCH_FIELDS``); what every process
         of a trainer group runs in lockstep. Returns the step's host metrics."""
+        if self._unrestored:
+            raise RuntimeError("this trainer was built to be restored (Restoring()): restore it")
         self.rng, step_rng = jax.random.split(self.rng)
         # The rate of this step's first update (optax counts updates, several per step).
         updates = self.steps_done * self.step_cfg.minibatches * self.step_cfg.ppo_epochs
@@ -371,6 +382,7 @@ class Trainer:
         """Adopt a restored ``state()`` (arrays must already carry this trainer's shardings)."""
         self.params = jax.device_put(state["params"], self.param_shardings)
         self.opt_state = jax.device_put(state["opt_state"], self.opt_shardings)
+        self._unrestored = False
         self.rng = jax.device_put(np.asarray(state["rng"], dtype=np.uint32), self._replicated)
         self.version = int(state["version"])
         self.steps_done = int(state["steps_done"])

@@ -1,5 +1,6 @@
 """Checkpoint round trip onto a different mesh, resume, and missing/corrupt errors."""
 
+import dataclasses
 import os
 
 import jax
@@ -18,6 +19,7 @@ from jaxrl_orch.trainer.checkpoint import (
     restore_trainer,
     save_trainer,
 )
+from jaxrl_orch.trainer.params import Restoring
 from jaxrl_orch.trainer.trainer import RowLayout, Trainer
 from sharding.mesh import make_meshes
 
@@ -244,3 +246,26 @@ def test_a_save_the_disk_cannot_hold_fails_before_writing_naming_the_path(tmp_pa
         )
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "full")
     assert ckpt.all_steps() == [] and os.listdir(tmp_path / "full") == []
+
+
+def test_a_trainer_built_to_be_restored_holds_no_arrays_until_its_restore(saved):
+    _, _, path = saved
+    _, mesh = make_meshes({"tp": 1}, {"fsdp": 2, "tp": 2})
+    build = lambda init: Trainer(  # noqa: E731
+        TINY, mesh, rows=RowLayout(row_len=32), step=STEP, optim=OPTIM, seed=1, init_params=init
+    )
+    restoring = build(Restoring())
+    leaves = jax.tree.leaves((restoring.params, restoring.opt_state))
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    with pytest.raises(RuntimeError, match="built to be restored"):
+        restoring.train_step(make_batch(1))
+    drawn = build(None)  # the usual way: fresh weights, then the restore replaces them
+    for t in (restoring, drawn):
+        assert restore_trainer(Checkpointer(path), t) == ORCH
+    _leaves_equal(restoring.params, drawn.params)
+    _leaves_equal(restoring.opt_state, drawn.opt_state)
+    assert restoring.train_step(make_batch(2))["loss"] == drawn.train_step(make_batch(2))["loss"]
+    # The reference policy of a KL penalty is the initial one: it cannot come from a restore.
+    kl = dataclasses.replace(STEP, kind="rl", loss=dataclasses.replace(STEP.loss, kl_beta=0.1))
+    with pytest.raises(ValueError, match="reference is the initial policy"):
+        Trainer(TINY, mesh, rows=RowLayout(row_len=32), step=kl, init_params=Restoring())
