@@ -116,15 +116,18 @@ class FakeChannel:
 
 
 class FakeOffer:
-    """What ``open_offer`` was asked for: the run's transport, address and key."""
+    """What ``open_offer`` was asked for: the run's transport, address and key, and the desk
+    its server hands join and drain requests to."""
 
-    def __init__(self, transport: str, weight_source: str, api_key: str | None) -> None:
+    def __init__(self, transport: str, weight_source: str, api_key: str | None, desk) -> None:
         self.transport, self.weight_source, self.api_key = transport, weight_source, api_key
+        self.desk = desk
 
 
 class FakePool:
-    def __init__(self, urls, offer, deadlines, *, api_key, layout, base_layout) -> None:
+    def __init__(self, urls, offer, deadlines, *, api_key, model, desk, layout, base_layout):
         self.urls, self.offer, self.deadlines = urls, offer, deadlines
+        self.model, self.desk = model, desk
         self.layout, self.base_layout = layout, base_layout
         self.started: tuple | None = None
         self.loads: list[tuple] = []
@@ -148,6 +151,9 @@ class FakePool:
 
     def gauges(self) -> dict[str, float]:
         return {"replicas/live": 1.0}
+
+    def members(self) -> list[dict]:
+        return [{"replica": 0, "state": "live"}]
 
     def select(self):
         raise AssertionError("not dispatched to here")
@@ -318,6 +324,8 @@ def test_the_replica_sides_offer_takes_the_runs_transport_and_key(replica_fakes)
     _, side = _replica_side(1, replicas=keyed, **{"Processes.weight_transport": "jax"})
     assert (side.offer.transport, side.offer.api_key) == ("jax", "run key")
     assert side.pool.offer is side.offer
+    # The weight server hands joins to the pool that decides them: one desk, keyed like the run.
+    assert side.pool.desk is side.offer.desk and side.offer.desk.has_key
 
 
 def test_the_replica_side_builds_its_pool_moves_swaps_starts_and_stops(replica_fakes):
@@ -328,6 +336,8 @@ def test_the_replica_side_builds_its_pool_moves_swaps_starts_and_stops(replica_f
     assert pool.urls == REPLICAS.urls and pool.offer is side.offer
     assert pool.layout == FakeStaging.layout and pool.base_layout is None
     assert pool.deadlines is plan.parts.cfg.processes
+    # A joining replica must serve the run's model; a run without a key takes no joins.
+    assert pool.model == plan.parts.cfg.model.name and not pool.desk.has_key
 
     local = side.move({"w": "step 6"})
     assert side.staging.staged == [{"w": "step 6"}] and side.bytes_moved == 2 * 4 * 2 + 4 * 4
@@ -347,7 +357,8 @@ def test_the_replica_side_builds_its_pool_moves_swaps_starts_and_stops(replica_f
     version, first, base = pool.started  # the trainer's current version, no LoRA base
     assert version == 5 and first is side.staging.first_version and base is None
     assert side.bytes_moved == 12  # the first version's 3 float32
-    assert side.summary() == {"overlap": None, "replicas": {"live": 1.0}}
+    members = [{"replica": 0, "state": "live"}]  # every replica the run had, for summary.json
+    assert side.summary() == {"overlap": None, "replicas": {"live": 1.0, "members": members}}
 
 
 def test_the_replica_side_tells_its_peers_of_each_checkpoint_and_stops_them_once(replica_fakes):
