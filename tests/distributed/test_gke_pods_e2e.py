@@ -142,9 +142,9 @@ def _run(hosts: netns.Hosts, run: list[Pod], tmp: Path) -> dict[str, netns.Table
         if any(p.poll() not in (None, 0) for p in procs.values()):
             break
         time.sleep(0.5)
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+    serving = [name for name, proc in procs.items() if proc.poll() is None]
+    for name in serving:
+        procs[name].send_signal(signal.SIGTERM)
     codes = {}
     for name, proc in procs.items():
         try:
@@ -152,6 +152,8 @@ def _run(hosts: netns.Hosts, run: list[Pod], tmp: Path) -> dict[str, netns.Table
         except subprocess.TimeoutExpired:
             codes[name] = "still running"
     assert codes == dict.fromkeys(procs, 0), (codes, _tails(tmp / "logs"))
+    # the replicas serve until stopped: the JobSet's end is what stops them
+    assert serving == [p.name for p in run if p.job == "engine"], serving
     return seen
 
 
