@@ -11,8 +11,9 @@ environment (literal values, downward-API ``fieldRef``s resolved from that metad
 ``JOB_COMPLETION_INDEX`` the Job controller adds to every container of an Indexed Job,
 ``HOSTNAME`` as the container runtime sets it) and its Secret volumes as files with their
 mode. Anything the manifest uses that is not modelled here (another volume kind, a
-``secretKeyRef``, a field path not listed) raises naming it: the test never runs a pod other
-than the manifest declares.
+``secretKeyRef``, a field path or label not listed: the JobSet's UID and job key, hashes a
+cluster makes, are not) raises naming it: the test never runs a pod other than the manifest
+declares. Not modelled: webhooks that edit pods at admission, service-link variables.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def pods(jobset: Mapping[str, Any], secrets: Mapping[str, Mapping[str, Any]]) ->
     spec = jobset["spec"]
     subdomain = spec.get("network", {}).get("subdomain") or name
     found, global_index = [], 0
+    jobs = sum(rjob.get("replicas", 1) for rjob in spec["replicatedJobs"])
     for rjob in spec["replicatedJobs"]:
         job = rjob["template"]["spec"]
         completions = job.get("completions", 1)
@@ -73,6 +75,7 @@ def pods(jobset: Mapping[str, Any], secrets: Mapping[str, Mapping[str, Any]]) ->
                     "jobset-name": name,
                     "replicatedjob-name": rjob["name"],
                     "replicatedjob-replicas": str(rjob.get("replicas", 1)),
+                    "global-replicas": str(jobs),
                     "job-index": str(i),
                     "job-global-index": str(global_index),
                     "restart-attempt": "0",
@@ -146,7 +149,9 @@ def _value(var: Mapping[str, Any], metadata: Mapping[str, Any]) -> str:
     if m is None:
         raise ValueError(f"env {var['name']}: fieldPath {path!r} is not modelled here")
     kind, key = m.groups()
-    return metadata[kind].get(key, "")  # a missing label resolves to "" (the kubelet's)
+    if key not in metadata[kind]:  # the kubelet would give "", but it may be one not modelled
+        raise ValueError(f"env {var['name']}: {kind} {key!r} is not on the pod as modelled here")
+    return metadata[kind][key]
 
 
 def _mount(
