@@ -48,25 +48,37 @@ def _send_generation_headers() -> None:
     objects.download = download
 
 
+def client_env(url: str) -> dict[str, str]:
+    """What points every storage client of a process at the emulator serving at ``url``."""
+    return {
+        "STORAGE_EMULATOR_HOST": url,
+        "TENSORSTORE_GCS_HTTP_URL": url,
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token",
+        "GOOGLE_CLOUD_PROJECT": "test-project",
+        # gcsfs asks the Storage Control API for each bucket's layout (hierarchical or not)
+        # before its operations, and asks again after a failed answer; the emulator serves the
+        # JSON API only, so every write paid a failed credentials probe (seconds where no
+        # metadata server answers): the plain JSON-API client, as gcsfs falls back to.
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    }
+
+
 class Emulator:
-    def __init__(self) -> None:
+    """Served by a thread of this process on ``host`` (an address or name) and ``port``."""
+
+    def __init__(self, host: str = "localhost", port: int | None = None) -> None:
         from gcp_storage_emulator.server import create_server
 
         _send_generation_headers()
         logging.getLogger("gcp_storage_emulator").setLevel(logging.ERROR)
-        self.port = free_port()
-        self.url = f"http://localhost:{self.port}"
-        self.server = create_server("localhost", self.port, in_memory=True, default_bucket=BUCKET)
+        self.port = port or free_port()
+        self.url = f"http://{host}:{self.port}"
+        self.server = create_server(host, self.port, in_memory=True, default_bucket=BUCKET)
         self.server.start()
 
     @property
     def env(self) -> dict[str, str]:
-        return {
-            "STORAGE_EMULATOR_HOST": self.url,
-            "TENSORSTORE_GCS_HTTP_URL": self.url,
-            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token",
-            "GOOGLE_CLOUD_PROJECT": "test-project",
-        }
+        return client_env(self.url)
 
     def point_here(self) -> None:
         """Point this process's clients at the emulator (before its first gs:// use)."""
@@ -74,3 +86,23 @@ class Emulator:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+def main() -> None:
+    """``python -m support.gcs_emulator HOST PORT``: serve until SIGTERM, for hosts this process
+    does not share a network with (``test_gke_pods_e2e``); prints ``serving`` once it does."""
+    import signal
+    import sys
+    import threading
+
+    host, port = sys.argv[1], int(sys.argv[2])
+    emulator = Emulator(host, port)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print("serving", flush=True)
+    stop.wait()
+    emulator.stop()
+
+
+if __name__ == "__main__":
+    main()

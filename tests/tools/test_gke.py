@@ -8,6 +8,7 @@ import stat
 import pytest
 import yaml
 from support.checkout import ROOT
+from support.jobset_pods import pods
 
 from jaxrl_orch.config.load import load_config
 from jaxrl_orch.distributed.platform import detect
@@ -68,27 +69,24 @@ def test_the_v5e_16_slice_is_one_trainer_job_of_four_hosts_and_two_engine_jobs()
     assert secret["stringData"] == {"key": "k" * 64} and "k" * 64 not in yaml.safe_dump(js)
 
 
-def _env_of(js: dict, job: str, job_index: int, completion: int) -> dict[str, str]:
-    """What a pod of ``job`` sees: its env from the manifest, the labels resolved as JobSet
-    sets them, and Kubernetes' own index of an Indexed Job."""
-    (spec,) = [j for j in js["spec"]["replicatedJobs"] if j["name"] == job]
-    labels = {
-        "jobset.sigs.k8s.io/jobset-name": js["metadata"]["name"],
-        "jobset.sigs.k8s.io/replicatedjob-name": job,
-        "jobset.sigs.k8s.io/job-index": str(job_index),
-    }
-    env = {"JOB_COMPLETION_INDEX": str(completion)}
-    for var in _pod(spec)["containers"][0]["env"]:
-        path = var["valueFrom"]["fieldRef"]["fieldPath"]
-        env[var["name"]] = labels[path.split("'")[1]]
-    return env
-
-
 def test_every_pod_finds_its_place_from_what_the_jobset_gives_it():
-    cfg, _, (_, js) = _manifests()
+    cfg, _, (secret, js) = _manifests()
     p, r = cfg.processes.trainer_processes, cfg.processes.engine_replicas
-    found = [detect(_env_of(js, "trainer", 0, k), p, r) for k in range(4)]
-    found += [detect(_env_of(js, "engine", i, 0), p, r) for i in range(2)]
+    # each pod's env as the kubelet resolves it (support.jobset_pods; run: test_gke_pods_e2e)
+    run = pods(js, {secret["metadata"]["name"]: secret})
+    assert [(x.job, x.job_index, x.completion_index) for x in run] == [
+        *(("trainer", 0, k) for k in range(4)),
+        ("engine", 0, 0),
+        ("engine", 1, 0),
+    ]
+    found = [detect(x.env, p, r) for x in run]
+    for x in run:  # the key file the command reads is the Secret's, owner-read-only
+        (mount,) = x.mounts
+        key = next(a.split("=", 1)[1] for a in x.argv if a.startswith("--api_key_file="))
+        directory, name = key.rsplit("/", 1)
+        assert (directory, mount.files[name], mount.read_only) == (
+            mount.path, (b"k" * 64, 0o400), True
+        )  # fmt: skip
     assert [f.process_index for f in found] == [0, 1, 2, 3, 4, 5]
     assert {f.coordinator for f in found} == {"rl-16-trainer-0-0.rl-16:8476"}
     assert {f.replica_urls for f in found} == {
