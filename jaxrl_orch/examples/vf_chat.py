@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import aiohttp
+import orjson
 import verifiers.v1 as vf
 from openai.types.chat import ChatCompletionMessage
 
@@ -69,7 +70,7 @@ class ChatHarness(vf.Harness[ChatConfig]):
         else:
             messages += [m if isinstance(m, dict) else m.model_dump() for m in prompt or []]
         url = f"{endpoint.rstrip('/')}/chat/completions"
-        headers = {"Authorization": f"Bearer {secret}"}
+        headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
         async with contextlib.AsyncExitStack() as stack:
             http = loopback.session() or await stack.enter_async_context(loopback.new_session())
             for turn in range(self.config.max_turns):
@@ -88,10 +89,11 @@ class ChatHarness(vf.Harness[ChatConfig]):
 async def _chat(
     http: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any]
 ) -> dict[str, Any]:
-    """The assistant message of one chat call, as the wire has it."""
-    async with http.post(url, json=body, headers=headers) as response:
+    """The assistant message of one chat call, as the wire has it (orjson both ways, a few
+    times cheaper than the stdlib codec aiohttp uses by default)."""
+    async with http.post(url, data=orjson.dumps(body), headers=headers) as response:
         if response.status >= 400:
             text = await response.text()
             raise ChatCallError(f"chat call answered HTTP {response.status}: {text[:1000]}")
-        reply = await response.json(content_type=None)
+        reply = orjson.loads(await response.read())
     return reply["choices"][0]["message"]

@@ -15,6 +15,18 @@ built before a stage (modules, classes, the model's structures) live as long as 
 they are collected once and then frozen out of the collector (``gc.freeze``): a full pass in
 the stage scans what the stage itself allocated.
 
+The young generation is collected every ``YOUNG_GC_EVERY`` allocations, not CPython's 700. A
+rollout allocates thousands of container objects that live across its awaits (a verifiers
+episode's pydantic models and trace graph, the objects of its two loopback HTTP hops); each young
+pass traverses those still alive and moves them on, so the older passes, a full one included,
+come sooner too. In one process running ~1,500 rollouts 128 at once (verifiers and bundled
+rounds): at 700, 958 young passes and 8 full ones; at 10,000, 62 and 1, and the collector's CPU
+per verifiers rollout 0.7-0.9 ms instead of 1.1-1.4 ms (of 6-8 ms; ``gc.callbacks``, three
+pairs, 2026-12-05). The RL stage's loop CPU per step did not change measurably on a shared
+machine (1.0-1.15 s either way). The cost: garbage in reference cycles waits up to 10,000
+allocations to be freed (each ``inspect.signature`` call pydantic makes for a default factory
+leaves its copy of ``sys.modules``, ~6,000 entries, in one: tens of MB at most).
+
 What it owns
 - ``run_coroutine(coro)``: ``asyncio.run`` for a stage, except that the heap built before it is
   collected and frozen first, and that its loop's default executor is shut down without
@@ -38,6 +50,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 EXIT_GRACE_S = 30.0
+YOUNG_GC_EVERY = 10_000  # allocations net of frees between young collections (module docstring)
 
 
 def run_coroutine(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -57,9 +70,12 @@ def run_coroutine(coro: Coroutine[Any, Any, Any]) -> Any:
 
 
 def freeze_heap() -> None:
-    """Collect once, then leave every object alive now out of later collections."""
+    """Collect once, then leave every object alive now out of later collections, which come
+    every ``YOUNG_GC_EVERY`` allocations (the older generations' ratios are CPython's)."""
     gc.collect()
     gc.freeze()
+    _, mid, old = gc.get_threshold()
+    gc.set_threshold(YOUNG_GC_EVERY, mid, old)
 
 
 def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:

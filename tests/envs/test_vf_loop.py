@@ -20,7 +20,7 @@ import pytest
 from support.vf_fixtures import ScriptedClient
 
 from jaxrl_orch.orchestrator.faults import LoopWatchdog
-from jaxrl_orch.run.ending import run_coroutine
+from jaxrl_orch.run.ending import YOUNG_GC_EVERY, run_coroutine
 from jaxrl_orch.types import SamplingParams
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -100,9 +100,11 @@ def test_the_readme_taskset_never_blocks_the_loop_in_project_code(my_tasks_env):
     assert [m for m in imported if m.split(".")[0] not in sys.stdlib_module_names] == []
 
 
-def test_a_stage_loop_starts_with_the_heap_built_before_it_frozen():
-    async def frozen_count() -> int:
-        return gc.get_freeze_count()
+def test_a_stage_loop_starts_with_the_heap_frozen_and_young_collections_spaced_out():
+    async def frozen_count() -> tuple[int, int]:
+        return gc.get_freeze_count(), gc.get_threshold()[0]
 
     count_before = gc.get_freeze_count()
-    assert run_coroutine(frozen_count()) > count_before
+    frozen, young_every = run_coroutine(frozen_count())
+    assert frozen > count_before
+    assert young_every == YOUNG_GC_EVERY  # the young passes the stage's rollouts pay for
