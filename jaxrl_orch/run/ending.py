@@ -19,13 +19,9 @@ The young generation is collected every ``YOUNG_GC_EVERY`` allocations, not CPyt
 rollout allocates thousands of container objects that live across its awaits (a verifiers
 episode's pydantic models and trace graph, the objects of its two loopback HTTP hops); each young
 pass traverses those still alive and moves them on, so the older passes, a full one included,
-come sooner too. In one process running ~1,500 rollouts 128 at once (verifiers and bundled
-rounds): at 700, 958 young passes and 8 full ones; at 10,000, 62 and 1, and the collector's CPU
-per verifiers rollout 0.7-0.9 ms instead of 1.1-1.4 ms (of 6-8 ms; ``gc.callbacks``, three
-pairs, 2026-12-05). The RL stage's loop CPU per step did not change measurably on a shared
-machine (1.0-1.15 s either way). The cost: garbage in reference cycles waits up to 10,000
-allocations to be freed (each ``inspect.signature`` call pydantic makes for a default factory
-leaves its copy of ``sys.modules``, ~6,000 entries, in one: tens of MB at most).
+come sooner too. Measured over ~1,500 rollouts, the collector's CPU per verifiers rollout fell
+by about a third (docs/environments.md). The cost: garbage in reference cycles waits up to
+10,000 allocations to be freed (tens of MB at most).
 
 What it owns
 - ``run_coroutine(coro)``: ``asyncio.run`` for a stage, except that the heap built before it is

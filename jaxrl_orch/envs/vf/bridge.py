@@ -207,7 +207,7 @@ class EngineBridge:
         session.replies.append(completion)
         body = reply_json(f"gen-{uuid.uuid4().hex}", len(ids), completion)
         # orjson: a reply carries a log-prob object per token, and the stdlib encoder was more
-        # than half of the bridge's own time per call (py-spy, 2026-12-05).
+        # than half of the bridge's own time per call (docs/environments.md).
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     def _parse(self, request: web.Request, raw: bytes) -> tuple[Session, list[int], SamplingParams]:
