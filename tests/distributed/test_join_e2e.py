@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support.multiprocess import env, params, rl_rows
+from support.multiprocess import assert_each_rollout_once, env, params, rl_rows
 
 from jaxrl_orch.distributed.admission import JOIN, JoinRefused, ask
 from jaxrl_orch.distributed.launch_local import free_ports
@@ -111,17 +111,7 @@ def test_a_replica_joins_at_step_5_another_drains_at_step_10_nothing_lost(tmp_pa
     lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "train/reward_mean" in r] == list(range(1, STEPS + 1))
     summary = json.loads((workdir / "summary.json").read_text())
-    counts = summary["rollouts"]
-    assert counts["reached_sinks"] == counts["dispatched"] and counts["errors"] == 0, counts
-    assert counts["untrainable"] == {"abort": 0, "cancelled": 0}, counts
-    seen: set[tuple[int, int]] = set()
-    for f in sorted((workdir / "rollouts").glob("step_*.jsonl")):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            key = (r["group_id"], r["episode_id"])
-            assert key not in seen, key
-            seen.add(key)
-    assert len(seen) == STEPS * 2 * 4
+    assert_each_rollout_once(workdir, summary["rollouts"], STEPS * 2 * 4)
 
     # The joiner: admitted after step 5, serving only once it held the version it joined at.
     replicas = summary["replicas"]

@@ -21,7 +21,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support.multiprocess import assert_same_run, env, params, rl_rows, single_run, wait_single
+from support.multiprocess import (
+    assert_each_rollout_once,
+    assert_same_run,
+    env,
+    params,
+    rl_rows,
+    single_run,
+    wait_single,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -185,20 +193,9 @@ def test_replica_killed_mid_run_loses_no_rollout(tmp_path: Path) -> None:
     restarted = log.split(f"[process {victim}] engine replica")[2]
     first = int(restarted.split("serving version ")[1].split()[0])
     assert first >= 1, restarted[:2000]
-    counts = summary["rollouts"]
-    # Every dispatched rollout reached a sink exactly once; none failed for the lost replica.
-    assert counts["reached_sinks"] == counts["dispatched"], counts
-    assert counts["errors"] == 0, counts
-    # Its requests were sent again, whole, to the other replica: nothing was cut short.
-    assert counts["untrainable"] == {"abort": 0, "cancelled": 0}, counts
-    seen: set[tuple[int, int]] = set()
-    for f in sorted((workdir / "rollouts").glob("step_*.jsonl")):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            key = (r["group_id"], r["episode_id"])
-            assert key not in seen, key
-            seen.add(key)
-    assert len(seen) == STEPS * 2 * 4
+    # Every dispatched rollout reached a sink once, none failed for the lost replica, and its
+    # requests were sent again, whole, to the other replica: nothing was cut short.
+    assert_each_rollout_once(workdir, summary["rollouts"], STEPS * 2 * 4)
 
 
 def _wait_for_step(workdir: Path, proc: subprocess.Popen, step: int, timeout: float = 600) -> None:

@@ -88,3 +88,19 @@ def assert_same_run(single: Path, multi: Path, steps: int, context: str = "") ->
     assert sb["eval_reward_final"] == pytest.approx(sa["eval_reward_final"], abs=1e-6)
     assert sb["eval_reward_before_rl"] == pytest.approx(sa["eval_reward_before_rl"], abs=1e-6)
     assert any(abs(a[s]["trainer/loss"]) > 1e-4 for s in a), "no learning signal: a vacuous test"
+
+
+def assert_each_rollout_once(workdir: Path, counts: dict, expected: int) -> None:
+    """Every dispatched rollout reached a sink once, none failed or was cut short (``counts``:
+    ``summary.json["rollouts"]``), and the stored rollouts hold each (group, episode) once,
+    ``expected`` in all."""
+    assert counts["reached_sinks"] == counts["dispatched"] and counts["errors"] == 0, counts
+    assert counts["untrainable"] == {"abort": 0, "cancelled": 0}, counts
+    seen: set[tuple[int, int]] = set()
+    for f in sorted((workdir / "rollouts").glob("step_*.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            key = (r["group_id"], r["episode_id"])
+            assert key not in seen, key
+            seen.add(key)
+    assert len(seen) == expected
