@@ -12,8 +12,9 @@ What it owns
 - ``LoopWatchdog``: a heartbeat task on the event loop and a watcher thread. When the loop
   has not turned for ``warn_s`` (environment code calling ``time.sleep`` or blocking I/O in
   a coroutine stalls every rollout, the gate and the trainer's feed alike) the thread reports
-  the Python frame the loop is stuck in, by function, file and line; the heartbeat counts
-  each stall and its length once the loop turns again.
+  the Python frame the loop is stuck in, by function, file and line (an import is named by
+  the code that imported), and each other function that holds the same stall for ``warn_s``;
+  the heartbeat counts each stall and its length once the loop turns again.
 
 Gauges: ``faults/env_errors_total``, ``faults/distinct_errors``,
 ``faults/loop_blocked_total``, ``faults/loop_blocked_max_s``.
@@ -40,6 +41,7 @@ from jaxrl_orch.paths import JsonlAppender
 from jaxrl_orch.types import Episode
 
 _DIGITS = re.compile(r"\d+")
+_LINE = re.compile(r":\d+\)")
 _STDLIB = tuple(
     os.path.realpath(p) for p in {sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")}
 )
@@ -120,24 +122,76 @@ class FaultLog:
 
 def culprit(frame: Any) -> str:
     """The innermost frame outside the standard library (asyncio included), as
-    ``function (file:line)``; the innermost one at all if every frame is the stdlib's. A loop
-    in its own machinery (every frame up to asyncio's ``_run_once`` the stdlib's: its select,
-    between callbacks) runs no one's coroutine, so the frame that started the loop is not named
-    for it: the collector or another thread holding the interpreter stalls it there."""
+    ``function (file:line)``; the innermost one at all if every frame is the stdlib's. Inside an
+    import, the code that imported is named too: that is where a lazy import on the loop can
+    be moved. A loop in its own machinery (every frame up to asyncio's ``_run_once`` the
+    stdlib's: its select, between callbacks) runs no one's coroutine, so the frame that started
+    the loop is not named for it: the collector or another thread holding the interpreter
+    stalls it there."""
     if frame is None:
         return "an unknown place"
     f = frame
     while f is not None:
-        if not os.path.realpath(f.f_code.co_filename).startswith(_STDLIB):
-            return _where(f)
+        if not _is_stdlib(f.f_code.co_filename):
+            importer = _importer(f)
+            return _where(f) + (f", imported by {_where(importer)}" if importer else "")
         if f.f_code.co_name == "_run_once":
             return f"asyncio's own machinery, no coroutine ({_where(frame)})"
         f = f.f_back
     return _where(frame)
 
 
+def _importer(frame: Any) -> Any:
+    """The first frame outside the standard library above the import machinery's frames above
+    ``frame`` (None when ``frame`` does not run inside an import)."""
+    f, importing = frame.f_back, False
+    while f is not None:
+        if _is_stdlib(f.f_code.co_filename):
+            importing = importing or f.f_code.co_filename.startswith("<frozen importlib")
+        elif importing:
+            return f
+        f = f.f_back
+    return None
+
+
+def _is_stdlib(filename: str) -> bool:
+    # the import machinery's frames are frozen (``<frozen importlib._bootstrap>``): they are
+    # the standard library's, as the files the machinery runs from would be
+    return filename.startswith("<frozen ") or os.path.realpath(filename).startswith(_STDLIB)
+
+
 def _where(f: Any) -> str:
     return f"{f.f_code.co_name} ({f.f_code.co_filename}:{f.f_lineno})"
+
+
+class Stall:
+    """Which frames of one stall get named. The frame running when the stall passes ``warn_s``
+    is named; one stall can hold several culprits in turn (a slow import, then a blocking
+    ``score``), so a different function is named too once it has held the loop ``warn_s`` by
+    itself, up to ``MAX_NAMED`` per stall. A function is named once per stall, whatever line
+    it has reached."""
+
+    MAX_NAMED = 3
+
+    def __init__(self, warn_s: float) -> None:
+        self.warn_s = warn_s
+        self._beat: float | None = None
+        self._named: set[str] = set()
+        self._running: str | None = None
+        self._since = 0.0
+
+    def names(self, beat: float, where: str, now: float) -> bool:
+        if beat != self._beat:
+            self._beat, self._named, self._running = beat, set(), None
+        function = _LINE.sub("", where)
+        if function != self._running:
+            self._running, self._since = function, now
+        if function in self._named or len(self._named) >= self.MAX_NAMED:
+            return False
+        if self._named and now - self._since < self.warn_s:
+            return False
+        self._named.add(function)
+        return True
 
 
 class LoopWatchdog:
@@ -152,7 +206,6 @@ class LoopWatchdog:
         self.blocked_total = 0
         self.blocked_max_s = 0.0
         self._beat = time.monotonic()
-        self._reported_beat: float | None = None
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop_thread_id: int | None = None
@@ -176,17 +229,19 @@ class LoopWatchdog:
             self.stop()
 
     def _watch(self) -> None:
+        stall = Stall(self.warn_s)
         while not self._halt.wait(self.interval_s):
             beat = self._beat
-            if time.monotonic() - beat <= self.warn_s or self._reported_beat == beat:
+            now = time.monotonic()
+            if now - beat <= self.warn_s:
                 continue
-            self._reported_beat = beat
-            frame = sys._current_frames().get(self._loop_thread_id)
-            self.report(
-                f"!! the event loop has not turned for {self.warn_s:g}s; it is running "
-                f"{culprit(frame)}: code on the event loop (an environment's run/score) must "
-                "not block: await, or move the work to a thread (asyncio.to_thread)"
-            )
+            where = culprit(sys._current_frames().get(self._loop_thread_id))
+            if stall.names(beat, where, now):
+                self.report(
+                    f"!! the event loop has not turned for {self.warn_s:g}s; it is running "
+                    f"{where}: code on the event loop (an environment's run/score) must "
+                    "not block: await, or move the work to a thread (asyncio.to_thread)"
+                )
 
     def stop(self) -> None:
         self._halt.set()

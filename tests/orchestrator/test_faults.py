@@ -40,3 +40,32 @@ def test_a_stall_with_no_coroutine_running_names_asyncio_not_the_frame_that_star
     (named,) = _stalled(between_callbacks)
     assert "asyncio's own machinery, no coroutine" in named
     assert "test_faults.py" not in named  # the frame that ran asyncio.run did not stall it
+
+
+def test_an_import_stalling_the_loop_is_named_by_the_code_that_imported(tmp_path, monkeypatch):
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(0.6)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    async def imports_lazily():
+        import slow_to_import  # noqa: F401
+
+    (named,) = _stalled(imports_lazily)
+    assert "it is running <module> (" in named and "slow_to_import.py:2" in named
+    assert ", imported by imports_lazily (" in named and "test_faults.py:" in named
+    assert "frozen" not in named
+
+
+def test_each_function_holding_one_stall_is_named_once():
+    def first():
+        for _ in range(6):  # several lines' worth of one function: still one name
+            time.sleep(0.1)
+
+    def second():
+        time.sleep(0.8)
+
+    async def two_in_a_row():
+        first()
+        second()
+
+    named = _stalled(two_in_a_row)
+    assert [n.split(" (")[0].rsplit(" ", 1)[-1] for n in named] == ["first", "second"], named
