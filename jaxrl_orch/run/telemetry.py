@@ -2,7 +2,8 @@
 
 Step and eval rows: ``metrics.jsonl``, TensorBoard (``tb/steps``), the console, a progress bar,
 the pre-RL eval record (``history.BeforeRLRecorder``) and, when ``Outputs.wandb_project``
-is set, a Weights & Biases run (``orchestrator.metrics.wandb``; the ``wandb`` extra). Gauges:
+is set, a Weights & Biases run (``orchestrator.metrics.wandb``; the ``wandb`` extra); W&B and
+TensorBoard write on threads of their own (``metrics.offloop``), off the event loop. Gauges:
 ``gauges.jsonl`` and ``tb/``, pulled from the components plus the driver, the trainer and the
 compilation cache (``compile_cache/hits``, ``compile_cache/misses``).
 Rollouts and error records: ``rollouts/``. Every path is under the workdir, local or ``gs://``.
@@ -16,6 +17,7 @@ import os
 from jaxrl_orch.compose.orchestrator import Telemetry
 from jaxrl_orch.compose.parts import RunParts
 from jaxrl_orch.compose.sides import EngineSide
+from jaxrl_orch.orchestrator.metrics.offloop import OffLoop
 from jaxrl_orch.orchestrator.metrics.writers import (
     ConsoleWriter,
     JsonlWriter,
@@ -49,7 +51,7 @@ def rl_telemetry(parts: RunParts, side: EngineSide, trainer: Trainer, start_step
     writers: list[MetricsWriter] = [
         JsonlWriter(wd / "metrics.jsonl"),
         # Step and eval rows (rewards, evals, ages, trainer diagnostics) next to the gauges.
-        TensorBoardWriter(wd / "tb" / "steps"),
+        OffLoop(TensorBoardWriter(wd / "tb" / "steps"), "tensorboard-steps"),
         ConsoleWriter(keys=CONSOLE_KEYS),
         ProgressWriter(
             cfg.rl.steps,
@@ -61,18 +63,20 @@ def rl_telemetry(parts: RunParts, side: EngineSide, trainer: Trainer, start_step
     if cfg.outputs.wandb_project is not None:
         from jaxrl_orch.orchestrator.metrics.wandb import WandbWriter
 
-        writers.append(
-            WandbWriter(
-                cfg.outputs.wandb_project,
-                run_name=cfg.outputs.wandb_run_name or wd.name,
-                directory=None if is_url(wd) else os.fspath(wd),  # W&B writes local files
-                config=dataclasses.asdict(cfg),
-                mode=cfg.outputs.wandb_mode,
-            )
+        wandb = WandbWriter(
+            cfg.outputs.wandb_project,
+            run_name=cfg.outputs.wandb_run_name or wd.name,
+            directory=None if is_url(wd) else os.fspath(wd),  # W&B writes local files
+            config=dataclasses.asdict(cfg),
+            mode=cfg.outputs.wandb_mode,
         )
+        writers.append(OffLoop(wandb, "wandb"))
     return Telemetry(
         writers=writers,
-        gauge_writers=[JsonlWriter(wd / "gauges.jsonl"), TensorBoardWriter(wd / "tb")],
+        gauge_writers=[
+            JsonlWriter(wd / "gauges.jsonl"),
+            OffLoop(TensorBoardWriter(wd / "tb"), "tensorboard-gauges"),
+        ],
         gauge_sources=[side, trainer, parts.compile_cache],
         log_interval_s=cfg.outputs.log_interval_s,
         store_dir=os.fspath(wd / "rollouts"),
