@@ -52,7 +52,7 @@ class OffLoop:
     def _drain(self) -> None:
         while (row := self._rows.get()) is not _CLOSE:
             if self._error is not None:
-                continue  # after a failure, later rows are dropped: the error says why
+                continue  # rows queued behind a failure, until it is raised, are dropped
             try:
                 self.writer.write(*row)
             except Exception as e:  # noqa: BLE001  (handed to the loop's next write or close)
