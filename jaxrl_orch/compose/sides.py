@@ -7,7 +7,8 @@ What it owns
     ``bytes_moved``, ``engine_seconds``), the lifecycle (``start``, ``stop``), what a
     checkpoint, the export and a failure must tell others (``before_save``, ``final_params``,
     ``abort``), its numbers (``gauges``, ``summary``) and ``held()``: what holds the engine
-    back that the run did not do (a caller's pause on the live server), for a stall error.
+    back that the run did not do (a caller's pause on the live server), for a stall error;
+    ``live_url()``: where the live server answers, for the harness evals (``run.harness_eval``).
     ``side_plan(parts, built)``: the factory. It picks the side from the run's placement (one
     process: ``InProcessPlan``; trainer process 0 with engine replicas: ``ReplicaPlan``) and
     builds first what the trainer must be constructed with (its ``StepHooks``: the overlap
@@ -93,6 +94,8 @@ class EngineSide(Protocol):
     def summary(self) -> dict[str, Any]: ...
 
     def held(self) -> str | None: ...
+
+    def live_url(self) -> str | None: ...
 
 
 class SidePlan(Protocol):
@@ -218,6 +221,10 @@ class InProcessSide:
         """A pause a caller of the live server made (``Engine.serve_control``), or None."""
         return self._live.held() if self._live is not None else None
 
+    def live_url(self) -> str | None:
+        """The live server's URL (``Engine.serve_port``) once started; None without one."""
+        return self._live.url if self._live is not None else None
+
 
 class ReplicaPlan:
     """Trainer process 0 with replicas: a trainer group's channel first (the trainer's batch
@@ -319,6 +326,10 @@ class ReplicaSide:
 
     def held(self) -> str | None:
         """Nothing: replicas serve no live policy, and only the run holds their key."""
+        return None
+
+    def live_url(self) -> str | None:
+        """None: each replica serves the API at its own URL (``Engine.serve_port`` is refused)."""
         return None
 
 

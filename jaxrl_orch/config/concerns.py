@@ -43,7 +43,8 @@ CONCERNS: dict[str, str] = {
     "slice": "the chips and how the run is laid out on them (Processes, Trainer, Engine)",
     "env": "the task: its environment, prompts and completion budget (Data, Verifiers)",
     "tune": "what is trained: every weight or adapters (Lora, the master dtype, learning rate)",
-    "algo": "the RL algorithm and the loop around it (RL, Loss, Orchestrator, Warmup, Outputs)",
+    "algo": "the RL algorithm and the loop around it (RL, Loss, Orchestrator, Warmup, Outputs, "
+    "HarnessEval)",
 }
 _BY_SECTION = {
     "Model": "model",
@@ -58,6 +59,7 @@ _BY_SECTION = {
     "Orchestrator": "algo",
     "Warmup": "algo",
     "Outputs": "algo",
+    "HarnessEval": "algo",
 }
 _OWNER = {
     "Model.param_dtype": "tune",

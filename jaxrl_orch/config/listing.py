@@ -110,8 +110,14 @@ def _entry_lines(docs: list[FieldDoc]) -> list[str]:
 
 def _wrap(text: str, max_lines: int | None = None) -> list[str]:
     indent = " " * 6
+    # whole words only: a value such as 'local-chat-completions' is copied into gin bindings
     return textwrap.wrap(
-        text, WIDTH, initial_indent=indent, subsequent_indent=indent, max_lines=max_lines
+        text,
+        WIDTH,
+        initial_indent=indent,
+        subsequent_indent=indent,
+        max_lines=max_lines,
+        break_on_hyphens=False,
     )
 
 

@@ -93,3 +93,51 @@ class RLSettings:
     def batch_size(self) -> int:
         """Rollouts per training batch."""
         return self.prompts_per_step * self.group_size
+
+
+HARNESS_MODELS = ("local-completions", "local-chat-completions")
+
+
+@section("HarnessEval")
+class HarnessEvalSettings:
+    """lm-evaluation-harness tasks scored against the live policy while the run trains
+    (``run.harness_eval``); needs ``Engine.serve_port`` and lm-eval (the ``evals`` extra)."""
+
+    tasks: tuple[str, ...] = setting(
+        (),
+        "lm-eval task names scored every `every` RL steps against the live policy "
+        "(Engine.serve_port); (): off",
+    )
+    every: int = setting(
+        10,
+        "RL steps between two harness runs (a due one is skipped, and counted, while the "
+        "last still runs)",
+        Allowed.at_least(1),
+    )
+    model: str = setting(
+        "local-completions",
+        "lm-eval's API model: 'local-completions' (log-likelihood and generation tasks) or "
+        "'local-chat-completions' (generation, the chat template applied)",
+        Allowed.one_of(*HARNESS_MODELS),
+    )
+    limit: int | None = setting(
+        None,
+        "examples per task (lm-eval's --limit); None: every one",
+        Allowed.at_least(1).or_none(),
+    )
+    include_path: str | None = setting(
+        None, "a directory of the user's own task YAMLs (lm-eval's --include_path)"
+    )
+    concurrent: int = setting(
+        8, "requests lm-eval keeps in flight (its num_concurrent)", Allowed.at_least(1)
+    )
+    timeout_s: float = setting(
+        1800.0,
+        "a harness run still going after this long is stopped and counted as failed",
+        Allowed.above(0),
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        names = [t for t in self.tasks if not isinstance(t, str) or not t.strip()]
+        require(not names, f"HarnessEval.tasks holds task names (str), got {self.tasks!r}")

@@ -5,6 +5,7 @@ names: ``Model`` (the network, its precision and kernels: ``compose.model``,
 ``compose.precision``), ``Data`` (the task and its examples: ``compose.data``), ``Verifiers``
 (a verifiers environment: ``compose.parts``), ``Warmup`` (the SFT stage: ``run.warmup``), ``RL``
 (the algorithm, optimizer, sampling and evals, and ``RL.loss``, the ``Loss`` section:
+``config.rl``), ``HarnessEval`` (lm-eval tasks scored while it trains: ``run.harness_eval``,
 ``config.rl``), ``Lora`` (the RL stage's adapters: ``models.lora_config``), ``Trainer`` (rows and
 the trainer mesh), and the runtime sections ``Engine``, ``Orchestrator``, ``Processes`` and
 ``Outputs`` (``config.runtime``). A gin file binds ``RL.steps = 40``; ``TrainConfig`` itself
@@ -28,7 +29,7 @@ from typing import ClassVar
 import gin
 
 from jaxrl_orch.config.orchestrator import OrchestratorConfig
-from jaxrl_orch.config.rl import Loss, RLSettings
+from jaxrl_orch.config.rl import HarnessEvalSettings, Loss, RLSettings
 from jaxrl_orch.config.runtime import (
     DTYPES,
     EngineSettings,
@@ -179,6 +180,7 @@ class TrainConfig:
     verifiers: VerifiersSettings = dataclasses.field(default_factory=VerifiersSettings)
     warmup: WarmupSettings = dataclasses.field(default_factory=WarmupSettings)
     rl: RLSettings = dataclasses.field(default_factory=RLSettings)
+    harness_eval: HarnessEvalSettings = dataclasses.field(default_factory=HarnessEvalSettings)
     lora: LoraConfig = dataclasses.field(default_factory=Lora)
     trainer: TrainerSettings = dataclasses.field(default_factory=TrainerSettings)
     engine: EngineSettings = dataclasses.field(default_factory=EngineSettings)
@@ -206,6 +208,11 @@ class TrainConfig:
             f"Engine.serve_port ({self.engine.serve_port}) serves the engine in the trainer's "
             f"process; with Processes.engine_replicas = {self.processes.engine_replicas} every "
             "replica serves the same API at its own URL: set Engine.serve_port = None",
+        )
+        require(
+            not (self.harness_eval.tasks and self.engine.serve_port is None),
+            f"HarnessEval.tasks ({list(self.harness_eval.tasks)}) are scored against the live "
+            "policy, and there is none: set Engine.serve_port too (0: any free port)",
         )
         self._check_verifiers()
         multiple = trainer.chunk_rows * rl.minibatches

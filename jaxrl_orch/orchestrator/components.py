@@ -54,10 +54,13 @@ class LoopHooks:
     see (a caller's pause), or None: a stall error leads with it; ``on_landed()`` runs for each
     episode the loop takes (train or eval), before it is routed; ``on_recovered(counts, named)``
     once the loop has planned its start from the rollout journal (``recovery.Recovery.summary``
-    and the lines it could not trust)."""
+    and the lines it could not trust); ``before_close(finished)`` (awaited if async) once the
+    loop has stopped, before its writers close (``finished``: its main loop returned rather than
+    raised): the caller's work that still writes rows ends there."""
 
     on_step: Callable[[int, dict[str, Any]], Any] | None = None
     step_metrics: Callable[[int, dict[str, float]], dict[str, float] | None] | None = None
     engine_held: Callable[[], str | None] | None = None
     on_landed: Callable[[], None] | None = None
     on_recovered: Callable[[dict[str, int], list[str]], None] | None = None
+    before_close: Callable[[bool], Any] | None = None

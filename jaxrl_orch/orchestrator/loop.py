@@ -73,6 +73,7 @@ class Orchestrator:
         self.engine_held = hooks.engine_held
         self.on_landed = hooks.on_landed
         self.on_recovered = hooks.on_recovered
+        self.before_close = hooks.before_close
         self.parts = parts
         self.gate = parts.gate
         self.dispatcher = parts.dispatcher
@@ -120,10 +121,12 @@ class Orchestrator:
 
     async def run(self) -> list[StepRecord]:
         await self.start()
+        finished = False
         try:
             await self.main_loop()
+            finished = True
         finally:
-            await self.shutdown()
+            await self.shutdown(finished)
         return self.history
 
     async def start(self) -> None:
@@ -169,7 +172,8 @@ class Orchestrator:
         (the SIGTERM path), work still in flight after it is cancelled."""
         self.drain.request(deadline_s)
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, finished: bool = False) -> None:
+        """``finished``: the main loop returned (it did not raise or get cancelled)."""
         self.ledger.flush(final=True)
         timeout = SHUTDOWN_TIMEOUT_S
         stops = (
@@ -186,6 +190,8 @@ class Orchestrator:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.before_close is not None:
+            await maybe_await(self.before_close(finished))
         for w in self.writers:
             w.close()
         self.faults.close()

@@ -49,6 +49,7 @@ from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.orchestrator.watcher import InProcessPublisher
 from jaxrl_orch.run.ending import freeze_heap
 from jaxrl_orch.run.export import export_policy
+from jaxrl_orch.run.harness_eval import HarnessEvals, harness_evals
 from jaxrl_orch.run.history import rl_evals, rl_summary, trim_for_rl
 from jaxrl_orch.run.restart import RestartClock
 from jaxrl_orch.run.stop import StopFlag
@@ -122,7 +123,12 @@ async def _lead(
     times = StepTimes(side.engine_seconds, synchronous=cfg.orchestrator.synchronous)
     publisher = InProcessPublisher()
     restart = RestartClock(parts.started, parts.compile_cache)
-    orch = _orchestrator(parts, built, side, trainer, publisher, times, restart, eval_at_start)
+    # its rows go to the orchestrator's writers, which exist once the orchestrator does
+    harness = harness_evals(
+        parts, side.live_url, lambda: trainer.version, lambda *row: orch.write_metrics(*row)
+    )
+    hooks = _hooks(side, times, restart, harness, stop)
+    orch = _orchestrator(parts, built, side, trainer, publisher, hooks, eval_at_start)
     if orch_state:
         orch.restore(orch_state)
     path = _weight_path(parts, side, trainer, ckpt, orch, times, publisher, restart)
@@ -136,6 +142,8 @@ async def _lead(
         policy = _finish(side, trainer, ckpt, orch)
         secs = time.perf_counter() - t0
     finally:
+        if harness is not None:
+            harness.abort()
         drain.cancel()
         await close_env(parts.env)
         trainer.stop()
@@ -144,6 +152,8 @@ async def _lead(
     summary = rl_summary(parts.workdir, cfg, names, orch, (trainer.version, start_step, secs))
     summary.update(side.summary())
     summary.update(restart.summary())
+    if harness is not None:
+        summary["harness_eval"] = harness.summary()
     summary["stop"] = stop.report(cfg.orchestrator.drain_timeout_s)
     exported = export_policy(parts, **policy) if cfg.outputs.export_hf else None
     summary["export_dir"] = None if exported is None else str(exported)
@@ -205,8 +215,7 @@ def _orchestrator(
     side: EngineSide,
     trainer: Trainer,
     publisher: InProcessPublisher,
-    times: StepTimes,
-    restart: RestartClock,
+    hooks: LoopHooks,
     eval_at_start: bool,
 ) -> Orchestrator:
     cfg = parts.cfg
@@ -232,14 +241,36 @@ def _orchestrator(
             dynamic_sampling=cfg.rl.dynamic_sampling,
             engine_logprobs=built.logprobs,
         ),
-        hooks=LoopHooks(
-            on_step=times.on_ship,
-            step_metrics=times.step_metrics,
-            engine_held=side.held,
-            on_landed=restart.landed,
-            on_recovered=restart.recovered,
-        ),
+        hooks=hooks,
         telemetry=rl_telemetry(parts, side, trainer, trainer.version + 1),
+    )
+
+
+def _hooks(
+    side: EngineSide,
+    times: StepTimes,
+    restart: RestartClock,
+    harness: HarnessEvals | None,
+    stop: StopFlag,
+) -> LoopHooks:
+    def on_step(step: int, state: dict[str, Any]) -> None:
+        times.on_ship(step, state)
+        if harness is not None:
+            harness.after_step(step)
+
+    async def before_close(finished: bool) -> None:
+        # The last harness run scores the live server, which the stage stops after the loop;
+        # neither a stop signal's drain bound nor a failing run waits for one.
+        if harness is not None:
+            await harness.close(abort=stop.is_set() or not finished)
+
+    return LoopHooks(
+        on_step=on_step,
+        step_metrics=times.step_metrics,
+        engine_held=side.held,
+        on_landed=restart.landed,
+        on_recovered=restart.recovered,
+        before_close=before_close,
     )
 
 

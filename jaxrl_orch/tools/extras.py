@@ -12,7 +12,8 @@ no environment is imported, so a user's taskset need not be importable where thi
 - ``gcs`` when the workdir or any setting is a ``gs://`` URL (``Model.name``,
   ``Warmup.from_workdir``, ...): every path goes through epath, whose gs:// backend it is;
 - ``verifiers`` when ``Data.env = 'verifiers'``;
-- ``wandb`` when ``Outputs.wandb_project`` is set.
+- ``wandb`` when ``Outputs.wandb_project`` is set;
+- ``evals`` when ``HarnessEval.tasks`` names tasks (lm-evaluation-harness).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def needed_extras(cfg: TrainConfig, workdir: str = "") -> list[str]:
         extras.append("verifiers")
     if cfg.outputs.wandb_project:
         extras.append("wandb")
+    if cfg.harness_eval.tasks:
+        extras.append("evals")
     return extras
 
 

@@ -133,6 +133,8 @@ def _run(
     store_dir=None,
     engine_held=None,
     on_landed=None,
+    before_close=None,
+    writers=(),
     **cfg_kw,
 ):
     async def main():
@@ -166,8 +168,15 @@ def _run(
             backend=Backend(engine, trainer, publisher, reload),
             workload=Workload({"sim": env_cls(rng)}, SimSource(), SamplingParams(max_tokens=6)),
             clock=loop.time,
-            hooks=LoopHooks(on_step=on_step, engine_held=engine_held, on_landed=on_landed),
-            telemetry=Telemetry(log_interval_s=1e9, store_dir=store_dir),
+            hooks=LoopHooks(
+                on_step=on_step,
+                engine_held=engine_held,
+                on_landed=on_landed,
+                before_close=None
+                if before_close is None
+                else lambda done: before_close(orch, done),
+            ),
+            telemetry=Telemetry(writers=writers, log_interval_s=1e9, store_dir=store_dir),
         )
         try:
             await orch.run()
@@ -211,6 +220,49 @@ def test_the_caller_is_told_of_every_episode_the_loop_takes_first_one_before_any
     assert events[0] == "landed" and events.count("ship") == 3
     # No eval here: every episode (one rollout each) went to the train sink.
     assert events.count("landed") == orch.train_sink.gauges()["train_sink/rollouts_seen_total"]
+
+
+class Rows:
+    """A metrics writer keeping its rows and whether it was closed."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict]] = []
+        self.closed = False
+
+    def write(self, step, metrics):
+        assert not self.closed, "written after close"
+        self.rows.append((step, metrics))
+
+    def close(self):
+        self.closed = True
+
+
+def test_before_close_runs_after_the_last_step_while_the_writers_still_take_rows():
+    seen = []
+
+    async def late_row(orch, finished):
+        await asyncio.sleep(5.0)  # work of the caller's that ends after the loop (virtual time)
+        orch.write_metrics(2, {"late/score": 1.0})
+        seen.append(finished)
+
+    rows = Rows()
+    _run(steps=3, before_close=late_row, writers=[rows])
+    assert seen == [True] and rows.closed
+    assert rows.rows[-1] == (2, {"late/score": 1.0})
+    assert [s for s, m in rows.rows if "train/reward_mean" in m] == [1, 2, 3]
+
+
+def test_before_close_is_told_when_the_loop_failed():
+    seen = []
+    with pytest.raises(PipelineStallError):
+        _run(
+            HangingEnv,
+            steps=40,
+            env_timeout_s=None,
+            stall_timeout_s=120.0,
+            before_close=lambda orch, finished: seen.append(finished),
+        )
+    assert seen == [False]
 
 
 class HangingEnv(SimEnv):

@@ -61,3 +61,9 @@ def test_the_command_imports_no_jax():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "tpu,verifiers"
+
+
+def test_harness_evals_need_lm_eval(capsys):
+    args = ["--gin_param=HarnessEval.tasks = ('arc_easy',)", "--gin_param=Engine.serve_port = 0"]
+    out = _extras(capsys, f"--gin_file={CONFIGS / 'reverse_text.gin'}", *args)
+    assert out == "tpu,evals"
