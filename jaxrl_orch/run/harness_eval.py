@@ -27,6 +27,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -107,7 +108,8 @@ class HarnessEvals:
     async def _run(self, step: int) -> None:
         first = self.version()
         where = self.out_dir / f"step_{step}"
-        where.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(where, ignore_errors=True)  # an earlier attempt's results are not these
+        where.mkdir(parents=True)
         log = where / "lm_eval.log"
         code = await self._execute(where, log)
         self.runs += 1
