@@ -95,7 +95,11 @@ class RLSettings:
         return self.prompts_per_step * self.group_size
 
 
-HARNESS_MODELS = ("local-completions", "local-chat-completions")
+# lm-eval's API models the live server answers, and the route each one posts to
+HARNESS_ROUTES = {
+    "local-completions": "/v1/completions",
+    "local-chat-completions": "/v1/chat/completions",
+}
 
 
 @section("HarnessEval")
@@ -118,7 +122,7 @@ class HarnessEvalSettings:
         "local-completions",
         "lm-eval's API model: 'local-completions' (log-likelihood and generation tasks) or "
         "'local-chat-completions' (generation, the chat template applied)",
-        Allowed.one_of(*HARNESS_MODELS),
+        Allowed.one_of(*HARNESS_ROUTES),
     )
     limit: int | None = setting(
         None,

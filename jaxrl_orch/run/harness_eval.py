@@ -37,13 +37,12 @@ from typing import Any
 from jaxrl_orch.compose.engines import engine_limits
 from jaxrl_orch.compose.model import tokenizer_spec
 from jaxrl_orch.compose.parts import RunParts
-from jaxrl_orch.config.rl import HarnessEvalSettings
+from jaxrl_orch.config.rl import HARNESS_ROUTES, HarnessEvalSettings
 from jaxrl_orch.envs.vf.env import tokenizer_dir_for
 from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.paths import is_url
 
 LM_EVAL = (sys.executable, "-m", "lm_eval")
-ROUTES = {"local-completions": "/v1/completions", "local-chat-completions": "/v1/chat/completions"}
 
 
 class HarnessEvals:
@@ -97,11 +96,6 @@ class HarnessEvals:
         else:
             await self._task
 
-    def abort(self) -> None:
-        """Stop a harness run still going (the run is failing): its lm-eval is killed."""
-        if self._task is not None:
-            self._task.cancel()
-
     def summary(self) -> dict[str, Any]:
         return {"runs": self.runs, "failed": self.failed, "skipped": self.skipped}
 
@@ -142,15 +136,16 @@ class HarnessEvals:
                 proc.kill()
                 await proc.wait()
                 return None
-            except asyncio.CancelledError:  # the run is failing: leave no lm-eval behind
+            except asyncio.CancelledError:  # the run is stopping: leave no lm-eval behind
                 proc.kill()
+                await proc.wait()
                 raise
 
     def argv(self, out: Path) -> list[str]:
         s = self.settings
         args = {
             "model": self.model,
-            "base_url": str(self.url()).rstrip("/") + ROUTES[s.model],
+            "base_url": str(self.url()).rstrip("/") + HARNESS_ROUTES[s.model],
             "num_concurrent": s.concurrent,
             "max_length": self.max_length,
             "tokenizer_backend": "huggingface",

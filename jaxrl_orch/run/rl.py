@@ -142,8 +142,6 @@ async def _lead(
         policy = _finish(side, trainer, ckpt, orch)
         secs = time.perf_counter() - t0
     finally:
-        if harness is not None:
-            harness.abort()
         drain.cancel()
         await close_env(parts.env)
         trainer.stop()

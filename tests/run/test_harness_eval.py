@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -140,3 +141,29 @@ def test_tasks_without_the_live_server_are_refused_naming_both_settings():
         load_config([], ["HarnessEval.tasks = ('arc_easy',)"])
     with pytest.raises(ValueError, match="HarnessEval.every must be >= 1, got 0"):
         load_config([], ["HarnessEval.every = 0"])
+
+
+def test_close_with_abort_kills_a_running_harness_at_once(tmp_path):
+    marker = tmp_path / "lm_eval_pid"
+    evals, rows = _evals(
+        tmp_path,
+        _stand_in(
+            tmp_path,
+            f"import os; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)",
+        ),
+    )
+
+    async def main():
+        evals.after_step(10)
+        while not marker.exists():
+            await asyncio.sleep(0.05)
+        t0 = asyncio.get_running_loop().time()
+        await evals.close(abort=True)
+        return asyncio.get_running_loop().time() - t0
+
+    waited = asyncio.run(main())
+    assert waited < 30  # not the stand-in's 60 s, nor the 1800 s timeout
+    pid = int(marker.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # killed and reaped
+    assert rows == [] and evals.summary() == {"runs": 0, "failed": 0, "skipped": 0}
