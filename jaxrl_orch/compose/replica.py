@@ -18,11 +18,9 @@ import jax
 
 from jaxrl_orch.config.train import TrainConfig
 from jaxrl_orch.distributed.addresses import Replicas, bind_of, host_port
-from jaxrl_orch.distributed.admission import JoinRefused
 from jaxrl_orch.distributed.group import Role
 from jaxrl_orch.inference.engine_api import ReplicaEngine
 from jaxrl_orch.orchestrator.metrics.writers import stage
-from jaxrl_orch.serving.runner import HttpServer
 
 
 def check_bind(replicas: Replicas, role: Role) -> None:
@@ -34,6 +32,9 @@ def check_bind(replicas: Replicas, role: Role) -> None:
         host, _ = host_port(replicas.weight_source)
     else:
         return
+    # Imported by the roles that serve: a one-process run's start does not pay for uvicorn.
+    from jaxrl_orch.serving.runner import HttpServer
+
     HttpServer.check_bind(host, replicas.api_key)
 
 
@@ -49,6 +50,7 @@ def serve_replica(
     ``adapters``: a LoRA run's adapter tree (``compose.trainers.rl_adapters``), else None."""
     # The HTTP app is imported by the role that serves it: every process imports this module
     # for ``check_bind``, and a trainer's start should not pay for FastAPI.
+    from jaxrl_orch.distributed.admission import JoinRefused
     from jaxrl_orch.distributed.replica import RunLink, replica_server, serve_until_signal
 
     url = own_url(replicas, role)

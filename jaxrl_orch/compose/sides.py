@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import multihost_utils
 
 from jaxrl_orch.compose.engines import BuiltEngine, to_engine
-from jaxrl_orch.compose.live import LivePolicy, serve_live_policy
 from jaxrl_orch.compose.overlap import OverlapSchedule, schedule_for
 from jaxrl_orch.compose.parts import RunParts
 from jaxrl_orch.compose.staging import (
@@ -53,17 +52,19 @@ from jaxrl_orch.compose.staging import (
     tree_nbytes,
 )
 from jaxrl_orch.distributed.addresses import Replicas
-from jaxrl_orch.distributed.admission import JoinDesk
 from jaxrl_orch.distributed.group import CHECKPOINT, STOP, TRAIN, Channel
-from jaxrl_orch.distributed.offer_server import open_offer
-from jaxrl_orch.distributed.offer_wire import Offerer
-from jaxrl_orch.distributed.pool import RemotePool
 from jaxrl_orch.inference.client import ClientPool, EngineClient
 from jaxrl_orch.inference.driver import InferenceDriver
 from jaxrl_orch.inference.engine_api import RLEngine
 from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.trainer.trainer import StepHooks, Trainer
 from jaxrl_orch.types import InferencePool
+
+if TYPE_CHECKING:  # what a replica run imports when it starts (ReplicaSide)
+    from jaxrl_orch.compose.live import LivePolicy
+    from jaxrl_orch.distributed.admission import JoinDesk
+    from jaxrl_orch.distributed.offer_wire import Offerer
+    from jaxrl_orch.distributed.pool import RemotePool
 from sharding.reshard import reshard
 
 
@@ -194,7 +195,11 @@ class InProcessSide:
             secs = self.driver.warm_up()
             stage("engine", f"warm-up: every prompt bucket and decode width, {secs:.1f} s")
         self.driver.start()
-        self._live = serve_live_policy(cfg, self.engine, self.driver, self.parts.tokenizer)
+        if cfg.engine.serve_port is not None:
+            # Imported when a port is asked for: a run without one does not load the HTTP stack.
+            from jaxrl_orch.compose.live import serve_live_policy
+
+            self._live = serve_live_policy(cfg, self.engine, self.driver, self.parts.tokenizer)
 
     async def stop(self) -> None:
         if self._live is not None:
@@ -259,6 +264,10 @@ class ReplicaSide:
         self.staging = GroupStaging.of(trainer, engine)
         replicas = parts.engine_addresses
         transport = parts.cfg.processes.weight_transport
+        # Imported where replicas are served: a one-process run does not pay for the HTTP stack.
+        from jaxrl_orch.distributed.admission import JoinDesk
+        from jaxrl_orch.distributed.offer_server import open_offer
+
         # Replicas that join mid-run ask the weight server; the pool decides (docs/scale-out.md).
         desk = JoinDesk(has_key=replicas.api_key is not None)
         self.offer = open_offer(transport, replicas.weight_source, replicas.api_key, desk)
@@ -336,6 +345,8 @@ class ReplicaSide:
 def _replica_pool(
     parts: RunParts, offer: Offerer, staging: GroupStaging, desk: JoinDesk
 ) -> RemotePool:
+    from jaxrl_orch.distributed.pool import RemotePool
+
     replicas: Replicas = parts.engine_addresses
     return RemotePool(
         replicas.urls,

@@ -189,8 +189,9 @@ def replica_fakes(monkeypatch):
         return {"gathered": tree}
 
     monkeypatch.setattr(sides, "Channel", FakeChannel)
-    monkeypatch.setattr(sides, "open_offer", FakeOffer)
-    monkeypatch.setattr(sides, "RemotePool", FakePool)
+    # Imported by the replica side when it is built (a one-process run never loads them).
+    monkeypatch.setattr("jaxrl_orch.distributed.offer_server.open_offer", FakeOffer)
+    monkeypatch.setattr("jaxrl_orch.distributed.pool.RemotePool", FakePool)
     monkeypatch.setattr(sides, "GroupStaging", FakeStaging)
     monkeypatch.setattr(sides, "final_policy", lambda t: {"policy of version": t.version})
     monkeypatch.setattr(
