@@ -35,6 +35,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
+from typing import Any
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -82,10 +83,13 @@ class _Counts:
         self.requests = 0
         self.hits = 0
         self.listening = False
+        self.thread = threading.local()  # JAX records an event on the thread that compiles
 
     def on_event(self, event: str, **_kwargs: object) -> None:
         if event not in (_REQUEST, _HIT):
             return
+        if event == _HIT:
+            self.thread.hit = True
         with self.lock:
             if event == _HIT:
                 self.hits += 1
@@ -107,6 +111,16 @@ class _Counts:
 _COUNTS = _Counts()
 
 
+def reset_thread_hits() -> None:
+    """Forget this thread's cache hits (``hit_on_this_thread`` then says whether a compile
+    after this loaded its program from the cache)."""
+    _COUNTS.thread.hit = False
+
+
+def hit_on_this_thread() -> bool:
+    return bool(getattr(_COUNTS.thread, "hit", False))
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileCache:
     """A run's view of the cache: ``directory`` (None: off) and the counts since ``since``
@@ -114,6 +128,7 @@ class CompileCache:
 
     directory: Path | None
     since: tuple[int, int] = (0, 0)
+    executables: Any = None  # the run's ExecutableStore (compose.executables), None: off
 
     def counts(self) -> tuple[int, int]:
         """``(hits, misses)`` of this run's compiles so far."""
@@ -125,10 +140,24 @@ class CompileCache:
         hits, misses = self.counts()
         return {"compile_cache/hits": float(hits), "compile_cache/misses": float(misses)}
 
+    def reused(self) -> tuple[int, int]:
+        """``(reused, compiled)``: the programs this run loaded (from the cache or whole from
+        the executable store) and those it compiled."""
+        hits, misses = self.counts()
+        loaded = 0 if self.executables is None else self.executables.summary()["loaded"]
+        return hits + loaded, misses
+
+    def program(self, group: str, name: str, jitted: Any) -> Any:
+        """``jitted`` with its executables kept whole (``compose.executables``), or ``jitted``
+        itself when the store is off."""
+        store = self.executables
+        return jitted if store is None else store.program(group, name, jitted)
+
     def summary(self) -> dict[str, object]:
         hits, misses = self.counts()
         where = None if self.directory is None else str(self.directory)
-        return {"dir": where, "hits": hits, "misses": misses}
+        kept = None if self.executables is None else self.executables.summary()
+        return {"dir": where, "hits": hits, "misses": misses, "executables": kept}
 
 
 def _usable(directory: Path | None) -> Path | None:
@@ -154,10 +183,11 @@ def _usable(directory: Path | None) -> Path | None:
     return directory
 
 
-def use_compile_cache(value: str | None) -> CompileCache:
+def use_compile_cache(value: str | None, keep_executables: bool = False) -> CompileCache:
     """Point this process's persistent compilation cache where ``value`` says (see the module
-    docstring), before anything compiles; returns the run's view of it. A directory that cannot
-    be made turns the cache off, said in one line: the run needs none."""
+    docstring), before anything compiles; returns the run's view of it, with an executable
+    store in ``<dir>/executables`` when ``keep_executables``. A directory that cannot be made
+    turns the cache off, said in one line: the run needs none."""
     directory = _usable(cache_dir(value))
     _COUNTS.listen()
     jax.config.update("jax_enable_compilation_cache", directory is not None)
@@ -169,4 +199,10 @@ def use_compile_cache(value: str | None) -> CompileCache:
     # JAX opens its cache once, at the first compile of the process: a run in a process that
     # compiled before (the tests run several) must have it opened again on its own setting.
     compilation_cache.reset_cache()
-    return CompileCache(directory, _COUNTS.now())
+    store = None
+    if directory is not None and keep_executables:
+        from jaxrl_orch.compose.executables import ExecutableStore
+
+        kept = _usable(directory / "executables")
+        store = None if kept is None else ExecutableStore(kept)
+    return CompileCache(directory, _COUNTS.now(), store)

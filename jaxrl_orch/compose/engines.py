@@ -66,11 +66,15 @@ def build_engine(
     mesh: Mesh,
     tokenizer: Tokenizer,
     backend: str | None = None,
+    programs: Callable[[str, str, Any], Any] | None = None,
 ) -> BuiltEngine:
     """The engine of ``Engine.kind`` on ``mesh`` with the run's limits and dtypes
-    (``backend``: the one compiled for, default this process's)."""
+    (``backend``: the one compiled for, default this process's; ``programs``: the built-in
+    engine's programs are called through it, the run's executable store)."""
     engine_cfg = engine_model_config(model_cfg, cfg, backend)
-    extra = {"param_dtype": engine_cfg.param_dtype} if cfg.engine.kind == "builtin" else {}
+    extra = {}
+    if cfg.engine.kind == "builtin":
+        extra = {"param_dtype": engine_cfg.param_dtype, "programs": programs}
     factory = engine_factory(cfg.engine.kind)
     limits = engine_limits(cfg)
     engine = factory(

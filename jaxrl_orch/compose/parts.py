@@ -96,7 +96,7 @@ def build_run(
     """The run's parts, every check done (see the module docstring). ``started``: when the
     command started (``time.monotonic()``); None: now."""
     started = time.monotonic() if started is None else started
-    compile_cache = use_compile_cache(cfg.processes.compile_cache)
+    compile_cache = use_compile_cache(cfg.processes.compile_cache, cfg.processes.keep_executables)
     check_bind(engine_addresses, role)  # before minutes of building, not after
     tokenizer, model_cfg = build_model(cfg)
     if role.kind == "single":

@@ -54,7 +54,7 @@ def build_trainer(
         optim=optim_config(cfg, optim_kind or kind, lr),
         seed=cfg.seed,
         init_params=init_params,
-        hooks=hooks,
+        hooks=dataclasses.replace(hooks, programs=parts.compile_cache.program),
     )
 
 

@@ -174,6 +174,12 @@ class ProcessesSettings:
         "Outputs one: it belongs to the machine, outlives the workdir and is never under a "
         "gs:// workdir",
     )
+    keep_executables: bool = setting(
+        True,
+        "also keep the engine's programs and the train step whole in <compile_cache>/executables "
+        "(compose/executables.py), so a restart loads them without tracing or lowering them; "
+        "one process only, and only with a compile_cache",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -9,10 +9,11 @@ decode steps for every slot in one ``lax.scan``, one host round trip: ``decode_p
 ``generate(..., top_logprobs=True)`` (the decode variant that also returns each token's top-k).
 
 Construction: ``DecodeEngine(config, *, mesh, limits=EngineLimits(...), decode_widths,
-cache_dtype, param_dtype, tokenizer, seed)``. ``limits`` (``inference/limits.py``) fixes every
-shape: slots, cache length, prefill limit, steps per call, stop ids per slot; the engine exposes
-them under JetStream's names (``max_concurrent_decodes``, ``max_prefill_length``,
-``max_target_length``, ``steps_per_call``, ``max_stop_tokens``), read-only.
+cache_dtype, param_dtype, tokenizer, seed, programs)``. ``limits`` (``inference/limits.py``) fixes
+every shape: slots, cache length, prefill limit, steps per call, stop ids per slot; the engine
+exposes them under JetStream's names (``max_concurrent_decodes``, ``max_prefill_length``,
+``max_target_length``, ``steps_per_call``, ``max_stop_tokens``), read-only. Each jitted program
+goes through ``programs(group, name, jitted)`` when given (``compose.executables``).
 
 Decode width: a step's cost is nearly proportional to the slots it runs (measured 2.9 / 6.3 /
 11.4 / 16.5 ms per step at 4 / 8 / 16 / 32 slots of small-byte), so ``generate(..., width=w)``
@@ -59,7 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -98,6 +99,7 @@ class DecodeEngine:
         param_dtype: Any = None,
         tokenizer: Tokenizer | None = None,
         seed: int = 0,
+        programs: Callable[[str, str, Any], Any] | None = None,
     ) -> None:
         self.limits = limits
         slots = limits.max_concurrent_decodes
@@ -114,6 +116,11 @@ class DecodeEngine:
         self.cache_dtype = jnp.dtype(cache_dtype or config.dtype)
         self._tokenizer = tokenizer
         self._seed = seed
+        # The group of its programs names all they are built from besides their arguments.
+        group = f"engine {(config, limits, str(self.cache_dtype), seed)!r}"
+        self._program = (
+            (lambda _, fn: fn) if programs is None else functools.partial(programs, group)
+        )
 
         abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
         self._graphdef, abstract_state = nnx.split(abstract)
@@ -133,8 +140,9 @@ class DecodeEngine:
         self._generate_fns: dict[int, Any] = {}
         self._top_generate_fns: dict[int, Any] = {}  # the top-k variants, by width
         self._score_fns: dict[int, Any] = {}
-        self._move_fn = jax.jit(
-            dstate.move, donate_argnums=(0,), out_shardings=self._state_shardings
+        self._move_fn = self._program(
+            "move",
+            jax.jit(dstate.move, donate_argnums=(0,), out_shardings=self._state_shardings),
         )
 
     # ------------------------------------------------------------------ JetStream properties
@@ -196,7 +204,9 @@ class DecodeEngine:
 
     def init_decode_state(self) -> dict[str, Any]:
         if self._init_state_fn is None:  # compiled once: a driver restart must not recompile
-            self._init_state_fn = jax.jit(self._build_state, out_shardings=self._state_shardings)
+            self._init_state_fn = self._program(
+                "init_state", jax.jit(self._build_state, out_shardings=self._state_shardings)
+            )
         return self._init_state_fn()
 
     # ------------------------------------------------------------------ prefill / insert
@@ -249,7 +259,8 @@ class DecodeEngine:
         fn = self._prefill_fns.get(length)
         if fn is None:
             out = {"cache": self._cache_sharding(length, 1)}
-            fn = self._prefill_fns[length] = jax.jit(self._prefill_impl, out_shardings=out)
+            fn = jax.jit(self._prefill_impl, out_shardings=out)
+            fn = self._prefill_fns[length] = self._program(f"prefill[{length}]", fn)
         return fn
 
     def score_program(self, length: int) -> Any:
@@ -257,7 +268,8 @@ class DecodeEngine:
         fn = self._score_fns.get(length)
         if fn is None:
             out = ({"cache": self._cache_sharding(length, 1)}, self._replicated)
-            fn = self._score_fns[length] = jax.jit(self._score_impl, out_shardings=out)
+            fn = jax.jit(self._score_impl, out_shardings=out)
+            fn = self._score_fns[length] = self._program(f"score[{length}]", fn)
         return fn
 
     def _prefill_impl(self, params: Any, tokens: jax.Array) -> dict[str, Any]:
@@ -290,9 +302,8 @@ class DecodeEngine:
         length = jax.tree.leaves(prefix["cache"])[0].shape[-2]
         fn = self._insert_fns.get(length)
         if fn is None:
-            fn = self._insert_fns[length] = jax.jit(
-                dstate.insert, donate_argnums=(0,), out_shardings=self._state_shardings
-            )
+            fn = jax.jit(dstate.insert, donate_argnums=(0,), out_shardings=self._state_shardings)
+            fn = self._insert_fns[length] = self._program(f"insert[{length}]", fn)
         return fn(decode_state, prefix["cache"], fields, np.int32(slot))
 
     def move_slot(self, decode_state: dict[str, Any], src: int, dst: int) -> dict[str, Any]:
@@ -340,11 +351,12 @@ class DecodeEngine:
                     f"width must be one of decode_widths={self.decode_widths}, got {width!r}"
                 )
             top = self.max_top_logprobs if top_logprobs else 0
-            fn = fns[width] = jax.jit(
+            fn = jax.jit(
                 functools.partial(self._generate_impl, width=width, top=top),
                 donate_argnums=(1,),
                 out_shardings=(self._state_shardings, self._replicated),
             )
+            fn = fns[width] = self._program(f"generate[{width},{top}]", fn)
         return fn
 
     def _generate_impl(

@@ -78,7 +78,9 @@ def run_imitation(parts: RunParts, params: Any, stop: StopFlag) -> dict[str, Any
     cfg = parts.cfg
     trainer = build_trainer(parts, "sft", cfg.rl.learning_rate, optim_kind="rl", init_params=params)
     mesh = parts.placement.decode_mesh
-    engine = build_engine(cfg, parts.model_cfg, mesh, parts.tokenizer).engine
+    engine = build_engine(
+        cfg, parts.model_cfg, mesh, parts.tokenizer, programs=parts.compile_cache.program
+    ).engine
     first = jax.tree.map(jax.numpy.copy, trainer.params)
     driver = InferenceDriver(engine, to_engine(first, engine), 0)
     writer = JsonlWriter(parts.workdir / "metrics.jsonl")

@@ -3,11 +3,11 @@
 What it owns: the seconds from the command's start (``RunParts.started``: ``train.main``
 entered, before the config is read and JAX imported) to the first rollout the loop takes and to
 the first RL train step done, in this process; and whether the start was cold or warm. Warm:
-more of the compiles before the first train step loaded their program from the persistent
-compilation cache (``compose.compile_cache``) than compiled it; cold: no more did, or the cache
-is off. Not "any hit": a program compiled twice in one process loads its own entry the second
-time (a run on an empty cache had 1 hit and 38 misses by its first step). Decided at the first
-step, not at the end, for the same reason.
+more of the programs before the first train step were loaded (from the persistent compilation
+cache, ``compose.compile_cache``, or kept whole, ``compose.executables``) than compiled; cold:
+no more were, or the cache is off. Not "any hit": a program compiled twice in one process loads
+its own entry the second time (a run on an empty cache had 1 hit and 38 misses by its first
+step). Decided at the first step, not at the end, for the same reason.
 
 Also what the start took back from the rollout journal (``LoopHooks.on_recovered``: kept,
 sent again, not trusted), said when the loop starts and kept in ``restart["rollouts"]``.
@@ -88,5 +88,5 @@ class RestartClock:
 
 
 def _cold(cache: CompileCache) -> bool:
-    hits, misses = cache.counts()
-    return hits <= misses
+    reused, compiled = cache.reused()
+    return reused <= compiled

@@ -64,7 +64,13 @@ SNAPSHOT_TIMEOUT_S = 60.0  # the event loop hands the trainer thread the orchest
 
 async def run_rl(parts: RunParts, sft_params: Any, stop: StopFlag) -> dict[str, Any]:
     cfg = parts.cfg
-    built = build_engine(cfg, parts.model_cfg, parts.placement.decode_mesh, parts.tokenizer)
+    built = build_engine(
+        cfg,
+        parts.model_cfg,
+        parts.placement.decode_mesh,
+        parts.tokenizer,
+        programs=parts.compile_cache.program,
+    )
     if cfg.engine.kind != "builtin":
         stage("engine", engine_notes(built.engine, cfg.engine.kind, built.recompute))
     if parts.role.follows:

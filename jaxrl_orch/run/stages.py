@@ -96,7 +96,9 @@ def _stages(parts: RunParts, stop: StopFlag) -> dict[str, Any]:
     role = parts.role
     if role.kind == "engine":
         mesh = parts.placement.decode_mesh
-        engine = build_engine(cfg, parts.model_cfg, mesh, parts.tokenizer).engine
+        engine = build_engine(
+            cfg, parts.model_cfg, mesh, parts.tokenizer, programs=parts.compile_cache.program
+        ).engine
         adapters = rl_adapters(cfg, parts.model_cfg)
         # Imported by the role that serves: a trainer process does not load the HTTP stack.
         from jaxrl_orch.compose.replica import serve_replica

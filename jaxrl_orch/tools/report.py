@@ -96,7 +96,8 @@ def _age_lines(summary: dict, train: Sequence[dict]) -> list[str]:
 def start_cost_text(summary: dict) -> str | None:
     """What the start cost (``summary.json``'s ``restart`` and ``compile_cache``) in words:
     ``warm start: first rollout 3.1 s, first train step 4.0 s after the command started;
-    compile cache DIR: 40 hits, 2 misses (95%)``; None for a run that has neither."""
+    compile cache DIR: 40 hits, 2 misses (95%); programs kept whole: 17 loaded, 0 stored``
+    (the executable store's, ``compose.executables``); None for a run that has neither."""
     restart = summary.get("restart")
     cache = summary.get("compile_cache")
     parts = []
@@ -115,6 +116,11 @@ def start_cost_text(summary: dict) -> str | None:
         misses = int(num(cache.get("misses")) or 0)
         rate = f" ({hits / (hits + misses):.0%})" if hits + misses else ""
         parts.append(f"compile cache {cache['dir']}: {hits} hits, {misses} misses{rate}")
+        kept_whole = cache.get("executables")
+        if isinstance(kept_whole, dict):
+            loaded = int(num(kept_whole.get("loaded")) or 0)
+            stored = int(num(kept_whole.get("stored")) or 0)
+            parts.append(f"programs kept whole: {loaded} loaded, {stored} stored")
     kept = restart.get("rollouts") if isinstance(restart, dict) else None
     if isinstance(kept, dict):
         parts.append(kept_text(kept))

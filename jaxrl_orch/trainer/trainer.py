@@ -39,6 +39,8 @@ Hooks (``StepHooks``): ``around_step()`` is entered around every worker step (th
 schedule pauses a colocated engine there); ``on_batch(arrays)`` gets each packed batch before
 the step (a trainer group's process 0 hands it to its peers, docs/design.md section 8). A peer takes
 the same step with ``follow(arrays)``: same arrays, same RNG stream, so the same params.
+``programs(group, name, jitted)``, when given, is what the step is called through (the run's
+executable store, ``compose.executables``: it loads the step whole on a restart).
 
 Background mode: ``start()`` launches one worker thread, which first compiles the step for the
 one batch shape a row floor gives (``precompile``: while the first rollouts are drawn, not when
@@ -85,6 +87,7 @@ class StepHooks:
 
     around_step: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     on_batch: Callable[[dict[str, np.ndarray]], None] | None = None
+    programs: Callable[[str, str, Any], Any] | None = None
 
 
 class Trainer:
@@ -112,22 +115,22 @@ class Trainer:
         self._min_rows = rows.floor(model_config, self.step_cfg.rows_multiple)
         self.hooks = hooks
 
-        programs = build_programs(
+        built = build_programs(
             model_config, mesh, self.step_cfg, self.optim_cfg, rules, seed, rows.row_len
         )
-        self.graphdef = programs.graphdef
-        self.param_shardings = programs.param_shardings
-        self.frozen_shardings = programs.frozen_shardings
+        self.graphdef = built.graphdef
+        self.param_shardings = built.param_shardings
+        self.frozen_shardings = built.frozen_shardings
         # LoRA: params are the adapters, frozen the base (trainer/params.py); else frozen None.
-        self.params, self.frozen = initial_params(programs, model_config, mesh, seed, init_params)
+        self.params, self.frozen = initial_params(built, model_config, mesh, seed, init_params)
         self._unrestored = isinstance(init_params, Restoring)  # abstract arrays until load_state
         lora = model_config.lora
-        self._base = None if lora is None else BaseWeights(programs, lora)
+        self._base = None if lora is None else BaseWeights(built, lora)
         self._fingerprint: str | None = None
-        self.optimizer = programs.optimizer
+        self.optimizer = built.optimizer
         self._schedule = optim_lib.make_schedule(self.optim_cfg)
-        self.opt_shardings = programs.opt_shardings
-        self.opt_state = self._initial_opt_state(programs)
+        self.opt_shardings = built.opt_shardings
+        self.opt_state = self._initial_opt_state(built)
         self._copy = jax.jit(
             lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings
         )
@@ -138,7 +141,10 @@ class Trainer:
             if self._unrestored:
                 raise ValueError("with kl_beta > 0 the reference is the initial policy: give it")
             self.ref_params = self._copy(self.params)
-        self._step_fn = programs.step_fn
+        self._step_fn = built.step_fn
+        if hooks.programs is not None:  # named with all it is built from (compose.executables)
+            static = repr((model_config, self.step_cfg, self.optim_cfg, rows.row_len, rules))
+            self._step_fn = hooks.programs(f"trainer {static}", "step", built.step_fn)
         # A trainer group (several processes, docs/design.md section 8): every process passes the
         # whole batch, placed with the step's shardings.
         self._batch_shardings = step_lib.batch_shardings(mesh, self.step_cfg)
@@ -274,7 +280,11 @@ class Trainer:
         # runs here: a trainer group's peers take no part in the leader's compile.
         rng = jax.ShapeDtypeStruct(self.rng.shape, self.rng.dtype, sharding=self.rng.sharding)
         args = (self.params, self.opt_state, batch, rng, self.ref_params, self.frozen)
-        self._step_fn.lower(*args).compile()
+        prepare = getattr(self._step_fn, "prepare", None)  # an executable store's: loaded whole
+        if prepare is not None:
+            prepare(*args)
+        else:
+            self._step_fn.lower(*args).compile()
         return True
 
     def _run(self) -> None:

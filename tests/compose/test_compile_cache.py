@@ -74,7 +74,12 @@ def test_a_second_run_loads_what_the_first_compiled(tmp_path, monkeypatch):
     _compile(3.25)
     assert second.counts() == (1, 0)  # counted from its own start
     assert second.gauges() == {"compile_cache/hits": 1.0, "compile_cache/misses": 0.0}
-    assert second.summary() == {"dir": str(tmp_path), "hits": 1, "misses": 0}
+    assert second.summary() == {
+        "dir": str(tmp_path),
+        "hits": 1,
+        "misses": 0,
+        "executables": None,  # not asked for
+    }
 
 
 def test_off_writes_no_entry_and_counts_nothing(tmp_path, monkeypatch):
@@ -84,7 +89,7 @@ def test_off_writes_no_entry_and_counts_nothing(tmp_path, monkeypatch):
     _compile(7.5)
     assert off.counts() == (0, 0)
     assert not jax_dir.exists()
-    assert off.summary() == {"dir": None, "hits": 0, "misses": 0}
+    assert off.summary() == {"dir": None, "hits": 0, "misses": 0, "executables": None}
 
 
 def test_a_directory_that_cannot_be_made_turns_the_cache_off(tmp_path, capsys):
@@ -116,3 +121,20 @@ def test_a_nearly_full_disk_turns_the_cache_off(tmp_path, capsys, monkeypatch):
     assert f"== compile cache: off: {tmp_path / 'full'} has 10 MB free, under 268 MB" in (
         capsys.readouterr().out
     )
+
+
+def test_executables_are_kept_beside_the_cache_and_only_with_it(tmp_path):
+    kept = use_compile_cache(str(tmp_path / "xla"), keep_executables=True)
+    try:
+        assert kept.executables.directory == tmp_path / "xla" / "executables"
+        assert kept.summary()["executables"] == {
+            "loaded": 0,
+            "stored": 0,
+            "compiled": 0,
+            "failed": 0,
+        }
+        kept.executables.loaded = 3  # programs loaded whole count as reused
+        assert kept.reused() == (3, 0)
+        assert use_compile_cache(None, keep_executables=True).executables is None
+    finally:
+        use_compile_cache(None)

@@ -15,6 +15,9 @@ class _Counted:
     def counts(self) -> tuple[int, int]:
         return self.now
 
+    def reused(self) -> tuple[int, int]:
+        return self.now
+
     def summary(self) -> dict:
         return {"dir": None, "hits": self.now[0], "misses": self.now[1]}
 
@@ -58,3 +61,13 @@ def test_a_start_with_no_more_hits_than_misses_is_cold():
     clock = RestartClock(0.0, cache, clock=lambda: 1.0)
     clock.trained()
     assert clock.summary()["restart"]["cold"] is True
+
+
+def test_a_start_whose_programs_came_whole_from_the_store_is_warm():
+    """Loaded from the executable store, a program never reaches the compile cache: the cache
+    view counts it as reused (``CompileCache.reused``), and that decides."""
+    cache = _Counted()
+    cache.now = (17, 0)  # no cache hits, 17 programs loaded whole
+    clock = RestartClock(0.0, cache, clock=lambda: 1.0)
+    clock.trained()
+    assert clock.summary()["restart"]["cold"] is False

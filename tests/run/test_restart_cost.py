@@ -1,7 +1,8 @@
 """End-to-end: what a start costs, as ``python -m jaxrl_orch.train`` reports it.
 
 The tiny scenario of ``support.train_cmd`` twice on one compilation cache: the first start
-compiles every program (cold), the second loads them (warm); both say so on the console, in
+compiles every program (cold) and keeps the engine's and the train step whole, the second loads
+them (warm); both say so on the console, in
 ``summary.json`` and in the report. A run with the cache off writes no entry anywhere, not even
 where JAX's own variable points. The seconds themselves are the machine's: only their order is
 checked.
@@ -45,6 +46,11 @@ def test_a_second_start_on_the_same_cache_loads_what_the_first_compiled(tmp_path
     assert cold["compile_cache"]["misses"] > 0 and cold["restart"]["cold"] is True
     assert warm["compile_cache"]["hits"] > 0 and warm["restart"]["cold"] is False
     assert warm["compile_cache"]["hits"] > warm["compile_cache"]["misses"]
+    # The engine's programs and the train step, compiled and kept whole by the first start,
+    # loaded whole by the second: none traced or compiled again.
+    kept, loaded = cold["compile_cache"]["executables"], warm["compile_cache"]["executables"]
+    assert kept["stored"] == kept["compiled"] > 0 and kept["loaded"] == 0
+    assert loaded == {"loaded": kept["stored"], "stored": 0, "compiled": 0, "failed": 0}
     for summary in (cold, warm):
         restart = summary["restart"]
         assert 0 < restart["first_rollout_s"] <= restart["first_step_s"]

@@ -406,3 +406,7 @@ def test_the_reports_line_names_the_cache_and_its_hit_rate():
         "compile cache /c: 1 hits, 3 misses (25%)"
     )
     assert start_cost_text({}) is None
+    summary["compile_cache"]["executables"] = {"loaded": 17, "stored": 0, "compiled": 0}
+    assert start_cost_text(summary).endswith(
+        "compile cache /c: 1 hits, 3 misses (25%); programs kept whole: 17 loaded, 0 stored"
+    )
