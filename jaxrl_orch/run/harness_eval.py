@@ -38,7 +38,6 @@ from jaxrl_orch.compose.engines import engine_limits
 from jaxrl_orch.compose.model import tokenizer_spec
 from jaxrl_orch.compose.parts import RunParts
 from jaxrl_orch.config.rl import HARNESS_ROUTES, HarnessEvalSettings
-from jaxrl_orch.envs.vf.env import tokenizer_dir_for
 from jaxrl_orch.orchestrator.metrics.writers import stage
 from jaxrl_orch.paths import is_url
 
@@ -208,6 +207,9 @@ def harness_evals(
             f"HarnessEval.tasks ({list(settings.tasks)}) are scored by lm-evaluation-harness, "
             "which is not installed: pip install 'jaxrl-orch[evals]'"
         )
+    # Imported when a harness runs: the verifiers adapter's module loads pydantic and aiohttp.
+    from jaxrl_orch.envs.vf.env import tokenizer_dir_for
+
     # lm-eval reads and writes local files: a gs:// workdir's run keeps them on this host
     scratch = Path(tempfile.mkdtemp(prefix="jaxrl_orch_harness_"))
     out = scratch if is_url(parts.workdir) else Path(parts.workdir) / "harness"

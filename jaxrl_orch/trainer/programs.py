@@ -2,7 +2,9 @@
 
 ``build_programs`` is shared by ``trainer.Trainer`` (which then allocates onto the shardings) and
 ``jaxrl-aot`` (which lowers ``step_fn`` against the abstract arrays deviceless for
-a TPU topology). ``splash_specs`` resolves the PartitionSpecs splash attention runs under.
+a TPU topology). ``step_programs``: what a trainer calls each step (the step, its logged
+learning rate, its key split), each through the run's executable store when it has one.
+``splash_specs`` resolves the PartitionSpecs splash attention runs under.
 
 The trained part: with ``ModelConfig.lora`` the model's state splits in two, the adapters
 (``nnx.LoRAParam``: ``abstract_params``, what the optimizer updates and the step donates) and the
@@ -16,6 +18,7 @@ weights stand for.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -112,3 +115,20 @@ def build_programs(
         base,
         base_shardings,
     )
+
+
+def step_programs(
+    keep: Callable[[str, str, Any], Any] | None,
+    group: str,
+    step_fn: Any,
+    schedule: Any,
+    replicated: jax.sharding.NamedSharding,
+) -> tuple[Any, Any, Any]:
+    """The step, and the two small programs each step also runs: the learning rate it logs and
+    the key split. One program each, not one per operation run eagerly (nine of them), so a
+    restart loads three whole (``keep``: the executable store) instead of tracing nine."""
+    lr = jax.jit(schedule)
+    split = jax.jit(lambda key: tuple(jax.random.split(key)), out_shardings=(replicated,) * 2)
+    if keep is None:
+        return step_fn, lr, split
+    return keep(group, "step", step_fn), keep(group, "lr", lr), keep(group, "split", split)

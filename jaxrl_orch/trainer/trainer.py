@@ -72,7 +72,7 @@ from jaxrl_orch.models.transformer import ModelConfig
 from jaxrl_orch.trainer import optim as optim_lib
 from jaxrl_orch.trainer import step as step_lib
 from jaxrl_orch.trainer.params import BaseWeights, Restoring, fingerprint, initial_params
-from jaxrl_orch.trainer.programs import build_programs
+from jaxrl_orch.trainer.programs import build_programs, step_programs
 from jaxrl_orch.trainer.rows import RowLayout
 from jaxrl_orch.types import TrainBatch
 from sharding.rules import TRAINER_RULES, Rules, abstract_arrays
@@ -141,14 +141,15 @@ class Trainer:
             if self._unrestored:
                 raise ValueError("with kl_beta > 0 the reference is the initial policy: give it")
             self.ref_params = self._copy(self.params)
-        self._step_fn = built.step_fn
-        if hooks.programs is not None:  # named with all it is built from (compose.executables)
-            static = repr((model_config, self.step_cfg, self.optim_cfg, rows.row_len, rules))
-            self._step_fn = hooks.programs(f"trainer {static}", "step", built.step_fn)
         # A trainer group (several processes, docs/design.md section 8): every process passes the
         # whole batch, placed with the step's shardings.
         self._batch_shardings = step_lib.batch_shardings(mesh, self.step_cfg)
         self._replicated = NamedSharding(mesh, PartitionSpec())
+        # The group of its programs names all they are built from (compose.executables).
+        group = f"trainer {(model_config, self.step_cfg, self.optim_cfg, rows.row_len, rules)!r}"
+        self._step_fn, self._lr, self._split = step_programs(
+            hooks.programs, group, built.step_fn, self._schedule, self._replicated
+        )
         self.rng = jax.device_put(jax.random.PRNGKey(seed), self._replicated)
         self.version = int(initial_version)
         self.steps_done = 0
@@ -209,10 +210,10 @@ class Trainer:
         of a trainer group runs in lockstep. Returns the step's host metrics."""
         if self._unrestored:
             raise RuntimeError("this trainer was built to be restored (Restoring()): restore it")
-        self.rng, step_rng = jax.random.split(self.rng)
+        self.rng, step_rng = self._split(self.rng)
         # The rate of this step's first update (optax counts updates, several per step).
         updates = self.steps_done * self.step_cfg.minibatches * self.step_cfg.ppo_epochs
-        lr = float(self._schedule(updates))
+        lr = float(self._lr(updates))
         t0 = time.perf_counter()
         batch = jax.device_put(arrays, self._batch_shardings)
         self.params, self.opt_state, metrics = self._step_fn(
