@@ -2,12 +2,13 @@
 
 The persistent compilation cache (``compile_cache``) saves a restart the compile only: every
 start still traces each program in Python and lowers it to StableHLO before it can look the
-compile up, and on this job that was two thirds of the engine's warm-up on a warm cache (the
-2026-12-05 13:45 sitting in docs/benchmarks.md). The store keeps the compiled executable itself
-(``jax.experimental.serialize_executable``), keyed by what the program is, so a later start
-loads it without tracing or lowering. MaxText's ``compiled_trainstep_file`` does this for a
-train step by hand; here it covers the engine's programs (every prompt bucket's prefill and
-insert, each decode width, the slot move, the state's init) and the train step.
+compile up, and on the main job that was two thirds of the engine's warm-up on a warm cache
+(docs/benchmarks.md: where a warm restart's seconds go). The store keeps the compiled
+executable itself (``jax.experimental.serialize_executable``), keyed by what the program is, so
+a later start loads it without tracing or lowering. MaxText's ``compiled_trainstep_file`` does
+this for a train step by hand; here it covers the engine's programs (every prompt bucket's
+prefill and insert, each decode width, the slot move, the state's init) and the trainer's (the
+step, the learning rate it logs, its key split).
 
 Where a program is kept: ``<digest of fingerprint and group>-<digest of name and signature>``.
 - The group is its owner's programs, named with everything static they are built from (the
