@@ -201,7 +201,7 @@ def use_compile_cache(value: str | None, keep_executables: bool = False) -> Comp
     compilation_cache.reset_cache()
     store = None
     if directory is not None and keep_executables:
-        from jaxrl_orch.compose.executables import ExecutableStore
+        from jaxrl_orch.compose.executables import ExecutableStore  # which imports this module
 
         kept = _usable(directory / "executables")
         store = None if kept is None else ExecutableStore(kept)
