@@ -12,6 +12,10 @@ Cheap on large files: a rendered prompt's UTF-8 byte count (+2 for BOS/EOS) boun
 count for byte-level tokenizers (every token but a special one covers at least one byte, and
 a special token stands for several bytes of its text), so only examples whose bound exceeds the
 limit are tokenized. Environments that cannot render a prompt as text are tokenized in full.
+
+Once per data: a passed check is kept in the workdir under a key of the data, the tokenizer,
+the settings and the code (``compose.verdict``), and a later start with the same key reads
+nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from jaxrl_orch.compose.verdict import examples_key, recalled, remember
 from jaxrl_orch.data.sources import DatasetSource
 
 if TYPE_CHECKING:
@@ -58,13 +63,26 @@ def check_fits(
     return tokenized
 
 
-def check_examples(parts: RunParts, max_prefill: int) -> None:
-    """See the module docstring (``max_prefill``: the engine's prompt limit)."""
+def check_examples(parts: RunParts, max_prefill: int) -> bool:
+    """See the module docstring (``max_prefill``: the engine's prompt limit). Returns whether
+    the verdict of an earlier start stood (nothing was read)."""
+    samples = bool(parts.cfg.warmup.steps and parts.demonstrator is not None)
+    sources = [parts.data.sft] if samples else []
+    key = examples_key(parts, [*sources, parts.data.train, parts.data.eval], max_prefill)
+    if key is not None and recalled(parts, key):
+        return True
+    _check_all(parts, max_prefill, samples)
+    if key is not None:
+        remember(parts, key)
+    return False
+
+
+def _check_all(parts: RunParts, max_prefill: int, samples: bool) -> None:
     cfg = parts.cfg
     env = parts.env
     data = parts.data
     text_of = getattr(env, "prompt_text", None)
-    if cfg.warmup.steps and parts.demonstrator is not None:
+    if samples:
 
         def sample_text(ex: dict[str, Any]) -> str:
             return text_of(ex) + parts.demonstrator.completion(ex)

@@ -125,8 +125,8 @@ def build_run(
         compile_cache=compile_cache,
         started=started,
     )
-    check_examples(parts, engine_limits(cfg).max_prefill_length)
-    _announce_data(parts)
+    recalled = check_examples(parts, engine_limits(cfg).max_prefill_length)
+    _announce_data(parts, recalled)
     return parts
 
 
@@ -159,14 +159,16 @@ def _check_warmup_from(cfg: TrainConfig) -> None:
         )
 
 
-def _announce_data(parts: RunParts) -> None:
+def _announce_data(parts: RunParts, recalled: bool) -> None:
     cfg = parts.cfg
     data = parts.data
     mix = ", ".join(f"{b} {x:.0%}" for b, x in cfg.warmup.demonstrations) or "always right"
+    checked = "; every example fits (checked by an earlier start: same data)" if recalled else ""
     stage(
         "data",
         f"{cfg.data.env} on {_dataset_name(parts)}: {len(data.train)} train / {len(data.eval)} "
-        f"held-out examples (eval on {cfg.rl.eval_examples}); warm-up demonstrator: {mix}",
+        f"held-out examples (eval on {cfg.rl.eval_examples}); warm-up demonstrator: {mix}"
+        f"{checked}",
     )
 
 
