@@ -51,7 +51,7 @@ def rl_telemetry(parts: RunParts, side: EngineSide, trainer: Trainer, start_step
     writers: list[MetricsWriter] = [
         JsonlWriter(wd / "metrics.jsonl"),
         # Step and eval rows (rewards, evals, ages, trainer diagnostics) next to the gauges.
-        OffLoop(TensorBoardWriter(wd / "tb" / "steps"), "tensorboard-steps"),
+        OffLoop(lambda: TensorBoardWriter(wd / "tb" / "steps"), "tensorboard-steps"),
         ConsoleWriter(keys=CONSOLE_KEYS),
         ProgressWriter(
             cfg.rl.steps,
@@ -75,7 +75,7 @@ def rl_telemetry(parts: RunParts, side: EngineSide, trainer: Trainer, start_step
         writers=writers,
         gauge_writers=[
             JsonlWriter(wd / "gauges.jsonl"),
-            OffLoop(TensorBoardWriter(wd / "tb"), "tensorboard-gauges"),
+            OffLoop(lambda: TensorBoardWriter(wd / "tb"), "tensorboard-gauges"),
         ],
         gauge_sources=[side, trainer, parts.compile_cache],
         log_interval_s=cfg.outputs.log_interval_s,

@@ -65,3 +65,31 @@ def test_a_failed_write_is_raised_by_close_with_the_writers_error():
     with pytest.raises(RuntimeError, match="Slow failed to write a row: disk full"):
         w.close()
     assert [s for s, _ in inner.rows] == [1] and inner.closed
+
+
+def test_a_writer_built_on_the_thread_gets_every_row_and_its_failure_is_raised():
+    inner = Slow()
+    inner.release.set()
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread().name)
+        return inner
+
+    w = OffLoop(build, "built")
+    for step in (1, 2):
+        w.write(step, {"a": 1.0})
+    w.close()
+    assert built_on == ["writer-built"] and [s for s, _ in inner.rows] == [1, 2] and inner.closed
+
+    def unbuildable():
+        raise OSError("tb dir is read-only")
+
+    w = OffLoop(unbuildable, "tb")
+    for step in (1, 2):
+        try:
+            w.write(step, {"a": 1.0})
+        except RuntimeError as e:
+            assert "tb failed to write a row: tb dir is read-only" in str(e)
+    with pytest.raises(RuntimeError, match="tb failed to write a row: tb dir is read-only"):
+        w.close()
