@@ -231,3 +231,30 @@ print("ok", torch.__version__)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-2000:]
     assert glob.glob(os.path.join(tmp_path, "tb", "events.out.tfevents.*"))
+
+
+def test_another_thread_imports_torch_while_the_tensorboard_writer_is_built(tmp_path):
+    """The writers are built on threads of their own, beside the rollouts: leaving torch out of
+    tensorboardX's import must not fail an environment's own ``import torch`` meanwhile."""
+    pytest.importorskip("torch")
+    script = f"""
+import sys, threading
+from jaxrl_orch.orchestrator.metrics import writers
+started, imported = threading.Event(), []
+real = writers._NoTorchOnThisThread.find_spec
+
+def slow_find_spec(self, name, path, target=None):  # hold the writer's import open
+    started.set()
+    return real(self, name, path, target)
+
+writers._NoTorchOnThisThread.find_spec = slow_find_spec
+built = threading.Thread(target=writers.TensorBoardWriter, args=({str(tmp_path / "tb")!r},))
+built.start()
+started.wait()
+import torch  # another thread, during the writer's import
+built.join()
+print("ok", torch.__version__, type(sys.modules["torch"]).__name__)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-2000:]
+    assert glob.glob(os.path.join(tmp_path, "tb", "events.out.tfevents.*"))

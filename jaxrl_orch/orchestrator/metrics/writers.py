@@ -17,10 +17,12 @@ never reads a component, and never affects training.
 from __future__ import annotations
 
 import fnmatch
+import importlib.abc
 import math
 import numbers
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -169,19 +171,41 @@ class TensorBoardWriter:
         self._w.close()
 
 
+class _NoTorchOnThisThread(importlib.abc.MetaPathFinder):
+    """Fails ``import torch`` on the one thread importing tensorboardX, while it does; any other
+    thread (an environment's reward model, say) imports torch as usual meanwhile."""
+
+    def __init__(self) -> None:
+        self.thread: int | None = None
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> None:
+        if self.thread == threading.get_ident() and name.split(".")[0] == "torch":
+            raise ModuleNotFoundError(f"No module named {name!r} (left out)", name=name)
+        return None
+
+
+_TENSORBOARD_IMPORT = threading.Lock()
+
+
 def _summary_writer() -> Any:
     """tensorboardX's ``SummaryWriter``, imported here (it pulls in protobuf) and without torch:
     tensorboardX imports torch wherever it is installed (about a second of every run's start),
-    only to accept torch tensors, and this writer hands it floats. A ``None`` entry in
-    ``sys.modules`` makes that optional import fail as if torch were absent, for the length of
-    this import only; a process that imported torch already keeps it."""
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-
+    only to accept torch tensors, and this writer hands it floats. A finder first on
+    ``sys.meta_path`` fails that optional import as if torch were absent, on this thread and for
+    the length of this import only: the run builds its TensorBoard writers on threads of their
+    own (``OffLoop``), beside the rollouts. A process that imported torch already keeps it."""
+    with _TENSORBOARD_IMPORT:
+        finder = _NoTorchOnThisThread()
+        finder.thread = threading.get_ident()
+        sys.meta_path.insert(0, finder)
+        try:
+            from tensorboardX import SummaryWriter
+        finally:
+            sys.meta_path.remove(finder)
         return SummaryWriter
-    sys.modules["torch"] = None
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        del sys.modules["torch"]
-    return SummaryWriter
+        sys.modules["torch"] = None
+        try:
+            from tensorboardX import SummaryWriter
+        finally:
+            del sys.modules["torch"]
+        return SummaryWriter
