@@ -10,6 +10,7 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -214,6 +215,41 @@ def test_tensorboard_writer_writes_an_event_file(tmp_path):
         ev = event_pb2.Event.FromString(rec)
         scalars += [(ev.step, v.tag, v.simple_value) for v in ev.summary.value]
     assert scalars == [(3, "train/loss", 0.75), (4, "train/loss", 0.5)]
+
+
+def test_two_tensorboard_writers_built_at_once_on_nested_logdirs(tmp_path, monkeypatch):
+    """The run builds ``tb`` and ``tb/steps`` at once on two threads. tensorboardX checks a
+    logdir exists, then makes it with a plain ``os.makedirs``: here the parent's makedirs is
+    held until the child has made both, the order that failed a run with FileExistsError."""
+    TensorBoardWriter(tmp_path / "import_first").close()  # tensorboardX imported
+    real = os.makedirs
+
+    def makedirs(path, *args, **kwargs):  # os.makedirs makes a missing parent through itself
+        if threading.current_thread().name == "parent":
+            time.sleep(0.3)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    start, built, errors = threading.Barrier(2), [], []
+
+    def build(logdir):
+        start.wait()
+        try:
+            built.append(TensorBoardWriter(logdir))
+        except OSError as e:
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=build, args=(tmp_path / "tb" / "steps",), name="child"),
+        threading.Thread(target=build, args=(tmp_path / "tb",), name="parent"),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(built) == 2
+    for w in built:
+        w.close()
 
 
 def test_the_tensorboard_writer_does_not_import_torch(tmp_path):

@@ -160,7 +160,12 @@ class TensorBoardWriter:
 
     def __init__(self, logdir: str | os.PathLike) -> None:
         self.logdir = os.fspath(logdir)
-        self._w = _summary_writer()(self.logdir)
+        # One at a time: the run builds its two writers at once, on threads of their own
+        # (``OffLoop``), and tensorboardX makes a missing logdir with a plain ``os.makedirs``
+        # after an existence check, so the writer of ``tb`` failed when the one of ``tb/steps``
+        # made ``tb`` between the two.
+        with _TENSORBOARD_BUILD:
+            self._w = _summary_writer()(self.logdir)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         for k, v in clean_metrics(metrics).items():
@@ -184,7 +189,7 @@ class _NoTorchOnThisThread(importlib.abc.MetaPathFinder):
         return None
 
 
-_TENSORBOARD_IMPORT = threading.Lock()
+_TENSORBOARD_BUILD = threading.Lock()
 
 
 def _summary_writer() -> Any:
@@ -193,19 +198,13 @@ def _summary_writer() -> Any:
     only to accept torch tensors, and this writer hands it floats. A finder first on
     ``sys.meta_path`` fails that optional import as if torch were absent, on this thread and for
     the length of this import only: the run builds its TensorBoard writers on threads of their
-    own (``OffLoop``), beside the rollouts. A process that imported torch already keeps it."""
-    with _TENSORBOARD_IMPORT:
-        finder = _NoTorchOnThisThread()
-        finder.thread = threading.get_ident()
-        sys.meta_path.insert(0, finder)
-        try:
-            from tensorboardX import SummaryWriter
-        finally:
-            sys.meta_path.remove(finder)
-        return SummaryWriter
-        sys.modules["torch"] = None
-        try:
-            from tensorboardX import SummaryWriter
-        finally:
-            del sys.modules["torch"]
-        return SummaryWriter
+    own (``OffLoop``), beside the rollouts. A process that imported torch already keeps it.
+    Called under ``_TENSORBOARD_BUILD``."""
+    finder = _NoTorchOnThisThread()
+    finder.thread = threading.get_ident()
+    sys.meta_path.insert(0, finder)
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        sys.meta_path.remove(finder)
+    return SummaryWriter
