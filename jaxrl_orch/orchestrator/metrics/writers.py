@@ -178,7 +178,9 @@ class TensorBoardWriter:
 
 class _NoTorchOnThisThread(importlib.abc.MetaPathFinder):
     """Fails ``import torch`` on the one thread importing tensorboardX, while it does; any other
-    thread (an environment's reward model, say) imports torch as usual meanwhile."""
+    thread (an environment's reward model, say) imports torch as usual meanwhile. Put first on
+    ``sys.meta_path`` once and left there, idle: taking it out again would shift the list under
+    another thread's import as it walks it, which could then skip a finder."""
 
     def __init__(self) -> None:
         self.thread: int | None = None
@@ -190,6 +192,7 @@ class _NoTorchOnThisThread(importlib.abc.MetaPathFinder):
 
 
 _TENSORBOARD_BUILD = threading.Lock()
+_NO_TORCH = _NoTorchOnThisThread()
 
 
 def _summary_writer() -> Any:
@@ -200,11 +203,11 @@ def _summary_writer() -> Any:
     the length of this import only: the run builds its TensorBoard writers on threads of their
     own (``OffLoop``), beside the rollouts. A process that imported torch already keeps it.
     Called under ``_TENSORBOARD_BUILD``."""
-    finder = _NoTorchOnThisThread()
-    finder.thread = threading.get_ident()
-    sys.meta_path.insert(0, finder)
+    if _NO_TORCH not in sys.meta_path:
+        sys.meta_path.insert(0, _NO_TORCH)
+    _NO_TORCH.thread = threading.get_ident()
     try:
         from tensorboardX import SummaryWriter
     finally:
-        sys.meta_path.remove(finder)
+        _NO_TORCH.thread = None
     return SummaryWriter
