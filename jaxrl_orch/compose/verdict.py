@@ -2,8 +2,8 @@
 
 ``compose.checks`` reads every example of every source before the first step (a record that does
 not decode, a prompt over the engine's limit). That costs each start a pass over the data:
-0.3 s on the bundled task, minutes on a dataset of millions of prompts, paid again by every
-restart of a preemptible run although nothing it read has changed. A passed check is therefore
+0.3 s on the bundled task's 7,744 records, growing with the data (about 40 s a million at that
+rate), paid again by every restart of a preemptible run although nothing it read has changed. A passed check is therefore
 kept as ``<workdir>/examples_checked.json``, under a key of everything the verdict depends on,
 and a later start whose key matches skips the pass.
 
