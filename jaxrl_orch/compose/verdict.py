@@ -3,9 +3,9 @@
 ``compose.checks`` reads every example of every source before the first step (a record that does
 not decode, a prompt over the engine's limit). That costs each start a pass over the data:
 0.3 s on the bundled task's 7,744 records, growing with the data (about 40 s a million at that
-rate), paid again by every restart of a preemptible run although nothing it read has changed. A passed check is therefore
-kept as ``<workdir>/examples_checked.json``, under a key of everything the verdict depends on,
-and a later start whose key matches skips the pass.
+rate), paid again by every restart of a preemptible run although nothing it read has changed.
+A passed check is therefore kept as ``<workdir>/examples_checked.json``, under a key of
+everything the verdict depends on, and a later start whose key matches skips the pass.
 
 The key (``examples_key``) covers:
 - each checked source's identity (``source_identity``): a list of records in memory (a text
