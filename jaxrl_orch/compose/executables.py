@@ -213,7 +213,9 @@ class StoredProgram:
             try:
                 return last(*args)
             except (TypeError, ValueError):
-                pass  # other arguments than the last call's: the executable checks, then refuses
+                # A Compiled checks its arguments' shapes, dtypes and shardings before it runs
+                # (nothing donated yet) and raises on a mismatch: take the one for these below.
+                pass
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
             return self._jitted(*args)  # called inside another program: part of its trace
         return self.prepare(*args)(*args)
